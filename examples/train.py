@@ -1,0 +1,166 @@
+"""A small but real DeepSpeed training job, runnable on CPU.
+
+A few transformer layers learn a synthetic token language model through a
+``torch.utils.data.DataLoader`` (or DeepSpeed's own loader). It knows nothing
+about OpenTelemetry: run it under ``opentelemetry-instrument`` to trace it::
+
+    opentelemetry-instrument deepspeed --num_gpus 2 examples/train.py --steps 20
+    opentelemetry-instrument torchrun --nproc_per_node 2 examples/train.py --zero-stage 3
+    opentelemetry-instrument python examples/train.py --grad-accum 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps to run")
+    parser.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--config", default=str(HERE / "ds_config.json"), help="base DeepSpeed config")
+    parser.add_argument("--loader", choices=("torch", "deepspeed"), default="torch",
+                        help="torch: a DataLoader with a DistributedSampler; "
+                             "deepspeed: deepspeed.initialize(training_data=...)")
+    parser.add_argument("--backward", choices=("engine", "direct"), default="engine",
+                        help="engine.backward(loss), or loss.backward() (ZeRO >= 1)")
+    parser.add_argument("--fp16", action="store_true",
+                        help="fp16 with a 2**24 initial loss scale, so the first steps overflow and are skipped")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return parser.parse_args(argv)
+
+
+class SyntheticTokens(Dataset):
+    """Deterministic token sequences with a learnable rule: each token predicts the next."""
+
+    def __init__(self, size: int, seq_len: int, vocab: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, vocab, (size, 1), generator=generator)
+        strides = torch.randint(1, 7, (size, 1), generator=generator)
+        positions = torch.arange(seq_len + 1).unsqueeze(0)
+        self.tokens = (starts + strides * positions) % vocab
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        sequence = self.tokens[index]
+        return {"input_ids": sequence[:-1], "labels": sequence[1:]}
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, d_model: int, layers: int, seq_len: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.position = nn.Parameter(torch.zeros(1, seq_len, d_model))
+        layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+        self.mask = nn.Transformer.generate_square_subsequent_mask(seq_len)
+
+    def forward(self, input_ids, labels):
+        hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
+        mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
+        hidden = self.encoder(hidden, mask=mask, is_causal=True)
+        logits = self.head(hidden)
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def deepspeed_config(args) -> dict:
+    config = json.loads(pathlib.Path(args.config).read_text())
+    config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    config["gradient_accumulation_steps"] = args.grad_accum
+    config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.fp16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 1000}
+    return config
+
+
+def default_single_process_env():
+    # DeepSpeed looks for MPI when a plain `python train.py` lacks the launcher's variables.
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
+        os.environ.setdefault(name, value)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    default_single_process_env()
+    torch.manual_seed(args.seed)
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed would JIT-compile its shared-memory allreduce (~40 s) on first use;
+        # gloo is what it falls back to without it, and what this example is for.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+    model = TinyLM(args.vocab, args.d_model, args.layers, args.seq_len)
+    # A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dataset = SyntheticTokens(args.steps * args.grad_accum * args.micro_batch_size * world_size,
+                              args.seq_len, args.vocab, args.seed)
+
+    engine, _, ds_loader, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(args),
+        training_data=dataset if args.loader == "deepspeed" else None,
+    )
+    if args.fp16:
+        engine_dtype = torch.float16
+    else:
+        engine_dtype = None
+    if ds_loader is not None:
+        loader = ds_loader
+    else:
+        sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank,
+                                     shuffle=False)
+        loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler)
+
+    losses = []
+    batches = iter(loader)
+    engine.train()
+    for _ in range(args.steps):
+        step_loss = 0.0
+        for _ in range(args.grad_accum):
+            batch = next(batches)
+            batch = {name: value.to(engine.device) for name, value in batch.items()}
+            loss = engine(**batch)
+            if engine_dtype is not None:
+                loss = loss.to(torch.float32)
+            if args.backward == "engine":
+                engine.backward(loss)
+            else:
+                loss.backward()
+            engine.step()
+            step_loss += loss.item() / args.grad_accum
+        losses.append(step_loss)
+
+    if engine.global_rank == 0:
+        print(f"trained {engine.global_steps} steps ({engine.skipped_steps} skipped), "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        if args.loss_file:
+            pathlib.Path(args.loss_file).write_text(json.dumps(losses))
+
+
+if __name__ == "__main__":
+    main()

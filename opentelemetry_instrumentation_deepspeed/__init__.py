@@ -1,0 +1,19 @@
+"""OpenTelemetry instrumentation for DeepSpeed training.
+
+Run a training script under ``opentelemetry-instrument`` and every rank traces every
+optimizer step; see README.md and docs/telemetry.md. Programmatic use::
+
+    from opentelemetry_instrumentation_deepspeed import DataLoaderInstrumentor, DeepSpeedInstrumentor
+
+    DeepSpeedInstrumentor().instrument(tracer_provider=provider)
+    DataLoaderInstrumentor().instrument()
+
+Importing this package imports neither torch nor DeepSpeed: classes are patched when
+their modules are imported.
+"""
+
+from opentelemetry_instrumentation_deepspeed.dataloader import DataLoaderInstrumentor
+from opentelemetry_instrumentation_deepspeed.engine import DeepSpeedInstrumentor
+from opentelemetry_instrumentation_deepspeed.version import __version__
+
+__all__ = ["DataLoaderInstrumentor", "DeepSpeedInstrumentor", "__version__"]

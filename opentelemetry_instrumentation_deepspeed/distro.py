@@ -1,0 +1,45 @@
+"""``opentelemetry-instrument`` integration: a distro that sets defaults, a lazy configurator.
+
+With no exporter and no OTLP endpoint configured, traces and metrics go to the embedded
+default (``deepspeed_file``: OTLP JSON lines under ``./telemetry``); with an endpoint, to
+OTLP. Nothing here imports the SDK: every process of the job runs it, launchers included.
+"""
+
+from __future__ import annotations
+
+import os
+
+from opentelemetry.instrumentation.distro import BaseDistro
+
+from opentelemetry_instrumentation_deepspeed import session
+from opentelemetry_instrumentation_deepspeed.output import EXPORTER_NAME
+
+_SIGNALS = (
+    ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", EXPORTER_NAME),
+    ("OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", EXPORTER_NAME),
+    # The embedded default has no logs; with an endpoint, logs go where the rest goes.
+    ("OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "none"),
+)
+
+
+class DeepSpeedDistro(BaseDistro):
+    """Only sets defaults, in the environment, so child processes inherit the same choice."""
+
+    def _configure(self, **kwargs):
+        for exporter_variable, endpoint_variable, embedded in _SIGNALS:
+            if exporter_variable in os.environ:
+                continue
+            endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(endpoint_variable)
+            os.environ[exporter_variable] = "otlp" if endpoint else embedded
+
+
+class DeepSpeedConfigurator:
+    """Defers the SDK's standard configuration until this process starts training.
+
+    It duck-types the SDK's ``_BaseConfigurator`` (``configure(**kwargs)``) rather than
+    subclassing it: importing the SDK's configuration module costs ~40 ms, which the
+    launcher and helper processes must not pay.
+    """
+
+    def configure(self, **kwargs):
+        session.defer_sdk(kwargs)

@@ -1,0 +1,143 @@
+"""The DeepSpeed engine: one ``training.step`` span tree per optimizer step.
+
+Patch points (deepspeed 0.19): ``DeepSpeedEngine.__init__`` starts the process's telemetry;
+``forward``, ``backward`` and ``step`` are the phases; ``_backward_prologue`` /
+``_backward_epilogue`` also run when the user calls ``loss.backward()`` directly (ZeRO >= 1),
+which is how that path gets its backward span.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Collection
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+from opentelemetry_instrumentation_deepspeed import session, steps
+from opentelemetry_instrumentation_deepspeed.package import _instruments
+from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
+
+_logger = logging.getLogger(__name__)
+
+_ENGINE_MODULE = "deepspeed.runtime.engine"
+
+
+def _init_wrapper(tracer_provider):
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        try:
+            identity = session.start()
+            provider = tracer_provider or trace.get_tracer_provider()
+            steps.track(instance, steps.StepTracker(provider, identity, instance))
+        except Exception:
+            _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
+                              "training is not affected")
+        return result
+
+    return wrapper
+
+
+def _forward(wrapped, instance, args, kwargs):
+    tracker = steps.tracker_for(instance)
+    if tracker is None:
+        return wrapped(*args, **kwargs)
+    if not (instance.training and sys.modules["torch"].is_grad_enabled()):
+        tracker.not_training()
+        return wrapped(*args, **kwargs)
+    span = tracker.forward_started(instance)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as error:
+        tracker.phase_failed(span, error)
+        raise
+    tracker.phase_ended(span)
+    return result
+
+
+def _backward(wrapped, instance, args, kwargs):
+    tracker = steps.tracker_for(instance)
+    if tracker is None:
+        return wrapped(*args, **kwargs)
+    span = tracker.backward_started(instance)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as error:
+        tracker.phase_failed(span, error)
+        raise
+    tracker.phase_ended(span)
+    return result
+
+
+def _backward_prologue(wrapped, instance, args, kwargs):
+    # Inside engine.backward() the span is already open; this catches a direct loss.backward().
+    if not getattr(instance, "_running_engine_backward", True):
+        tracker = steps.tracker_for(instance)
+        if tracker is not None:
+            tracker.backward_started(instance, direct=True)
+    return wrapped(*args, **kwargs)
+
+
+def _backward_epilogue(wrapped, instance, args, kwargs):
+    tracker = steps.tracker_for(instance)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as error:
+        if tracker is not None:
+            tracker.phase_failed(None, error)
+        raise
+    if tracker is not None:
+        tracker.direct_backward_ended()
+    return result
+
+
+def _step(wrapped, instance, args, kwargs):
+    tracker = steps.tracker_for(instance)
+    span = None if tracker is None else tracker.optimizer_step_started(instance)
+    if span is None:
+        return wrapped(*args, **kwargs)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as error:
+        tracker.phase_failed(span, error)
+        raise
+    tracker.optimizer_step_ended(instance, span)
+    return result
+
+
+_PHASES = {
+    "forward": _forward,
+    "backward": _backward,
+    "_backward_prologue": _backward_prologue,
+    "_backward_epilogue": _backward_epilogue,
+    "step": _step,
+}
+
+
+class DeepSpeedInstrumentor(BaseInstrumentor):
+    """Traces every optimizer step of every ``DeepSpeedEngine`` in the process.
+
+    ``instrument(tracer_provider=...)`` uses that provider; by default the global one.
+    """
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _instrument(self, **kwargs):
+        wrappers = {"__init__": _init_wrapper(kwargs.get("tracer_provider")), **_PHASES}
+        # Our own flag: the base class sets its own only after _instrument returns, and an
+        # import hook registered here may fire after uninstrument().
+        self._patching = True
+
+        def patch(module):
+            if self._patching:
+                wrap_methods(module.DeepSpeedEngine, wrappers)
+
+        when_imported(_ENGINE_MODULE, patch)
+
+    def _uninstrument(self, **kwargs):
+        self._patching = False
+        module = sys.modules.get(_ENGINE_MODULE)
+        unwrap_methods(getattr(module, "DeepSpeedEngine", None), ["__init__", *_PHASES])
+        steps.forget_all()

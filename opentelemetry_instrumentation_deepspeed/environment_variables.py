@@ -1,0 +1,92 @@
+"""Every environment variable of this project: its name, its default, and its parser.
+
+A bad value never stops training: it gets one warning that names the variable,
+the value and the default, and the default is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from functools import cache
+from typing import TypeVar
+
+_logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR = "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR"
+"""Directory of the embedded default (OTLP JSON lines, one file per signal and rank).
+
+Used only when no exporter and no OTLP endpoint is configured. Default: ``./telemetry``.
+"""
+
+OTEL_PYTHON_DEEPSPEED_JOB_ID = "OTEL_PYTHON_DEEPSPEED_JOB_ID"
+"""The ``training.job.id`` of this run, identical on every rank.
+
+Default: derived from the launcher or scheduler (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``,
+``k8s.job.uid`` in ``OTEL_RESOURCE_ATTRIBUTES``), else agreed through the process group's store.
+"""
+
+OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT"
+"""Seconds a rank waits for rank 0 to publish the job id in the process group's store.
+
+After that the rank uses a job id of its own and says so. Default: 60.
+"""
+
+DEFAULT_OUTPUT_DIR = "telemetry"
+DEFAULT_JOB_ID_TIMEOUT = 60.0
+
+
+def _warn_default(name: str, raw: str, default: object, why: str) -> None:
+    _logger.warning("%s=%r is not valid (%s); using the default %r.", name, raw, why, default)
+
+
+def _read(name: str, default: T, parse: Callable[[str], T]) -> T:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return parse(raw)
+    except ValueError as error:
+        _warn_default(name, raw, default, str(error))
+        return default
+
+
+def _non_empty(raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ValueError("it is empty")
+    return value
+
+
+def _positive_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 < value <= 86_400:
+        raise ValueError("expected seconds in (0, 86400]")
+    return value
+
+
+@cache
+def output_dir() -> str:
+    return _read(OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR, DEFAULT_OUTPUT_DIR, _non_empty)
+
+
+@cache
+def job_id() -> str | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID, None, _non_empty)
+
+
+@cache
+def job_id_timeout() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT, DEFAULT_JOB_ID_TIMEOUT, _positive_seconds)
+
+
+def reset_cache() -> None:
+    """Forget parsed values (tests change the environment between cases)."""
+    for reader in (output_dir, job_id, job_id_timeout):
+        reader.cache_clear()

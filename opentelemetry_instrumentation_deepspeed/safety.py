@@ -1,0 +1,50 @@
+"""Fail-open: a bug in this instrumentation never reaches the training job.
+
+An exception inside a guarded piece is logged once, with its traceback and versions,
+and that piece turns itself off for the rest of the process instead of failing again
+every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+_logger = logging.getLogger("opentelemetry_instrumentation_deepspeed")
+
+
+class Component:
+    """A piece of instrumentation that can be switched off by its own failure."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.broken = False
+
+    def fail(self, where: str) -> None:
+        """Call from an ``except`` block: logs the current exception once and disables the component."""
+        if self.broken:
+            return
+        self.broken = True
+        from opentelemetry_instrumentation_deepspeed.version import __version__
+
+        _logger.exception(
+            "opentelemetry-instrumentation-deepspeed %s: %s failed in %s and is disabled for the rest of "
+            "this process; training is not affected. Please report this traceback.",
+            __version__, self.name, where,
+        )
+
+
+def fail_open(method):
+    """Guard a method of a ``Component``: once it raised, every guarded method is a no-op returning None."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if self.broken:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - the point is to catch everything ours raises
+            self.fail(method.__qualname__)
+            return None
+
+    return guarded

@@ -1,0 +1,72 @@
+"""The telemetry of one training process, started when its first DeepSpeed engine is built.
+
+``opentelemetry-instrument`` runs in every process of a job, the launchers and helpers
+included. This project's configurator therefore only records its arguments; the SDK
+(providers, exporter threads, files) is set up here, once the process is known to
+train and its rank and job id can be part of the resource.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import trace
+
+from opentelemetry_instrumentation_deepspeed import job, output
+from opentelemetry_instrumentation_deepspeed.job import JobIdentity
+
+_logger = logging.getLogger(__name__)
+
+_EXPORTER_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
+
+_deferred_sdk_arguments: dict | None = None
+_identity: JobIdentity | None = None
+
+
+def defer_sdk(arguments: dict) -> None:
+    """Keep the configurator's arguments until a training engine starts in this process."""
+    global _deferred_sdk_arguments  # noqa: PLW0603 - one SDK per process
+    _deferred_sdk_arguments = dict(arguments)
+
+
+def sdk_deferred() -> bool:
+    return _deferred_sdk_arguments is not None
+
+
+def start() -> JobIdentity:
+    """Identify this process in its job and, when deferred, set the SDK up. Idempotent.
+
+    Collective on first call (the job id may be agreed through the process group's store),
+    which is why it runs while every rank builds its engine.
+    """
+    global _identity  # noqa: PLW0603
+    if _identity is None:
+        identity = job.identify()
+        output.use_identity(identity)
+        if _deferred_sdk_arguments is not None:
+            _configure_sdk(identity)
+        _identity = identity
+    return _identity
+
+
+def _configure_sdk(identity: JobIdentity) -> None:
+    global _deferred_sdk_arguments
+    arguments, _deferred_sdk_arguments = _deferred_sdk_arguments, None
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        _logger.debug("A tracer provider is already set; the SDK is left as the application configured it.")
+        return
+    from opentelemetry.sdk._configuration import _initialize_components
+
+    _initialize_components(**arguments, resource_attributes=identity.resource_attributes())
+    if any(output.EXPORTER_NAME in os.environ.get(name, "") for name in _EXPORTER_VARIABLES):
+        output.announce()
+
+
+def reset() -> None:
+    """Forget this process's identity (tests build several jobs in one process)."""
+    global _identity  # noqa: PLW0603
+    _identity = None
+    output.reset()

@@ -1,0 +1,250 @@
+"""The span tree of each optimizer step on this rank.
+
+    training.global_step (rank 0 only: the trace's root, ids derived from (job id, step))
+    └─ training.step            one per rank
+       ├─ training.data.wait    per micro-batch
+       ├─ training.forward      per micro-batch
+       ├─ training.backward     per micro-batch
+       └─ training.optimizer.step
+
+Spans are started with explicit parents and times, never made current: that is the
+cheap path, and backward hooks may run on autograd's threads. A step opens at its first
+observed event (times of data waits before it are kept and become its first spans) and
+closes when ``engine.step()`` returns on a gradient-accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+
+from opentelemetry_instrumentation_deepspeed import semconv, trace_ids
+from opentelemetry_instrumentation_deepspeed.job import JobIdentity
+from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
+from opentelemetry_instrumentation_deepspeed.version import __version__
+
+_EMPTY = Context()
+# A loop that iterates a loader without training must not grow this without bound.
+_MAX_PENDING_WAITS = 64
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED | getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+_NOT_SAMPLED = TraceFlags(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+
+_trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_active: StepTracker | None = None
+
+
+def tracker_for(engine) -> StepTracker | None:
+    return _trackers.get(engine)
+
+
+def active() -> StepTracker | None:
+    """The tracker of the engine built last in this process (what a data loader feeds)."""
+    return _active
+
+
+def track(engine, tracker: StepTracker) -> None:
+    global _active  # noqa: PLW0603 - the process's current training engine
+    _trackers[engine] = tracker
+    _active = tracker
+
+
+def forget_all() -> None:
+    global _active  # noqa: PLW0603
+    _trackers.clear()
+    _active = None
+
+
+@dataclass
+class _Step:
+    number: int
+    span: trace.Span
+    context: Context
+    root: trace.Span | None
+    micro_batches: int = 0
+    phase: trace.Span | None = None
+    direct_backward: trace.Span | None = None
+    skipped_before: int = 0
+
+
+class StepTracker(Component):
+    """Spans of one DeepSpeed engine's steps. Holds no reference to the engine or its tensors."""
+
+    def __init__(self, provider: trace.TracerProvider, identity: JobIdentity, engine):
+        super().__init__("step tracing")
+        self._provider = provider
+        self._tracer = provider.get_tracer("opentelemetry_instrumentation_deepspeed", __version__)
+        # Rank 0 emits each step's root span under the derived ids: its tracer learns to pin them.
+        self._ids = trace_ids.pinnable(self._tracer) if identity.rank == 0 else None
+        self._job_id = identity.job_id
+        self._world_size = identity.world_size
+        self._micro_batch_size = engine.train_micro_batch_size_per_gpu()
+        self._global_batch_size = engine.train_batch_size()
+        self._static = {
+            semconv.TRAINING_GRADIENT_ACCUMULATION_STEPS: engine.gradient_accumulation_steps(),
+            semconv.TRAINING_ZERO_STAGE: int(engine.zero_optimization_stage()),
+            semconv.TRAINING_MICRO_BATCH_SIZE: self._micro_batch_size,
+        }
+        self._step: _Step | None = None
+        self._waits: list[tuple[int, int]] = []
+
+    # -- what the wrappers call -------------------------------------------------------------
+
+    @fail_open
+    def data_waited(self, start: int, end: int) -> None:
+        step = self._step
+        if step is None:
+            if len(self._waits) >= _MAX_PENDING_WAITS:
+                del self._waits[0]
+            self._waits.append((start, end))
+        else:
+            self._data_wait_span(step, start, end)
+
+    @fail_open
+    def not_training(self) -> None:
+        """An evaluation forward: waits so far fed it, not the next step."""
+        self._waits.clear()
+
+    @fail_open
+    def forward_started(self, engine) -> trace.Span:
+        step = self._step or self._open(engine)
+        span = self._phase_span(step, semconv.SPAN_FORWARD, step.micro_batches)
+        step.micro_batches += 1
+        return span
+
+    @fail_open
+    def backward_started(self, engine, direct: bool = False) -> trace.Span:
+        step = self._step or self._open(engine)
+        span = self._phase_span(step, semconv.SPAN_BACKWARD, max(step.micro_batches - 1, 0))
+        if direct:
+            span.set_attribute(semconv.TRAINING_BACKWARD_DIRECT, True)
+            step.direct_backward = span
+        return span
+
+    @fail_open
+    def direct_backward_ended(self) -> None:
+        step = self._step
+        if step is not None and step.direct_backward is not None:
+            span, step.direct_backward = step.direct_backward, None
+            self._end_phase(step, span)
+
+    @fail_open
+    def optimizer_step_started(self, engine) -> trace.Span | None:
+        """None unless this ``engine.step()`` call is a gradient-accumulation boundary."""
+        # Read before step(): micro_steps advances inside it. Unmanaged accumulation makes every step() one.
+        managed = getattr(engine, "managed_gradient_accumulation", None)
+        if (managed is None or managed()) and not engine.is_gradient_accumulation_boundary():
+            return None
+        step = self._step or self._open(engine)
+        step.skipped_before = engine.skipped_steps
+        return self._phase_span(step, semconv.SPAN_OPTIMIZER_STEP, None)
+
+    @fail_open
+    def optimizer_step_ended(self, engine, span: trace.Span | None) -> None:
+        step = self._step
+        if step is None or span is None:
+            return
+        self._end_phase(step, span)
+        skipped = engine.skipped_steps > step.skipped_before
+        step.span.set_attributes({
+            semconv.TRAINING_STEP_SAMPLES: step.micro_batches * self._micro_batch_size,
+            semconv.TRAINING_STEP_MICRO_BATCHES: step.micro_batches,
+            semconv.TRAINING_STEP_SKIPPED: skipped,
+        })
+        self._close(step)
+
+    @fail_open
+    def phase_ended(self, span: trace.Span | None) -> None:
+        step = self._step
+        if step is not None and span is not None:
+            self._end_phase(step, span)
+
+    @fail_open
+    def phase_failed(self, span: trace.Span | None, error: BaseException) -> None:
+        """The step raised inside a phase: both carry the error and end; the next event opens a new step."""
+        step = self._step
+        if step is None:
+            return
+        description = f"{type(error).__name__}: {error}"
+        if span is not None:
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, description))
+            self._end_phase(step, span)
+        step.span.set_status(Status(StatusCode.ERROR, description))
+        if step.root is not None:
+            step.root.set_status(Status(StatusCode.ERROR, description))
+        self._close(step)
+
+    def current_context(self) -> Context | None:
+        """Parent for spans issued now: the running phase, else the open step."""
+        step = self._step
+        if step is None:
+            return None
+        return trace.set_span_in_context(step.phase, _EMPTY) if step.phase is not None else step.context
+
+    # -- the tree -----------------------------------------------------------------------------
+
+    def _open(self, engine) -> _Step:
+        now = time.time_ns()
+        start = self._waits[0][0] if self._waits else now
+        number = engine.global_steps + 1
+        trace_id, root_span_id = trace_ids.step_ids(self._job_id, number)
+        root = None
+        if self._ids is not None:
+            self._ids.pin(trace_id, root_span_id)
+            try:
+                root = self._tracer.start_span(
+                    semconv.SPAN_GLOBAL_STEP, context=_EMPTY, start_time=start,
+                    attributes={
+                        semconv.TRAINING_STEP: number,
+                        semconv.TRAINING_STEP_SAMPLES: self._global_batch_size,
+                        semconv.TRAINING_WORLD_SIZE: self._world_size,
+                    },
+                )
+            finally:
+                self._ids.unpin()
+            parent = trace.set_span_in_context(root, _EMPTY)
+        else:
+            flags = _SAMPLED if trace_ids.sampled(self._provider, trace_id, semconv.SPAN_GLOBAL_STEP) else _NOT_SAMPLED
+            remote_root = SpanContext(trace_id, root_span_id, is_remote=True, trace_flags=flags)
+            parent = trace.set_span_in_context(NonRecordingSpan(remote_root), _EMPTY)
+        span = self._tracer.start_span(
+            semconv.SPAN_STEP, context=parent, start_time=start,
+            attributes={semconv.TRAINING_STEP: number, **self._static},
+        )
+        step = _Step(number, span, trace.set_span_in_context(span, _EMPTY), root)
+        self._step = step
+        for wait_start, wait_end in self._waits:
+            self._data_wait_span(step, wait_start, wait_end)
+        self._waits.clear()
+        return step
+
+    def _close(self, step: _Step) -> None:
+        self._step = None
+        end = time.time_ns()
+        step.span.end(end_time=end)
+        if step.root is not None:
+            step.root.end(end_time=end)
+
+    def _data_wait_span(self, step: _Step, start: int, end: int) -> None:
+        span = self._tracer.start_span(
+            semconv.SPAN_DATA_WAIT, context=step.context, start_time=start,
+            attributes={semconv.TRAINING_MICRO_STEP: step.micro_batches},
+        )
+        span.end(end_time=end)
+
+    def _phase_span(self, step: _Step, name: str, micro_step: int | None) -> trace.Span:
+        attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
+        span = self._tracer.start_span(name, context=step.context, attributes=attributes)
+        step.phase = span
+        return span
+
+    @staticmethod
+    def _end_phase(step: _Step, span: trace.Span) -> None:
+        span.end()
+        if step.phase is span:
+            step.phase = None

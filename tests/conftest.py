@@ -1,0 +1,107 @@
+"""Runs of the real example through the real launchers, under ``opentelemetry-instrument``."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.otlp_json import Span, read_spans
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train.py"
+BIN = Path(sys.executable).parent
+# Our variables and the SDK's must come from each test alone.
+_INHERITED_PREFIXES = ("OTEL_", "TORCHELASTIC_", "SLURM_")
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**overrides: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(_INHERITED_PREFIXES) and key not in _RANK_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    # DeepSpeed's CPU build caches JIT extensions here; the example needs none, but keep it stable.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    env.update(overrides)
+    return env
+
+
+@dataclass
+class Run:
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    cwd: Path
+    spans: list[Span] = field(default_factory=list)
+    trace_files: list[Path] = field(default_factory=list)
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"{' '.join(self.command)} failed:\n{self.stdout[-3000:]}\n{self.stderr[-6000:]}"
+        return self
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def by_rank(self) -> dict[int, list[Span]]:
+        ranks: dict[int, list[Span]] = {}
+        for span in self.spans:
+            ranks.setdefault(span.resource["training.rank"], []).append(span)
+        return ranks
+
+    def trained(self) -> tuple[int, int]:
+        """(steps, skipped) as DeepSpeed itself counted them, from the example's last line."""
+        match = re.search(r"trained (\d+) steps \((\d+) skipped\)", self.output)
+        assert match, self.output[-2000:]
+        return int(match.group(1)), int(match.group(2))
+
+
+def launch(cwd: Path, launcher: str, *train_args: str, instrument: bool = True, env: dict | None = None,
+           timeout: float = 300) -> Run:
+    """Run examples/train.py as a user would: ``python``, ``deepspeed`` or ``torchrun`` (2 ranks)."""
+    port = str(free_port())
+    if launcher == "python":
+        command = [sys.executable, str(TRAIN)]
+        env = {"MASTER_PORT": port, **(env or {})}
+    elif launcher == "deepspeed":
+        command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(TRAIN)]
+    elif launcher == "torchrun":
+        command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(TRAIN)]
+    else:
+        raise ValueError(launcher)
+    if instrument:
+        command = [str(BIN / "opentelemetry-instrument"), *command]
+    command += list(train_args)
+    completed = subprocess.run(command, cwd=cwd, env=clean_env(**(env or {})), capture_output=True, text=True,
+                               timeout=timeout, check=False)
+    run = Run(command, completed.returncode, completed.stdout, completed.stderr, cwd)
+    run.trace_files = sorted(cwd.glob("telemetry/*/traces-rank*.jsonl"))
+    for path in run.trace_files:
+        run.spans.extend(read_spans(path))
+    return run
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("runs")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

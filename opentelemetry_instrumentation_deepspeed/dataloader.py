@@ -15,7 +15,7 @@ from collections.abc import Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from opentelemetry_instrumentation_deepspeed import steps
+from opentelemetry_instrumentation_deepspeed import trackers
 from opentelemetry_instrumentation_deepspeed.package import _instruments_dataloader
 from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
 
@@ -29,7 +29,7 @@ _nesting = threading.local()
 
 
 def _next(wrapped, instance, args, kwargs):
-    tracker = steps.active()
+    tracker = trackers.active()
     if tracker is None or getattr(_nesting, "inside", False):
         return wrapped(*args, **kwargs)
     _nesting.inside = True

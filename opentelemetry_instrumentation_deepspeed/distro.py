@@ -12,11 +12,11 @@ import os
 from opentelemetry.instrumentation.distro import BaseDistro
 
 from opentelemetry_instrumentation_deepspeed import session
-from opentelemetry_instrumentation_deepspeed.output import EXPORTER_NAME
+from opentelemetry_instrumentation_deepspeed.environment_variables import EMBEDDED_EXPORTER
 
 _SIGNALS = (
-    ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", EXPORTER_NAME),
-    ("OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", EXPORTER_NAME),
+    ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", EMBEDDED_EXPORTER),
+    ("OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", EMBEDDED_EXPORTER),
     # The embedded default has no logs; with an endpoint, logs go where the rest goes.
     ("OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "none"),
 )

@@ -15,7 +15,7 @@ from collections.abc import Collection
 from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from opentelemetry_instrumentation_deepspeed import session, steps
+from opentelemetry_instrumentation_deepspeed import session, trackers
 from opentelemetry_instrumentation_deepspeed.package import _instruments
 from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
 
@@ -28,9 +28,11 @@ def _init_wrapper(tracer_provider):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         try:
+            from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+
             identity = session.start()
             provider = tracer_provider or trace.get_tracer_provider()
-            steps.track(instance, steps.StepTracker(provider, identity, instance))
+            trackers.track(instance, StepTracker(provider, identity, instance))
         except Exception:
             _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                               "training is not affected")
@@ -40,7 +42,7 @@ def _init_wrapper(tracer_provider):
 
 
 def _forward(wrapped, instance, args, kwargs):
-    tracker = steps.tracker_for(instance)
+    tracker = trackers.tracker_for(instance)
     if tracker is None:
         return wrapped(*args, **kwargs)
     if not (instance.training and sys.modules["torch"].is_grad_enabled()):
@@ -57,7 +59,7 @@ def _forward(wrapped, instance, args, kwargs):
 
 
 def _backward(wrapped, instance, args, kwargs):
-    tracker = steps.tracker_for(instance)
+    tracker = trackers.tracker_for(instance)
     if tracker is None:
         return wrapped(*args, **kwargs)
     span = tracker.backward_started(instance)
@@ -73,14 +75,14 @@ def _backward(wrapped, instance, args, kwargs):
 def _backward_prologue(wrapped, instance, args, kwargs):
     # Inside engine.backward() the span is already open; this catches a direct loss.backward().
     if not getattr(instance, "_running_engine_backward", True):
-        tracker = steps.tracker_for(instance)
+        tracker = trackers.tracker_for(instance)
         if tracker is not None:
             tracker.backward_started(instance, direct=True)
     return wrapped(*args, **kwargs)
 
 
 def _backward_epilogue(wrapped, instance, args, kwargs):
-    tracker = steps.tracker_for(instance)
+    tracker = trackers.tracker_for(instance)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
@@ -93,7 +95,7 @@ def _backward_epilogue(wrapped, instance, args, kwargs):
 
 
 def _step(wrapped, instance, args, kwargs):
-    tracker = steps.tracker_for(instance)
+    tracker = trackers.tracker_for(instance)
     span = None if tracker is None else tracker.optimizer_step_started(instance)
     if span is None:
         return wrapped(*args, **kwargs)
@@ -140,4 +142,4 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         self._patching = False
         module = sys.modules.get(_ENGINE_MODULE)
         unwrap_methods(getattr(module, "DeepSpeedEngine", None), ["__init__", *_PHASES])
-        steps.forget_all()
+        trackers.forget_all()

@@ -35,6 +35,9 @@ OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT"
 After that the rank uses a job id of its own and says so. Default: 60.
 """
 
+EMBEDDED_EXPORTER = "deepspeed_file"
+"""Exporter name (traces and metrics) of the embedded default, set by the distro when nothing else is."""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_JOB_ID_TIMEOUT = 60.0
 
@@ -86,7 +89,16 @@ def job_id_timeout() -> float:
     return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT, DEFAULT_JOB_ID_TIMEOUT, _positive_seconds)
 
 
+_READERS = (output_dir, job_id, job_id_timeout)
+
+
+def check_all() -> None:
+    """Parse every variable now, so a bad value is reported when training starts, whether used or not."""
+    for reader in _READERS:
+        reader()
+
+
 def reset_cache() -> None:
     """Forget parsed values (tests change the environment between cases)."""
-    for reader in (output_dir, job_id, job_id_timeout):
+    for reader in _READERS:
         reader.cache_clear()

@@ -27,9 +27,6 @@ from opentelemetry_instrumentation_deepspeed.job import JobIdentity
 
 _logger = logging.getLogger(__name__)
 
-EXPORTER_NAME = "deepspeed_file"
-"""Entry-point name of these exporters, for ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``."""
-
 _lock = threading.Lock()
 _identity: JobIdentity | None = None
 _directory: Path | None = None

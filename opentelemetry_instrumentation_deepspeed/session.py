@@ -13,7 +13,8 @@ import os
 
 from opentelemetry import trace
 
-from opentelemetry_instrumentation_deepspeed import job, output
+from opentelemetry_instrumentation_deepspeed import environment_variables as env
+from opentelemetry_instrumentation_deepspeed import job
 from opentelemetry_instrumentation_deepspeed.job import JobIdentity
 
 _logger = logging.getLogger(__name__)
@@ -42,7 +43,10 @@ def start() -> JobIdentity:
     """
     global _identity  # noqa: PLW0603
     if _identity is None:
+        env.check_all()
         identity = job.identify()
+        from opentelemetry_instrumentation_deepspeed import output
+
         output.use_identity(identity)
         if _deferred_sdk_arguments is not None:
             _configure_sdk(identity)
@@ -61,7 +65,9 @@ def _configure_sdk(identity: JobIdentity) -> None:
     from opentelemetry.sdk._configuration import _initialize_components
 
     _initialize_components(**arguments, resource_attributes=identity.resource_attributes())
-    if any(output.EXPORTER_NAME in os.environ.get(name, "") for name in _EXPORTER_VARIABLES):
+    if any(env.EMBEDDED_EXPORTER in os.environ.get(name, "") for name in _EXPORTER_VARIABLES):
+        from opentelemetry_instrumentation_deepspeed import output
+
         output.announce()
 
 
@@ -69,4 +75,6 @@ def reset() -> None:
     """Forget this process's identity (tests build several jobs in one process)."""
     global _identity  # noqa: PLW0603
     _identity = None
+    from opentelemetry_instrumentation_deepspeed import output
+
     output.reset()

@@ -16,7 +16,6 @@ closes when ``engine.step()`` returns on a gradient-accumulation boundary.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -33,31 +32,6 @@ _EMPTY = Context()
 _MAX_PENDING_WAITS = 64
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED | getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 _NOT_SAMPLED = TraceFlags(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
-
-_trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_active: StepTracker | None = None
-
-
-def tracker_for(engine) -> StepTracker | None:
-    return _trackers.get(engine)
-
-
-def active() -> StepTracker | None:
-    """The tracker of the engine built last in this process (what a data loader feeds)."""
-    return _active
-
-
-def track(engine, tracker: StepTracker) -> None:
-    global _active  # noqa: PLW0603 - the process's current training engine
-    _trackers[engine] = tracker
-    _active = tracker
-
-
-def forget_all() -> None:
-    global _active  # noqa: PLW0603
-    _trackers.clear()
-    _active = None
-
 
 @dataclass
 class _Step:

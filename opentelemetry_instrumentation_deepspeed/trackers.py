@@ -1,0 +1,37 @@
+"""Which step tracker belongs to which engine: light enough to import in every process.
+
+The trackers themselves (``steps``) need the SDK, imported only once an engine is built.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+
+# Weak: a tracker must never keep an engine, and so its model, alive.
+_trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_active: StepTracker | None = None
+
+
+def tracker_for(engine) -> StepTracker | None:
+    return _trackers.get(engine)
+
+
+def active() -> StepTracker | None:
+    """The tracker of the engine built last in this process (what a data loader feeds)."""
+    return _active
+
+
+def track(engine, tracker: StepTracker) -> None:
+    global _active  # noqa: PLW0603 - the process's current training engine
+    _trackers[engine] = tracker
+    _active = tracker
+
+
+def forget_all() -> None:
+    global _active  # noqa: PLW0603
+    _trackers.clear()
+    _active = None

@@ -1,0 +1,151 @@
+"""Configuration: defaults, bad values (one clear message, the default, the run goes on), laziness."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed import environment_variables as env
+from opentelemetry_instrumentation_deepspeed import job
+from opentelemetry_instrumentation_deepspeed.distro import DeepSpeedDistro
+from tests.conftest import BIN, clean_env, launch
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                 "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "OTEL_PYTHON_DEEPSPEED_JOB_ID",
+                 "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
+                 "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    env.reset_cache()
+    yield monkeypatch
+    env.reset_cache()
+
+
+def test_distro_defaults_to_local_files(environ):
+    import os
+
+    DeepSpeedDistro().configure()
+    assert os.environ["OTEL_TRACES_EXPORTER"] == "deepspeed_file"
+    assert os.environ["OTEL_METRICS_EXPORTER"] == "deepspeed_file"
+    assert os.environ["OTEL_LOGS_EXPORTER"] == "none"
+
+
+def test_distro_defaults_to_otlp_with_an_endpoint_and_keeps_user_choices(environ):
+    import os
+
+    environ.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    environ.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    DeepSpeedDistro().configure()
+    assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp"
+    assert os.environ["OTEL_METRICS_EXPORTER"] == "prometheus"
+    assert os.environ["OTEL_LOGS_EXPORTER"] == "otlp"
+
+
+def test_signal_endpoint_only_affects_its_signal(environ):
+    import os
+
+    environ.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://tempo:4318/v1/traces")
+    DeepSpeedDistro().configure()
+    assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp"
+    assert os.environ["OTEL_METRICS_EXPORTER"] == "deepspeed_file"
+
+
+@pytest.mark.parametrize("case", [
+    ("OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "", env.output_dir, "telemetry"),
+    ("OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "   ", env.output_dir, "telemetry"),
+    ("OTEL_PYTHON_DEEPSPEED_JOB_ID", "", env.job_id, None),
+    ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "banana", env.job_id_timeout, 60.0),
+    ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "", env.job_id_timeout, 60.0),
+    ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "-5", env.job_id_timeout, 60.0),
+    ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "1e300", env.job_id_timeout, 60.0),
+    ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "nan", env.job_id_timeout, 60.0),
+])
+def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
+    variable, raw, reader, default = case
+    environ.setenv(variable, raw)
+    with caplog.at_level(logging.WARNING):
+        assert reader() == default
+        assert reader() == default
+    (record,) = caplog.records
+    assert variable in record.getMessage() and repr(raw) in record.getMessage()
+    assert f"default {default!r}" in record.getMessage()
+
+
+def test_good_values(environ):
+    environ.setenv("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "2.5")
+    environ.setenv("OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "/data/otel")
+    assert env.job_id_timeout() == 2.5
+    assert env.output_dir() == "/data/otel"
+
+
+def test_job_id_sources_in_order(environ):
+    assert job.job_id_from_environment() is None
+    environ.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's value when no rendezvous id is given
+    assert job.job_id_from_environment() is None
+    environ.setenv("OTEL_RESOURCE_ATTRIBUTES", "k8s.job.uid=42ab,team=ml")
+    assert job.job_id_from_environment() == "k8s-42ab"
+    environ.setenv("SLURM_JOB_ID", "1234")
+    assert job.job_id_from_environment() == "slurm-1234"
+    environ.setenv("SLURM_STEP_ID", "3")
+    assert job.job_id_from_environment() == "slurm-1234.3"
+    environ.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    assert job.job_id_from_environment() == "run-7"
+    environ.setenv("OTEL_RESOURCE_ATTRIBUTES", "training.job.id=from-resource")
+    assert job.job_id_from_environment() == "from-resource"
+    environ.setenv("OTEL_PYTHON_DEEPSPEED_JOB_ID", "explicit")
+    env.reset_cache()
+    assert job.job_id_from_environment() == "explicit"
+
+
+def test_user_resource_attributes_win(environ):
+    environ.setenv("OTEL_RESOURCE_ATTRIBUTES", "host.name=node-a,training.framework=custom")
+    environ.setenv("OTEL_SERVICE_NAME", "pretrain")
+    attributes = job.JobIdentity("j", 1, 1, 2).resource_attributes()
+    assert "host.name" not in attributes and "training.framework" not in attributes
+    assert "service.name" not in attributes
+    assert attributes["training.rank"] == 1 and attributes["service.instance.id"] == "j-rank1"
+
+
+def test_unwritable_output_dir_falls_back_to_the_default(workdir):
+    blocker = workdir / "a-file"
+    blocker.write_text("not a directory")
+    bad = str(blocker / "telemetry")
+    run = launch(workdir, "python", "--steps", "2", env={"OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR": bad}).check()
+    assert run.trained() == (2, 0)
+    messages = [line for line in run.stderr.splitlines() if "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR" in line]
+    assert len(messages) == 1, run.stderr
+    assert repr(bad) in messages[0] and "'telemetry'" in messages[0]
+    assert len([s for s in run.spans if s.name == "training.step"]) == 2, "the default directory got them"
+
+
+def test_unwritable_output_dir_and_default_still_trains(workdir):
+    blocker = workdir / "telemetry"
+    blocker.write_text("the default is taken by a file")
+    run = launch(workdir, "python", "--steps", "2", "--loss-file", str(workdir / "losses.json"),
+                 env={"OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR": str(blocker / "x")}).check()
+    assert run.trained() == (2, 0)
+    assert "not written anywhere" in run.stderr
+    assert (workdir / "losses.json").exists()
+
+
+def test_garbage_in_our_variable_is_reported_once_and_the_run_completes(workdir):
+    run = launch(workdir, "python", "--steps", "2", env={"OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT": "soon"}).check()
+    assert run.trained() == (2, 0)
+    assert run.stderr.count("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT='soon' is not valid") == 1
+    assert len([s for s in run.spans if s.name == "training.step"]) == 2
+
+
+def test_processes_that_do_not_train_write_nothing_and_start_no_thread(workdir):
+    """Launchers and helpers inherit opentelemetry-instrument: it must cost them nothing."""
+    probe = ("import sys, threading, deepspeed, torch.utils.data; "
+             "print('PROBE', threading.active_count(), 'opentelemetry.sdk.trace' in sys.modules)")
+    completed = subprocess.run([str(BIN / "opentelemetry-instrument"), str(BIN / "python"), "-c", probe],
+                               cwd=workdir, env=clean_env(), capture_output=True, text=True, check=True)
+    (probe_line,) = [line for line in completed.stdout.splitlines() if line.startswith("PROBE")]
+    assert probe_line.split() == ["PROBE", "1", "False"], completed.stdout + completed.stderr
+    assert list(workdir.iterdir()) == []

@@ -1,0 +1,71 @@
+"""The instrumentors in-process: programmatic use, and uninstrument() restoring every patched function."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from opentelemetry_instrumentation_deepspeed import DataLoaderInstrumentor, DeepSpeedInstrumentor, session
+from tests.conftest import REPO, free_port
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(free_port())), ("OMP_NUM_THREADS", "1")):
+        mp.setenv(name, value)
+    mp.syspath_prepend(str(REPO / "examples"))
+    import train as example
+
+    yield example.main
+    mp.undo()
+    sys.modules.pop("train", None)
+
+
+def _patched_functions():
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader, RepeatingLoader
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    names = ("__init__", "forward", "backward", "_backward_prologue", "_backward_epilogue", "step")
+    functions = {f"DeepSpeedEngine.{name}": DeepSpeedEngine.__dict__[name] for name in names}
+    for owner in (_BaseDataLoaderIter, DeepSpeedDataLoader, RepeatingLoader):
+        functions[f"{owner.__name__}.__next__"] = owner.__dict__["__next__"]
+    return functions
+
+
+def test_instrument_traces_and_uninstrument_restores_everything(train):
+    import deepspeed  # noqa: F401 - the classes must exist before we look at them
+
+    original = _patched_functions()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine_instrumentor, loader_instrumentor = DeepSpeedInstrumentor(), DataLoaderInstrumentor()
+    engine_instrumentor.instrument(tracer_provider=provider)
+    loader_instrumentor.instrument()
+    engine_instrumentor.instrument(tracer_provider=provider)  # a second call must not stack wrappers
+    try:
+        patched = _patched_functions()
+        assert all(patched[name] is not original[name] for name in original)
+        assert all(patched[name].__wrapped__ is original[name] for name in original)
+
+        train(["--steps", "3", "--grad-accum", "2"])
+        names = [span.name for span in exporter.get_finished_spans()]
+        assert names.count("training.step") == 3
+        assert names.count("training.global_step") == 3
+        assert names.count("training.forward") == names.count("training.data.wait") == 6
+    finally:
+        engine_instrumentor.uninstrument()
+        loader_instrumentor.uninstrument()
+        session.reset()
+
+    assert _patched_functions() == original
+    exporter.clear()
+    train(["--steps", "2"])
+    assert exporter.get_finished_spans() == ()

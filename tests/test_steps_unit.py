@@ -1,0 +1,180 @@
+"""The step tracker's rules at the boundary with the engine, where a run cannot easily reach them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import StatusCode
+
+from opentelemetry_instrumentation_deepspeed import trace_ids
+from opentelemetry_instrumentation_deepspeed.job import JobIdentity
+from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+
+
+class Engine:
+    """The few engine methods the tracker reads, as DeepSpeed defines them."""
+
+    def __init__(self, grad_accum=1):
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self.grad_accum = grad_accum
+
+    def train_micro_batch_size_per_gpu(self):
+        return 2
+
+    def train_batch_size(self):
+        return 2 * self.grad_accum
+
+    def gradient_accumulation_steps(self):
+        return self.grad_accum
+
+    def zero_optimization_stage(self):
+        return 2
+
+    def managed_gradient_accumulation(self):
+        return True
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def step(self, tracker):
+        span = tracker.optimizer_step_started(self)
+        if self.is_gradient_accumulation_boundary():
+            self.global_steps += 1
+        self.micro_steps += 1
+        tracker.optimizer_step_ended(self, span)
+
+
+def tracker_on(rank: int, sampler=None, job="job-1", grad_accum=1):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine = Engine(grad_accum)
+    return StepTracker(provider, JobIdentity(job, rank, rank, 2), engine), engine, exporter
+
+
+def train_step(tracker, engine, grad_accum=1):
+    for _ in range(grad_accum):
+        tracker.phase_ended(tracker.forward_started(engine))
+        tracker.phase_ended(tracker.backward_started(engine))
+        engine.step(tracker)
+
+
+def test_step_ids_are_deterministic_and_distinct():
+    assert trace_ids.step_ids("job", 1) == trace_ids.step_ids("job", 1)
+    ids = {trace_ids.step_ids(job, step) for job in ("a", "b") for step in range(1000)}
+    assert len(ids) == 2000
+    assert all(trace_id and span_id for trace_id, span_id in ids)
+
+
+def test_ranks_join_one_trace_under_rank_0s_root():
+    rank0, engine0, spans0 = tracker_on(0)
+    rank1, engine1, spans1 = tracker_on(1)
+    for _ in range(3):
+        train_step(rank0, engine0)
+        train_step(rank1, engine1)
+    roots = {s.attributes["training.step"]: s for s in spans0.get_finished_spans() if s.name == "training.global_step"}
+    for span in spans1.get_finished_spans():
+        if span.name == "training.step":
+            root = roots[span.attributes["training.step"]]
+            assert span.context.trace_id == root.context.trace_id
+            assert span.parent.span_id == root.context.span_id and span.parent.is_remote
+    assert all(root.parent is None for root in roots.values())
+
+
+def test_sampling_decision_is_the_same_on_every_rank():
+    sampler = ParentBased(TraceIdRatioBased(0.5))
+    rank0, engine0, spans0 = tracker_on(0, sampler)
+    rank1, engine1, spans1 = tracker_on(1, sampler)
+    for _ in range(40):
+        train_step(rank0, engine0)
+        train_step(rank1, engine1)
+
+    def kept(exporter):
+        return {s.attributes["training.step"] for s in exporter.get_finished_spans() if s.name == "training.step"}
+
+    assert kept(spans0) == kept(spans1)
+    assert 5 < len(kept(spans0)) < 35
+
+
+def test_gradient_accumulation_opens_one_step_per_boundary():
+    tracker, engine, exporter = tracker_on(1, grad_accum=3)
+    train_step(tracker, engine, grad_accum=3)
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("training.step") == 1 and names.count("training.optimizer.step") == 1
+    assert names.count("training.forward") == 3
+
+
+def test_a_failing_phase_marks_its_step_and_the_next_step_starts_clean():
+    tracker, engine, exporter = tracker_on(0)
+    span = tracker.forward_started(engine)
+    tracker.phase_failed(span, RuntimeError("CUDA out of memory"))
+    train_step(tracker, engine)
+    spans = exporter.get_finished_spans()
+    failed_forward = next(s for s in spans if s.name == "training.forward" and s.status.status_code == StatusCode.ERROR)
+    assert failed_forward.events[0].name == "exception"
+    steps = [s for s in spans if s.name == "training.step"]
+    assert [s.status.status_code for s in steps] == [StatusCode.ERROR, StatusCode.UNSET]
+    assert [s.attributes["training.step"] for s in steps] == [1, 1], "the retried step keeps its number"
+
+
+def test_evaluation_forwards_drop_the_waits_that_fed_them():
+    tracker, engine, exporter = tracker_on(1)
+    tracker.data_waited(1, 2)
+    tracker.not_training()
+    tracker.data_waited(10, 20)
+    train_step(tracker, engine)
+    waits = [s for s in exporter.get_finished_spans() if s.name == "training.data.wait"]
+    assert [(s.start_time, s.end_time) for s in waits] == [(10, 20)]
+
+
+def test_waits_without_training_are_bounded():
+    tracker, engine, exporter = tracker_on(1)
+    for i in range(10_000):
+        tracker.data_waited(i, i + 1)
+    train_step(tracker, engine)
+    assert len([s for s in exporter.get_finished_spans() if s.name == "training.data.wait"]) == 64
+
+
+def test_a_bug_in_the_tracker_is_logged_once_and_disables_it(caplog):
+    tracker, engine, exporter = tracker_on(1)
+    train_step(tracker, engine)
+
+    class Broken(Engine):
+        @property
+        def global_steps(self):
+            raise AttributeError("renamed in a future DeepSpeed")
+
+        @global_steps.setter
+        def global_steps(self, value):
+            pass
+
+    broken = Broken()
+    tracker._step = None
+    with caplog.at_level(logging.ERROR):
+        for _ in range(5):
+            assert tracker.forward_started(broken) is None
+            tracker.phase_ended(None)
+            assert tracker.optimizer_step_started(broken) is None
+            tracker.optimizer_step_ended(broken, None)
+    assert len(caplog.records) == 1
+    assert "step tracing failed" in caplog.records[0].getMessage()
+    assert "renamed in a future DeepSpeed" in caplog.text
+    assert len([s for s in exporter.get_finished_spans() if s.name == "training.step"]) == 1
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_no_sdk_means_no_spans_and_no_errors(rank, caplog):
+    from opentelemetry.trace import NoOpTracerProvider
+
+    tracker = StepTracker(NoOpTracerProvider(), JobIdentity("j", rank, rank, 2), Engine())
+    engine = Engine()
+    with caplog.at_level(logging.ERROR):
+        train_step(tracker, engine)
+    assert not caplog.records

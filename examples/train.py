@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import time
 
 import torch
 from torch import nn
@@ -41,8 +42,13 @@ def parse_args(argv=None):
                         help="engine.backward(loss), or loss.backward() (ZeRO >= 1)")
     parser.add_argument("--fp16", action="store_true",
                         help="fp16 with a 2**24 initial loss scale, so the first steps overflow and are skipped")
+    parser.add_argument("--average-loss", choices=("off", "sync", "async"), default="off",
+                        help="all-reduce each micro-batch's loss with torch.distributed for logging, as many loops do; "
+                             "async overlaps it with 20 ms of host work before waiting")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
+    parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
+                                            "loop to FILE.rank<N>.json: {op: {message bytes: calls}}")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return parser.parse_args(argv)
 
@@ -101,6 +107,26 @@ def default_single_process_env():
         os.environ.setdefault(name, value)
 
 
+def average_loss(loss: torch.Tensor, asynchronous: bool) -> float:
+    """The cross-rank mean of a loss, with plain torch.distributed (not deepspeed.comm)."""
+    total = loss.detach().clone()
+    work = torch.distributed.all_reduce(total, async_op=asynchronous)
+    if asynchronous:
+        time.sleep(0.02)
+        work.wait()
+    return total.item() / torch.distributed.get_world_size()
+
+
+def write_comms_counts(prefix: str, rank: int) -> None:
+    """DeepSpeed's own count of the collectives it issued: an oracle for the telemetry's."""
+    import deepspeed
+
+    deepspeed.comm.configure(enabled=False)
+    counts = {op: {size: record[0] for size, record in sizes.items()}
+              for op, sizes in deepspeed.comm.comms_logger.comms_dict.items()}
+    pathlib.Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(counts))
+
+
 def main(argv=None):
     args = parse_args(argv)
     default_single_process_env()
@@ -125,10 +151,6 @@ def main(argv=None):
         model=model, optimizer=optimizer, config=deepspeed_config(args),
         training_data=dataset if args.loader == "deepspeed" else None,
     )
-    if args.fp16:
-        engine_dtype = torch.float16
-    else:
-        engine_dtype = None
     if ds_loader is not None:
         loader = ds_loader
     else:
@@ -136,6 +158,8 @@ def main(argv=None):
                                      shuffle=False)
         loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler)
 
+    if args.comms_log:
+        deepspeed.comm.configure(enabled=True, prof_all=True)
     losses = []
     batches = iter(loader)
     engine.train()
@@ -145,15 +169,17 @@ def main(argv=None):
             batch = next(batches)
             batch = {name: value.to(engine.device) for name, value in batch.items()}
             loss = engine(**batch)
-            if engine_dtype is not None:
-                loss = loss.to(torch.float32)
             if args.backward == "engine":
                 engine.backward(loss)
             else:
                 loss.backward()
+            if args.average_loss != "off":
+                average_loss(loss, asynchronous=args.average_loss == "async")
             engine.step()
             step_loss += loss.item() / args.grad_accum
         losses.append(step_loss)
+    if args.comms_log:
+        write_comms_counts(args.comms_log, engine.global_rank)
 
     if engine.global_rank == 0:
         print(f"trained {engine.global_steps} steps ({engine.skipped_steps} skipped), "

@@ -7,13 +7,15 @@ optimizer step; see README.md and docs/telemetry.md. Programmatic use::
 
     DeepSpeedInstrumentor().instrument(tracer_provider=provider)
     DataLoaderInstrumentor().instrument()
+    CommInstrumentor().instrument(tracer_provider=provider, meter_provider=meter_provider)
 
 Importing this package imports neither torch nor DeepSpeed: classes are patched when
 their modules are imported.
 """
 
+from opentelemetry_instrumentation_deepspeed.comm import CommInstrumentor
 from opentelemetry_instrumentation_deepspeed.dataloader import DataLoaderInstrumentor
 from opentelemetry_instrumentation_deepspeed.engine import DeepSpeedInstrumentor
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
-__all__ = ["DataLoaderInstrumentor", "DeepSpeedInstrumentor", "__version__"]
+__all__ = ["CommInstrumentor", "DataLoaderInstrumentor", "DeepSpeedInstrumentor", "__version__"]

@@ -16,7 +16,7 @@ from collections.abc import Collection
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from opentelemetry_instrumentation_deepspeed import trackers
-from opentelemetry_instrumentation_deepspeed.package import _instruments_dataloader
+from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
 
 _TARGETS = (
@@ -46,7 +46,7 @@ class DataLoaderInstrumentor(BaseInstrumentor):
     """Records ``training.data.wait`` spans into the step of the engine that trains."""
 
     def instrumentation_dependencies(self) -> Collection[str]:
-        return _instruments_dataloader
+        return _instruments_torch
 
     def _instrument(self, **kwargs):
         self._patching = True

@@ -38,8 +38,22 @@ After that the rank uses a job id of its own and says so. Default: 60.
 EMBEDDED_EXPORTER = "deepspeed_file"
 """Exporter name (traces and metrics) of the embedded default, set by the distro when nothing else is."""
 
+OTEL_PYTHON_DEEPSPEED_COMM = "OTEL_PYTHON_DEEPSPEED_COMM"
+"""Collective telemetry: ``spans`` (spans and metrics), ``metrics`` (metrics and counts only) or ``off``.
+
+Default: ``spans``.
+"""
+
+OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT = "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT"
+"""Most ``comm.*`` spans per optimizer step and rank; later collectives of the step are only
+counted (``comm.count`` / ``comm.spans_dropped`` on the phase and step spans) and measured. Default: 256.
+"""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_JOB_ID_TIMEOUT = 60.0
+DEFAULT_COMM_MODE = "spans"
+COMM_MODES = ("spans", "metrics", "off")
+DEFAULT_COMM_SPAN_LIMIT = 256
 
 
 def _warn_default(name: str, raw: str, default: object, why: str) -> None:
@@ -74,6 +88,26 @@ def _positive_seconds(raw: str) -> float:
     return value
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _count(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+    if not 0 <= value <= 1_000_000:
+        raise ValueError("expected 0 to 1000000")
+    return value
+
+
 @cache
 def output_dir() -> str:
     return _read(OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR, DEFAULT_OUTPUT_DIR, _non_empty)
@@ -89,7 +123,17 @@ def job_id_timeout() -> float:
     return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT, DEFAULT_JOB_ID_TIMEOUT, _positive_seconds)
 
 
-_READERS = (output_dir, job_id, job_id_timeout)
+@cache
+def comm_mode() -> str:
+    return _read(OTEL_PYTHON_DEEPSPEED_COMM, DEFAULT_COMM_MODE, _one_of(COMM_MODES))
+
+
+@cache
+def comm_span_limit() -> int:
+    return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
+
+
+_READERS = (output_dir, job_id, job_id_timeout, comm_mode, comm_span_limit)
 
 
 def check_all() -> None:

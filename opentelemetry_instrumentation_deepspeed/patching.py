@@ -38,3 +38,48 @@ def unwrap_methods(owner: type | None, names: Iterable[str]) -> None:
         return
     for name in names:
         unwrap(owner, name)
+
+
+class Patches:
+    """Function wrappers that also replace the copies of a function bound under other names.
+
+    ``from x import f`` and ``__all__`` re-exports keep the original function object; a wrapper
+    only at its home misses those callers. ``restore()`` puts every original back.
+    """
+
+    def __init__(self):
+        self.active = True
+        self._proxies: dict[int, tuple[object, object]] = {}  # id(original) -> (original, proxy)
+        self._applied: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner, name: str, wrapper) -> None:
+        original = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if original is None or isinstance(original, _PROXY) or id(original) in self._proxies:
+            return
+        wrapt.wrap_function_wrapper(owner, name, wrapper)
+        self._proxies[id(original)] = (original, vars(owner)[name] if isinstance(owner, type) else getattr(owner, name))
+        self._applied.append((owner, name, original))
+
+    def wrap_everywhere(self, owner, name: str, wrapper, modules: Iterable) -> None:
+        self.wrap(owner, name, wrapper)
+        self.rebind(modules)
+
+    def rebind(self, objects: Iterable, attributes: Iterable[str] | None = None) -> None:
+        for target in objects:
+            namespace = getattr(target, "__dict__", None)
+            if namespace is None:
+                continue
+            names = list(namespace) if attributes is None else [name for name in attributes if name in namespace]
+            for name in names:
+                value = namespace.get(name)
+                entry = self._proxies.get(id(value))
+                if entry is not None and entry[0] is value:
+                    setattr(target, name, entry[1])
+                    self._applied.append((target, name, value))
+
+    def restore(self) -> None:
+        self.active = False
+        for owner, name, original in reversed(self._applied):
+            setattr(owner, name, original)
+        self._applied.clear()
+        self._proxies.clear()

@@ -22,6 +22,27 @@ TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
 TRAINING_ZERO_STAGE = "training.zero_stage"
 TRAINING_BACKWARD_DIRECT = "training.backward.direct"
 
+# Collective spans (comm.<op>) and their metric attributes
+COMM_OP = "comm.op"
+COMM_BACKEND = "comm.backend"
+COMM_GROUP_SIZE = "comm.group.size"
+COMM_GROUP_NAME = "comm.group.name"
+COMM_BYTES = "comm.bytes"
+COMM_DTYPE = "comm.dtype"
+COMM_ASYNC = "comm.async"
+COMM_SEQUENCE = "comm.sequence"
+COMM_ALGBW = "comm.algbw"
+COMM_BUSBW = "comm.busbw"
+COMM_TIMING = "comm.timing"
+# On phase and step spans: collectives issued within them, and those beyond the span limit
+COMM_COUNT = "comm.count"
+COMM_SPANS_DROPPED = "comm.spans_dropped"
+
+# Metrics
+METRIC_COMM_DURATION = "training.comm.duration"
+METRIC_COMM_SIZE = "training.comm.size"
+METRIC_COMM_BUS_SIZE = "training.comm.bus.size"
+
 # Resource attributes (service.*, host.name and process.pid are OpenTelemetry's own)
 TRAINING_JOB_ID = "training.job.id"
 TRAINING_RANK = "training.rank"

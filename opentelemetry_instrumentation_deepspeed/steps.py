@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
+from opentelemetry_instrumentation_deepspeed import environment_variables as env
 from opentelemetry_instrumentation_deepspeed import semconv, trace_ids
 from opentelemetry_instrumentation_deepspeed.job import JobIdentity
 from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
@@ -41,8 +42,15 @@ class _Step:
     root: trace.Span | None
     micro_batches: int = 0
     phase: trace.Span | None = None
+    phase_context: Context | None = None
     direct_backward: trace.Span | None = None
     skipped_before: int = 0
+    # Collectives issued in the step / in the running phase, and those beyond the span limit.
+    comm_count: int = 0
+    comm_spans: int = 0
+    comm_dropped: int = 0
+    phase_comm_count: int = 0
+    phase_comm_dropped: int = 0
 
 
 class StepTracker(Component):
@@ -63,6 +71,7 @@ class StepTracker(Component):
             semconv.TRAINING_ZERO_STAGE: int(engine.zero_optimization_stage()),
             semconv.TRAINING_MICRO_BATCH_SIZE: self._micro_batch_size,
         }
+        self._comm_span_limit = env.comm_span_limit()
         self._step: _Step | None = None
         self._waits: list[tuple[int, int]] = []
 
@@ -153,12 +162,26 @@ class StepTracker(Component):
             step.root.set_status(Status(StatusCode.ERROR, description))
         self._close(step)
 
-    def current_context(self) -> Context | None:
-        """Parent for spans issued now: the running phase, else the open step."""
+    def step_number(self) -> int | None:
+        step = self._step
+        return None if step is None else step.number
+
+    def comm_issued(self, want_span: bool) -> Context | None:
+        """Count a collective issued now; the parent for its span, or None (no step open, or over the limit)."""
         step = self._step
         if step is None:
             return None
-        return trace.set_span_in_context(step.phase, _EMPTY) if step.phase is not None else step.context
+        step.comm_count += 1
+        in_phase = step.phase is not None
+        step.phase_comm_count += in_phase
+        if not want_span:
+            return None
+        if step.comm_spans >= self._comm_span_limit:
+            step.comm_dropped += 1
+            step.phase_comm_dropped += in_phase
+            return None
+        step.comm_spans += 1
+        return step.phase_context if in_phase else step.context
 
     # -- the tree -----------------------------------------------------------------------------
 
@@ -199,6 +222,10 @@ class StepTracker(Component):
 
     def _close(self, step: _Step) -> None:
         self._step = None
+        if step.comm_count:
+            step.span.set_attribute(semconv.COMM_COUNT, step.comm_count)
+        if step.comm_dropped:
+            step.span.set_attribute(semconv.COMM_SPANS_DROPPED, step.comm_dropped)
         end = time.time_ns()
         step.span.end(end_time=end)
         if step.root is not None:
@@ -215,10 +242,16 @@ class StepTracker(Component):
         attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
         span = self._tracer.start_span(name, context=step.context, attributes=attributes)
         step.phase = span
+        step.phase_context = trace.set_span_in_context(span, _EMPTY)
+        step.phase_comm_count = step.phase_comm_dropped = 0
         return span
 
     @staticmethod
     def _end_phase(step: _Step, span: trace.Span) -> None:
-        span.end()
         if step.phase is span:
-            step.phase = None
+            if step.phase_comm_count:
+                span.set_attribute(semconv.COMM_COUNT, step.phase_comm_count)
+            if step.phase_comm_dropped:
+                span.set_attribute(semconv.COMM_SPANS_DROPPED, step.phase_comm_dropped)
+            step.phase = step.phase_context = None
+        span.end()

@@ -58,3 +58,31 @@ def read_spans(path: Path) -> list[Span]:
     for line in path.read_text().splitlines():
         spans.extend(spans_from_request(json.loads(line)))
     return spans
+
+
+@dataclass(frozen=True)
+class Point:
+    metric: str
+    attributes: dict
+    value: float  # a sum's value, or a histogram's count
+    total: float = 0.0  # a histogram's sum
+
+
+def read_last_points(path: Path) -> list[Point]:
+    """The data points of the last export (cumulative: the run's totals)."""
+    lines = path.read_text().splitlines()
+    if not lines:
+        return []
+    points = []
+    for resource_metrics in json.loads(lines[-1]).get("resourceMetrics", []):
+        for scope_metrics in resource_metrics.get("scopeMetrics", []):
+            for metric in scope_metrics.get("metrics", []):
+                if "histogram" in metric:
+                    for point in metric["histogram"].get("dataPoints", []):
+                        points.append(Point(metric["name"], _attributes(point.get("attributes")),
+                                            int(point.get("count", 0)), float(point.get("sum", 0.0))))
+                for kind in ("sum", "gauge"):
+                    for point in metric.get(kind, {}).get("dataPoints", []):
+                        value = point.get("asInt", point.get("asDouble", 0))
+                        points.append(Point(metric["name"], _attributes(point.get("attributes")), float(value)))
+    return points

@@ -25,11 +25,13 @@ def test_embedded_default_is_announced_once_on_rank_0(workdir):
     run = launch(workdir, "deepspeed", "--steps", "2").check()
     assert run.output.count("opentelemetry-instrumentation-deepspeed: writing traces and metrics") == 1
     (job_dir,) = (workdir / "telemetry").iterdir()
-    assert sorted(path.name for path in job_dir.iterdir()) == ["traces-rank0.jsonl", "traces-rank1.jsonl"]
+    assert sorted(path.name for path in job_dir.iterdir()) == [
+        "metrics-rank0.jsonl", "metrics-rank1.jsonl", "traces-rank0.jsonl", "traces-rank1.jsonl"]
     assert job_dir.name == run.spans[0].resource["training.job.id"]
     for path in job_dir.iterdir():
         for line in path.read_text().splitlines():
-            assert set(json.loads(line)) == {"resourceSpans"}, "the official OTLP JSON file format"
+            top = "resourceSpans" if path.name.startswith("traces") else "resourceMetrics"
+            assert set(json.loads(line)) == {top}, "the official OTLP JSON file format"
 
 
 def test_output_dir_variable(workdir):

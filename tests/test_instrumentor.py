@@ -9,7 +9,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from opentelemetry_instrumentation_deepspeed import DataLoaderInstrumentor, DeepSpeedInstrumentor, session
+from opentelemetry_instrumentation_deepspeed import (
+    CommInstrumentor,
+    DataLoaderInstrumentor,
+    DeepSpeedInstrumentor,
+    session,
+)
 from tests.conftest import REPO, free_port
 
 
@@ -28,14 +33,25 @@ def train(tmp_path_factory):
 
 
 def _patched_functions():
+    import deepspeed.comm
+    import deepspeed.comm.comm
+    import torch.distributed
     from deepspeed.runtime.dataloader import DeepSpeedDataLoader, RepeatingLoader
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed import distributed_c10d
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     names = ("__init__", "forward", "backward", "_backward_prologue", "_backward_epilogue", "step")
     functions = {f"DeepSpeedEngine.{name}": DeepSpeedEngine.__dict__[name] for name in names}
     for owner in (_BaseDataLoaderIter, DeepSpeedDataLoader, RepeatingLoader):
         functions[f"{owner.__name__}.__next__"] = owner.__dict__["__next__"]
+    for module in (deepspeed.comm, deepspeed.comm.comm):
+        for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier"):
+            functions[f"{module.__name__}.{op}"] = getattr(module, op)
+    for module in (torch.distributed, distributed_c10d):
+        for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "send"):
+            functions[f"{module.__name__}.{op}"] = getattr(module, op)
+    functions["Work.wait"] = distributed_c10d.Work.__dict__["wait"]
     return functions
 
 
@@ -46,13 +62,13 @@ def test_instrument_traces_and_uninstrument_restores_everything(train):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    engine_instrumentor, loader_instrumentor = DeepSpeedInstrumentor(), DataLoaderInstrumentor()
-    engine_instrumentor.instrument(tracer_provider=provider)
-    loader_instrumentor.instrument()
-    engine_instrumentor.instrument(tracer_provider=provider)  # a second call must not stack wrappers
+    instrumentors = (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor())
+    for instrumentor in instrumentors:
+        instrumentor.instrument(tracer_provider=provider)
+    instrumentors[0].instrument(tracer_provider=provider)  # a second call must not stack wrappers
     try:
         patched = _patched_functions()
-        assert all(patched[name] is not original[name] for name in original)
+        assert [name for name in original if patched[name] is original[name]] == []
         assert all(patched[name].__wrapped__ is original[name] for name in original)
 
         train(["--steps", "3", "--grad-accum", "2"])
@@ -60,9 +76,10 @@ def test_instrument_traces_and_uninstrument_restores_everything(train):
         assert names.count("training.step") == 3
         assert names.count("training.global_step") == 3
         assert names.count("training.forward") == names.count("training.data.wait") == 6
+        assert names.count("comm.all_reduce") >= 3, "ZeRO-1 on one rank still all-reduces each step"
     finally:
-        engine_instrumentor.uninstrument()
-        loader_instrumentor.uninstrument()
+        for instrumentor in instrumentors:
+            instrumentor.uninstrument()
         session.reset()
 
     assert _patched_functions() == original

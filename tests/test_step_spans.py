@@ -43,7 +43,8 @@ def check_step_tree(run, steps: int, grad_accum: int, world_size: int, zero_stag
         assert root.attributes["training.world_size"] == world_size
     assert all(span.name != "training.global_step" for rank in range(1, world_size) for span in by_rank[rank])
 
-    for rank, spans in by_rank.items():
+    for rank, all_spans in by_rank.items():
+        spans = [span for span in all_spans if not span.name.startswith("comm.")]
         by_id = {span.span_id: span for span in spans}
         step_spans = step_spans_of(spans)
         assert [s.attributes["training.step"] for s in step_spans] == list(range(1, steps + 1)), f"rank {rank}"
@@ -71,7 +72,7 @@ def check_step_tree(run, steps: int, grad_accum: int, world_size: int, zero_stag
             for kid in kids:
                 assert kid.trace_id == step.trace_id
                 assert step.start <= kid.start <= kid.end <= step.end, f"{kid.name} outside its step"
-                assert not children[kid.span_id], "phases have no children yet"
+                assert all(child.name.startswith("comm.") for child in children[kid.span_id])
             if rank == 0:
                 assert root.start <= step.start <= step.end <= root.end
         # Every span of this rank is in this tree: nothing orphaned, nothing extra.
@@ -103,6 +104,7 @@ def check_resource(run, world_size: int) -> None:
         assert resource["deepspeed.version"] == deepspeed.__version__
         assert resource["host.name"]
     assert len(run.trace_files) == world_size, "one file per rank; launchers and helpers write nothing"
+    assert len(list(run.cwd.glob("telemetry/*/*"))) == 2 * world_size, "traces and metrics of each rank, no more"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(map(str, case)))

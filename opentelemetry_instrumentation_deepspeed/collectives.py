@@ -1,0 +1,141 @@
+"""What a collective call is: its op, group, bytes and bus-bandwidth factor, read from its arguments.
+
+Both layers that issue collectives, ``deepspeed.comm`` and ``torch.distributed``, name ops the
+same way; only some parameter names differ, which the signature read at wrap time resolves.
+Bandwidths follow nccl-tests: algbw = S / t, where S is the op's total size (for all-gather,
+group size times this rank's input); busbw = algbw times 2(n-1)/n for all-reduce and (n-1)/n
+for all-gather, reduce-scatter and all-to-all, times 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+# op -> (candidate names of the parameter that carries this rank's data, bus factor kind)
+_OPS: dict[str, tuple[tuple[str, ...], str]] = {
+    "all_reduce": (("tensor",), "all_reduce"),
+    "inference_all_reduce": (("tensor",), "all_reduce"),
+    "all_reduce_coalesced": (("tensors",), "all_reduce"),
+    "all_gather": (("tensor",), "all_gather"),
+    "all_gather_into_tensor": (("tensor", "input_tensor"), "all_gather"),
+    "all_gather_single": (("input_tensor",), "all_gather"),
+    "all_gather_coalesced": (("input_tensor_list",), "all_gather"),
+    "reduce_scatter": (("input_list",), "reduce_scatter"),
+    "reduce_scatter_tensor": (("tensor", "input"), "reduce_scatter"),
+    "reduce_scatter_single": (("input",), "reduce_scatter"),
+    "all_to_all_single": (("tensor", "input"), "all_to_all"),
+    "all_to_all": (("input_tensor_list",), "all_to_all"),
+    "broadcast": (("tensor",), "one"),
+    "broadcast_object_list": ((), "one"),
+    "all_gather_object": ((), "one"),
+    "reduce": (("tensor",), "one"),
+    "gather": (("tensor",), "one"),
+    "scatter": (("tensor",), "one"),
+    "send": (("tensor",), "one"),
+    "recv": (("tensor",), "one"),
+    "isend": (("tensor",), "one"),
+    "irecv": (("tensor",), "one"),
+    "batch_isend_irecv": (("p2p_op_list",), "one"),
+    "barrier": ((), "one"),
+    "monitored_barrier": ((), "one"),
+}
+ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
+
+# Ops of deepspeed.comm.comm that its timed_op wraps (deepspeed 0.19), and the tensor
+# collectives of torch.distributed that a program can call without DeepSpeed.
+DEEPSPEED_OPS = (
+    "broadcast", "broadcast_object_list", "all_gather", "all_gather_object", "reduce_scatter_tensor",
+    "all_gather_into_tensor", "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "gather", "scatter", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+    "all_reduce", "inference_all_reduce", "all_reduce_coalesced",
+)
+TORCH_OPS = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all_single", "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend",
+    "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
+)
+
+
+def bus_factor(kind: str, group_size: int) -> float:
+    n = max(group_size, 1)
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def algorithm_bytes(kind: str, data_bytes: int, group_size: int) -> int:
+    """nccl-tests' S: all-gather moves group size times this rank's input; the others their input."""
+    return data_bytes * group_size if kind == "all_gather" else data_bytes
+
+
+def _tensor_bytes(value) -> tuple[int, object]:
+    """(bytes, first tensor) of a tensor, a list of tensors, or a list of P2POps."""
+    if isinstance(value, (list, tuple)):
+        total, first = 0, None
+        for item in value:
+            tensor = getattr(item, "tensor", item)
+            if hasattr(tensor, "element_size"):
+                total += tensor.element_size() * tensor.nelement()
+                first = first if first is not None else tensor
+        return total, first
+    if hasattr(value, "element_size"):
+        return value.element_size() * value.nelement(), value
+    return 0, None
+
+
+def _undecorated(function, name: str):
+    """The function named ``name`` that a ``(*args, **kwargs)`` decorator closes over.
+
+    DeepSpeed's ``timed_op`` keeps no ``__wrapped__``; its closure holds the op itself.
+    """
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return function
+    for cell in getattr(function, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if callable(inner) and getattr(inner, "__name__", None) == name:
+            return _undecorated(inner, name)
+    return function
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Where the arguments of one wrapped function are; read once, at wrap time."""
+
+    name: str
+    kind: str
+    data_index: int
+    data_name: str | None
+    group_index: int
+    async_index: int
+
+    @classmethod
+    def of(cls, name: str, function) -> OpSpec:
+        parameters = list(inspect.signature(_undecorated(function, name)).parameters)
+        data_names, kind = _OPS[name]
+        data_name = next((candidate for candidate in data_names if candidate in parameters), None)
+
+        def index(parameter):
+            return parameters.index(parameter) if parameter in parameters else -1
+
+        return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"))
+
+    def _argument(self, args, kwargs, position: int, name: str | None, default=None):
+        if 0 <= position < len(args):
+            return args[position]
+        return kwargs.get(name, default) if name else default
+
+    def data(self, args, kwargs) -> tuple[int, object]:
+        if self.data_name is None:
+            return 0, None
+        return _tensor_bytes(self._argument(args, kwargs, self.data_index, self.data_name))
+
+    def group(self, args, kwargs):
+        return self._argument(args, kwargs, self.group_index, "group")
+
+    def is_async(self, args, kwargs) -> bool:
+        return self.name in ALWAYS_ASYNC or bool(self._argument(args, kwargs, self.async_index, "async_op", False))

@@ -1,0 +1,333 @@
+"""Collective communication: every collective, once, as a ``comm.<op>`` span and in the metrics.
+
+Two layers issue collectives: ``deepspeed.comm`` (every op DeepSpeed's ``timed_op`` wraps) and
+``torch.distributed`` (what a program, or DeepSpeed underneath, calls). Both are wrapped, and a
+thread-local guard lets only the outermost wrapper observe a call, so a ZeRO-3 reduce-scatter
+that passes through ``deepspeed.comm``, ``TorchBackend`` and two ``torch.distributed`` functions
+counts once. The same function objects re-exported elsewhere (``deepspeed.comm``,
+``torch.distributed``, modules that imported them by name) are rebound to the same wrapper.
+
+A collective's span is a child of the phase that issued it (or of the step between phases).
+Synchronous calls are timed on the host; ``async_op=True`` calls run from issue to ``wait()``
+on their work handle. On CUDA tensors, CUDA events recorded around the call (and at ``wait()``)
+give the GPU-side interval instead, resolved later without blocking (``gpu_timing``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.metrics import get_meter
+
+from opentelemetry_instrumentation_deepspeed import environment_variables as env
+from opentelemetry_instrumentation_deepspeed import semconv, trackers
+from opentelemetry_instrumentation_deepspeed.collectives import (
+    DEEPSPEED_OPS,
+    TORCH_OPS,
+    OpSpec,
+    algorithm_bytes,
+    bus_factor,
+)
+from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
+from opentelemetry_instrumentation_deepspeed.patching import Patches, when_imported
+from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
+from opentelemetry_instrumentation_deepspeed.version import __version__
+
+_logger = logging.getLogger(__name__)
+
+# Unwaited async handles kept at most; beyond that the oldest is forgotten (its span is lost).
+_MAX_PENDING_ASYNC = 4096
+_DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0, 30.0, 60.0)
+
+_guard = threading.local()
+
+
+@dataclass
+class _Group:
+    name: str
+    size: int
+    backend: str
+    sequence: int = 0
+
+
+@dataclass
+class _Call:
+    spec: OpSpec
+    group: _Group
+    sequence: int
+    data_bytes: int
+    dtype: str
+    is_async: bool
+    start: int
+    parent: object  # Context of the span's parent, or None: metrics only
+    gpu_start: object = None
+    remaining: int = 1
+
+
+class CommObserver(Component):
+    """Turns collective calls into spans and metrics."""
+
+    def __init__(self, meter, spans: bool):
+        super().__init__("collective tracing")
+        self._spans = spans
+        self._tracer = None
+        self._groups: dict[int, _Group] = {}
+        self._group_objects: list = []  # ids above stay valid while the groups live
+        self._dtypes: dict[object, str] = {}
+        self._metric_attributes: dict[tuple, dict] = {}
+        self._pending_async: dict[int, _Call] = {}
+        self._gpu = None
+        self._gpu_step = None
+        self._duration = meter.create_histogram(
+            semconv.METRIC_COMM_DURATION, unit="s", description="Duration of collective operations",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
+        self._size = meter.create_counter(
+            semconv.METRIC_COMM_SIZE, unit="By", description="Bytes this rank contributed to collective operations",
+        )
+        self._bus_size = meter.create_counter(
+            semconv.METRIC_COMM_BUS_SIZE, unit="By",
+            description="Algorithm bytes times the bus factor: divided by the duration sum, the bus bandwidth",
+        )
+
+    # -- wrapper entry points ------------------------------------------------------------------
+
+    @fail_open
+    def issued(self, spec: OpSpec, args, kwargs) -> _Call | None:
+        group = self._group(spec.group(args, kwargs))
+        data_bytes, tensor = spec.data(args, kwargs)
+        tracker = trackers.active()
+        parent = None if tracker is None else tracker.comm_issued(self._spans)
+        call = _Call(spec, group, group.sequence, data_bytes, self._dtype(tensor), spec.is_async(args, kwargs),
+                     time.time_ns(), parent)
+        group.sequence += 1
+        if tensor is not None and getattr(tensor, "is_cuda", False):
+            call.gpu_start = self._timeline(tracker).event()
+        return call
+
+    @fail_open
+    def completed(self, call: _Call | None, result) -> None:
+        if call is None:
+            return
+        if not call.is_async:
+            self._finish(call)
+            return
+        works = [work for work in (result if isinstance(result, (list, tuple)) else [result]) if work is not None]
+        if not works:
+            self._finish(call)
+            return
+        call.remaining = len(works)
+        for work in works:
+            if len(self._pending_async) >= _MAX_PENDING_ASYNC:
+                del self._pending_async[next(iter(self._pending_async))]
+            self._pending_async[id(work)] = call
+
+    @fail_open
+    def failed(self, call: _Call | None, error: BaseException) -> None:
+        if call is not None:
+            self._finish(call, error=error)
+
+    @fail_open
+    def waited(self, work) -> None:
+        call = self._pending_async.pop(id(work), None)
+        if call is not None:
+            call.remaining -= 1
+            if call.remaining == 0:
+                self._finish(call)
+
+    @fail_open
+    def flush(self) -> None:
+        """At exit: intervals still on the GPU get host times; nothing waits for them."""
+        if self._gpu is not None:
+            self._gpu.resolve(final=True)
+
+    # -- recording -----------------------------------------------------------------------------
+
+    def _finish(self, call: _Call, error: BaseException | None = None) -> None:
+        end = time.time_ns()
+        if call.gpu_start is not None and error is None:
+            self._gpu.defer(call.gpu_start, self._gpu.event(),
+                            lambda start, stop: self._record(call, start or call.start, stop or end, start is not None))
+            self._gpu.resolve()
+        else:
+            self._record(call, call.start, end, False, error)
+
+    def _record(self, call: _Call, start: int, end: int, on_gpu: bool, error: BaseException | None = None) -> None:
+        spec, group = call.spec, call.group
+        seconds = max(end - start, 1) / 1e9
+        algbw = algorithm_bytes(spec.kind, call.data_bytes, group.size) / seconds
+        busbw = algbw * bus_factor(spec.kind, group.size)
+        attributes = self._attributes_for(spec.name, group)
+        self._duration.record(seconds, attributes)
+        if call.data_bytes:
+            self._size.add(call.data_bytes, attributes)
+            self._bus_size.add(int(busbw * seconds), attributes)
+        if call.parent is None:
+            return
+        span = self._tracer.start_span(
+            f"comm.{spec.name}", context=call.parent, start_time=start,
+            attributes={
+                **attributes,
+                semconv.COMM_GROUP_NAME: group.name,
+                semconv.COMM_BYTES: call.data_bytes,
+                semconv.COMM_DTYPE: call.dtype,
+                semconv.COMM_ASYNC: call.is_async,
+                semconv.COMM_SEQUENCE: call.sequence,
+                semconv.COMM_ALGBW: algbw,
+                semconv.COMM_BUSBW: busbw,
+                semconv.COMM_TIMING: "gpu" if on_gpu else "host",
+            },
+        )
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end(end_time=end)
+
+    def _attributes_for(self, op: str, group: _Group) -> dict:
+        key = (op, group.backend, group.size)
+        attributes = self._metric_attributes.get(key)
+        if attributes is None:
+            attributes = {semconv.COMM_OP: op, semconv.COMM_BACKEND: group.backend, semconv.COMM_GROUP_SIZE: group.size}
+            self._metric_attributes[key] = attributes
+        return attributes
+
+    def _group(self, group) -> _Group:
+        found = self._groups.get(id(group))
+        if found is None:
+            dist = sys.modules["torch.distributed"]
+            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
+            found = _Group(str(name), dist.get_world_size(pg), str(dist.get_backend(pg)))
+            self._groups[id(group)] = found
+            self._group_objects.append(group)
+        return found
+
+    def _dtype(self, tensor) -> str:
+        if tensor is None:
+            return ""
+        dtype = tensor.dtype
+        name = self._dtypes.get(dtype)
+        if name is None:
+            name = self._dtypes[dtype] = str(dtype).removeprefix("torch.")
+        return name
+
+    def _timeline(self, tracker):
+        from opentelemetry_instrumentation_deepspeed.gpu_timing import GpuTimeline
+
+        if self._gpu is None:
+            self._gpu = GpuTimeline(sys.modules["torch"].cuda)
+            atexit.register(self.flush)
+        step = None if tracker is None else tracker.step_number()
+        if step != self._gpu_step:
+            self._gpu_step = step
+            self._gpu.anchor_if_idle()
+        return self._gpu
+
+    def use_tracer_provider(self, provider) -> None:
+        self._tracer = (provider or trace.get_tracer_provider()).get_tracer(
+            "opentelemetry_instrumentation_deepspeed", __version__)
+
+
+def _collective_wrapper(observer: CommObserver, spec: OpSpec):
+    def wrapper(wrapped, instance, args, kwargs):
+        if getattr(_guard, "inside", False):
+            return wrapped(*args, **kwargs)
+        call = observer.issued(spec, args, kwargs)
+        _guard.inside = True
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as error:
+            observer.failed(call, error)
+            raise
+        finally:
+            _guard.inside = False
+        observer.completed(call, result)
+        return result
+
+    return wrapper
+
+
+def _wait_wrapper(observer: CommObserver):
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if observer._pending_async:
+            observer.waited(instance)
+        return result
+
+    return wrapper
+
+
+class CommInstrumentor(BaseInstrumentor):
+    """Every collective of ``deepspeed.comm`` and ``torch.distributed``, observed once.
+
+    ``OTEL_PYTHON_DEEPSPEED_COMM``: ``spans`` (default) records spans, up to
+    ``OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT`` per step, and metrics; ``metrics`` only metrics and
+    per-phase counts; ``off`` nothing.
+    """
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments_torch
+
+    def _instrument(self, **kwargs):
+        mode = env.comm_mode()
+        self._patches = Patches()
+        if mode == "off":
+            return
+        meter = get_meter(__name__, __version__, kwargs.get("meter_provider"))
+        observer = CommObserver(meter, spans=mode == "spans")
+        observer.use_tracer_provider(kwargs.get("tracer_provider"))
+        self._observer = observer
+        patches = self._patches
+
+        def patch_torch(c10d):
+            if patches.active:
+                torch_modules = _loaded("torch.distributed")
+                for name in TORCH_OPS:
+                    function = getattr(c10d, name, None)
+                    if function is not None:
+                        patches.wrap_everywhere(c10d, name, _collective_wrapper(observer, OpSpec.of(name, function)),
+                                                torch_modules)
+                patches.wrap(c10d.Work, "wait", _wait_wrapper(observer))
+
+        def patch_deepspeed(comm):
+            if patches.active:
+                deepspeed_modules = _loaded("deepspeed")
+                for name in DEEPSPEED_OPS:
+                    function = getattr(comm, name, None)
+                    if function is not None:
+                        patches.wrap_everywhere(comm, name, _collective_wrapper(observer, OpSpec.of(name, function)),
+                                                deepspeed_modules)
+                _rebind_cached_backend_functions(comm, patches)
+
+        def rebind_late_imports(_module):
+            # Modules of deepspeed imported while deepspeed.comm was loading hold the originals.
+            if patches.active:
+                patches.rebind(_loaded("deepspeed"))
+
+        when_imported("torch.distributed.distributed_c10d", patch_torch)
+        when_imported("deepspeed.comm.comm", patch_deepspeed)
+        when_imported("deepspeed", rebind_late_imports)
+
+    def _uninstrument(self, **kwargs):
+        self._patches.restore()
+
+
+def _loaded(prefix: str) -> list:
+    return [module for name, module in list(sys.modules.items())
+            if module is not None and (name == prefix or name.startswith(prefix + "."))]
+
+
+def _rebind_cached_backend_functions(comm, patches: Patches) -> None:
+    """TorchBackend keeps ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` from its construction."""
+    backend = getattr(comm, "cdb", None)
+    if backend is not None:
+        patches.rebind([backend], attributes=("all_gather_function", "reduce_scatter_function"))

@@ -76,9 +76,10 @@ class _Call:
 class CommObserver(Component):
     """Turns collective calls into spans and metrics."""
 
-    def __init__(self, meter, spans: bool):
+    def __init__(self, meter, spans: bool, cuda=None):
         super().__init__("collective tracing")
         self._spans = spans
+        self._cuda = cuda  # torch.cuda, looked up at the first CUDA tensor; a fake in tests
         self._tracer = None
         self._groups: dict[int, _Group] = {}
         self._group_objects: list = []  # ids above stay valid while the groups live
@@ -86,7 +87,7 @@ class CommObserver(Component):
         self._metric_attributes: dict[tuple, dict] = {}
         self._pending_async: dict[int, _Call] = {}
         self._gpu = None
-        self._gpu_step = None
+        self._gpu_step: object = -1  # the step whose start was last considered for an anchor
         self._duration = meter.create_histogram(
             semconv.METRIC_COMM_DURATION, unit="s", description="Duration of collective operations",
             explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
@@ -103,6 +104,8 @@ class CommObserver(Component):
 
     @fail_open
     def issued(self, spec: OpSpec, args, kwargs) -> _Call | None:
+        if self._gpu is not None:
+            self._gpu.resolve()
         group = self._group(spec.group(args, kwargs))
         data_bytes, tensor = spec.data(args, kwargs)
         tracker = trackers.active()
@@ -224,7 +227,7 @@ class CommObserver(Component):
         from opentelemetry_instrumentation_deepspeed.gpu_timing import GpuTimeline
 
         if self._gpu is None:
-            self._gpu = GpuTimeline(sys.modules["torch"].cuda)
+            self._gpu = GpuTimeline(self._cuda or sys.modules["torch"].cuda)
             atexit.register(self.flush)
         step = None if tracker is None else tracker.step_number()
         if step != self._gpu_step:

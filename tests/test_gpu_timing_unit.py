@@ -1,0 +1,155 @@
+"""The CUDA-event path of collectives, with a fake at the torch.cuda boundary (the real one: scripts/gpu-check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.metrics import NoOpMeterProvider
+
+from opentelemetry_instrumentation_deepspeed import trackers
+from opentelemetry_instrumentation_deepspeed.collectives import OpSpec
+from opentelemetry_instrumentation_deepspeed.comm import CommObserver, _Group
+from tests.test_steps_unit import tracker_on
+
+
+class FakeCuda:
+    """torch.cuda as the observer uses it; the test plays the GPU. Blocking calls fail the test."""
+
+    def __init__(self):
+        self.idle = True
+        self.events = []
+        self.gpu_ms = 0.0
+
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.done, self.at = False, None
+
+            def record(self, stream=None):
+                cuda.events.append(self)
+                if cuda.idle:
+                    self.done, self.at = True, cuda.gpu_ms
+
+            def query(self):
+                return self.done
+
+            def elapsed_time(self, other):
+                assert self.done and other.done, "elapsed_time on an unfinished event blocks"
+                return other.at - self.at
+
+            def synchronize(self):
+                raise AssertionError("Event.synchronize blocks")
+
+            def wait(self, stream=None):
+                raise AssertionError("not needed")
+
+        class Stream:
+            def query(self):
+                return cuda.idle
+
+            def synchronize(self):
+                raise AssertionError("Stream.synchronize blocks")
+
+        self.Event = Event
+        self._stream = Stream()
+
+    def current_stream(self):
+        return self._stream
+
+    def synchronize(self):
+        raise AssertionError("torch.cuda.synchronize blocks")
+
+    def run(self, milliseconds: float):
+        """The GPU executes everything queued, each event `milliseconds` after the previous."""
+        for event in self.events:
+            if not event.done:
+                self.gpu_ms += milliseconds
+                event.done, event.at = True, self.gpu_ms
+
+
+class CudaTensor:
+    is_cuda = True
+    dtype = "torch.bfloat16"
+
+    def element_size(self):
+        return 2
+
+    def nelement(self):
+        return 1024
+
+
+def all_reduce(tensor, op=None, group=None, async_op=False):
+    """Signature of torch.distributed.all_reduce."""
+
+
+@pytest.fixture
+def setup(monkeypatch):
+    tracker, engine, exporter = tracker_on(1)
+    monkeypatch.setattr(trackers, "_active", tracker)
+    cuda = FakeCuda()
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=True, cuda=cuda)
+    observer.use_tracer_provider(tracker._provider)
+    observer._groups[id(None)] = _Group("0", 2, "nccl")
+    return observer, cuda, tracker, engine, exporter
+
+
+def comm_spans(exporter):
+    return [span for span in exporter.get_finished_spans() if span.name.startswith("comm.")]
+
+
+def test_gpu_times_are_resolved_later_without_blocking(setup):
+    observer, cuda, tracker, engine, exporter = setup
+    spec = OpSpec.of("all_reduce", all_reduce)
+    backward = tracker.backward_started(engine)  # the phase that issues the gradient all-reduce
+    cuda.idle = False  # the GPU is busy with backward kernels
+    call = observer.issued(spec, (CudaTensor(),), {})
+    observer.completed(call, None)
+    assert comm_spans(exporter) == [], "the GPU has not run it: nothing to report yet, and no waiting"
+
+    cuda.run(milliseconds=4.0)  # the all-reduce runs 4 ms after the previous event
+    observer.issued(spec, (CudaTensor(),), {})  # the next collective resolves what completed
+    tracker.phase_ended(backward)
+    (span,) = comm_spans(exporter)
+    assert span.attributes["comm.timing"] == "gpu"
+    assert span.attributes["comm.bytes"] == 2048 and span.attributes["comm.dtype"] == "bfloat16"
+    assert span.parent.span_id == backward.get_span_context().span_id
+    # On the epoch clock through the origin: host time of the origin plus GPU time since it.
+    origin_event, origin_host = observer._gpu._origin
+    assert span.start_time == origin_host + int((call.gpu_start.at - origin_event.at) * 1e6)
+    assert span.end_time - span.start_time == 4_000_000, "GPU duration, not host duration"
+    assert span.attributes["comm.algbw"] == pytest.approx(2048 / 0.004)
+    assert span.attributes["comm.busbw"] == pytest.approx(2048 / 0.004 * 2 * (2 - 1) / 2)
+
+
+def test_async_gpu_interval_ends_at_wait_and_flush_never_blocks(setup):
+    observer, cuda, tracker, engine, exporter = setup
+    spec = OpSpec.of("all_reduce", all_reduce)
+    tracker.forward_started(engine)
+    cuda.idle = False
+
+    class Work:
+        pass
+
+    work = Work()
+    call = observer.issued(spec, (CudaTensor(),), {"async_op": True})
+    observer.completed(call, work)
+    observer.waited(work)  # the end event is recorded at wait(), after the stream waits for the collective
+    assert comm_spans(exporter) == []
+    observer.flush()  # at exit, with the GPU still busy: host times, no waiting
+    (span,) = comm_spans(exporter)
+    assert span.attributes["comm.timing"] == "host" and span.attributes["comm.async"] is True
+
+
+def test_pending_gpu_intervals_are_bounded(setup, monkeypatch):
+    from opentelemetry_instrumentation_deepspeed import gpu_timing
+
+    monkeypatch.setattr(gpu_timing, "MAX_PENDING", 8)
+    observer, cuda, tracker, engine, exporter = setup
+    spec = OpSpec.of("all_reduce", all_reduce)
+    tracker.forward_started(engine)
+    cuda.idle = False
+    for _ in range(20):
+        observer.completed(observer.issued(spec, (CudaTensor(),), {}), None)
+    assert len(comm_spans(exporter)) == 12, "the oldest, beyond the bound, are reported with host times"
+    assert observer._gpu.dropped == 12

@@ -46,14 +46,14 @@ Default: ``spans``.
 
 OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT = "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT"
 """Most ``comm.*`` spans per optimizer step and rank; later collectives of the step are only
-counted (``comm.count`` / ``comm.spans_dropped`` on the phase and step spans) and measured. Default: 256.
+counted (``comm.count`` / ``comm.spans_dropped`` on the phase and step spans) and measured. Default: 64.
 """
 
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_JOB_ID_TIMEOUT = 60.0
 DEFAULT_COMM_MODE = "spans"
 COMM_MODES = ("spans", "metrics", "off")
-DEFAULT_COMM_SPAN_LIMIT = 256
+DEFAULT_COMM_SPAN_LIMIT = 64
 
 
 def _warn_default(name: str, raw: str, default: object, why: str) -> None:

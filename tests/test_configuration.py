@@ -18,7 +18,8 @@ def environ(monkeypatch):
     for name in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
                  "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "OTEL_PYTHON_DEEPSPEED_JOB_ID",
-                 "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
+                 "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "OTEL_PYTHON_DEEPSPEED_COMM",
+                 "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
                  "SLURM_JOB_ID", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
     env.reset_cache()
@@ -64,6 +65,11 @@ def test_signal_endpoint_only_affects_its_signal(environ):
     ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "-5", env.job_id_timeout, 60.0),
     ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "1e300", env.job_id_timeout, 60.0),
     ("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "nan", env.job_id_timeout, 60.0),
+    ("OTEL_PYTHON_DEEPSPEED_COMM", "verbose", env.comm_mode, "spans"),
+    ("OTEL_PYTHON_DEEPSPEED_COMM", "", env.comm_mode, "spans"),
+    ("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "-1", env.comm_span_limit, 64),
+    ("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "lots", env.comm_span_limit, 64),
+    ("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "99999999999", env.comm_span_limit, 64),
 ])
 def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
     variable, raw, reader, default = case
@@ -79,8 +85,12 @@ def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
 def test_good_values(environ):
     environ.setenv("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "2.5")
     environ.setenv("OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "/data/otel")
+    environ.setenv("OTEL_PYTHON_DEEPSPEED_COMM", " Metrics ")
+    environ.setenv("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "0")
     assert env.job_id_timeout() == 2.5
     assert env.output_dir() == "/data/otel"
+    assert env.comm_mode() == "metrics"
+    assert env.comm_span_limit() == 0
 
 
 def test_job_id_sources_in_order(environ):

@@ -138,7 +138,8 @@ def test_async_gpu_interval_ends_at_wait_and_flush_never_blocks(setup):
     assert comm_spans(exporter) == []
     observer.flush()  # at exit, with the GPU still busy: host times, no waiting
     (span,) = comm_spans(exporter)
-    assert span.attributes["comm.timing"] == "host" and span.attributes["comm.async"] is True
+    assert "comm.timing" not in span.attributes, "host timing"
+    assert span.attributes["comm.async"] is True
 
 
 def test_pending_gpu_intervals_are_bounded(setup, monkeypatch):

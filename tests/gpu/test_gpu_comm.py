@@ -49,7 +49,7 @@ dist.all_reduce(torch.ones(1, device="cuda"))  # the next collective resolves wh
 torch.cuda.synchronize(); syncs.remove("synchronize")
 spans = [s for s in exporter.get_finished_spans() if s.name == "comm.all_reduce"]
 for s in spans:
-    print("SPAN", s.attributes["comm.timing"], s.attributes["comm.async"], s.start_time - issued,
+    print("SPAN", s.attributes.get("comm.timing", "host"), s.attributes["comm.async"], s.start_time - issued,
           s.end_time - s.start_time, s.attributes["comm.busbw"])
 print("HOST", host_done - issued)
 print("SYNCS", len(syncs))
@@ -84,10 +84,10 @@ def test_instrumented_single_gpu_deepspeed_run(tmp_path):
     spans = read_spans(trace_file)
     steps = {s.trace_id: s for s in spans if s.name == "training.step"}
     comms = [s for s in spans if s.name.startswith("comm.")]
-    timings = sorted({s.attributes["comm.timing"] for s in comms})
+    timings = sorted({s.attributes.get("comm.timing", "host") for s in comms})
     print(f"{len(steps)} steps, {len(comms)} comm spans, timings {timings}")
     assert len(steps) == 5 and comms
-    assert {s.attributes["comm.timing"] for s in comms} == {"gpu"}
+    assert timings == ["gpu"]
     for span in comms:
         step = steps[span.trace_id]
         # GPU times on the epoch clock: within the step, give or take a millisecond.

@@ -1,0 +1,169 @@
+"""Added time per optimizer step: instrumented blocks interleaved with bare ones, plus an A/A control.
+
+Runs the example model in this process (or on every rank, under torchrun). Each round runs
+three blocks in rotating order: bare (A), instrumented (B) and bare again (A'). A block builds
+a fresh engine, warms up, then times its steps; instrumenting toggles ``instrument()`` /
+``uninstrument()``. Telemetry is really encoded: spans and metrics go through the SDK's batch
+processor and periodic reader into the official OTLP JSON file exporters.
+
+    python benchmarks/overhead.py --zero-stage 2
+    torchrun --nproc_per_node 2 benchmarks/overhead.py --zero-stage 3
+
+Reports, on rank 0: median step time per arm, B - A and A' - A (the control) in microseconds
+per step with a 95% bootstrap interval over rounds, and spans per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per block")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=64)
+    return parser.parse_args()
+
+
+def setup_sdk(directory: Path):
+    from opentelemetry import metrics, trace
+    from opentelemetry.exporter.otlp.json.file import FileMetricExporter, FileSpanExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from opentelemetry_instrumentation_deepspeed.job import identify
+
+    identity = identify()
+    counted = _CountingExporter(FileSpanExporter(directory / f"traces-rank{identity.rank}.jsonl"))
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(counted))
+    reader = PeriodicExportingMetricReader(FileMetricExporter(directory / f"metrics-rank{identity.rank}.jsonl"),
+                                           export_interval_millis=5000)
+    meter_provider = MeterProvider(metric_readers=[reader])
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(meter_provider)
+    return tracer_provider, meter_provider, counted
+
+
+class _CountingExporter:
+    def __init__(self, inner):
+        self.inner, self.spans = inner, 0
+
+    def export(self, spans):
+        self.spans += len(spans)
+        return self.inner.export(spans)
+
+    def shutdown(self):
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis=30_000):
+        return True
+
+
+def run_block(args, train_module, deepspeed, torch) -> list[tuple[float, float]]:
+    model = train_module.TinyLM(256, args.d_model, args.layers, 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": args.grad_accum,
+              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    world = engine.world_size
+    steps = args.warmup + args.steps
+    dataset = train_module.SyntheticTokens(steps * args.grad_accum * 8 * world, 32, 256, seed=1)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=engine.global_rank,
+                                                  shuffle=False)
+    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler))
+    timings = []
+    for index in range(steps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(args.grad_accum):
+            loss = engine(**next(batches))
+            engine.backward(loss)
+            engine.step()
+        if index >= args.warmup:
+            timings.append((time.perf_counter() - wall, time.process_time() - cpu))
+    engine.destroy()
+    return timings
+
+
+def bootstrap(differences: list[float], draws: int = 5000) -> tuple[float, float]:
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(differences, k=len(differences))) for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws)]
+
+
+def main():
+    args = parse_args()
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29533")):
+        os.environ.setdefault(name, value)
+    import deepspeed
+    import torch
+    import train as train_module
+
+    from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
+
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    directory = Path(tempfile.mkdtemp(prefix="otel-ds-bench-"))
+    tracer_provider, meter_provider, counted = setup_sdk(directory)
+    instrumentors = (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor())
+
+    arms: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
+    cpu: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
+    per_round: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
+    instrumented_steps = 0
+    order = ["A", "B", "A'"]
+    for round_index in range(args.rounds):
+        for arm in order[round_index % 3:] + order[: round_index % 3]:
+            if arm == "B":
+                for instrumentor in instrumentors:
+                    instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+            timings = run_block(args, train_module, deepspeed, torch)
+            if arm == "B":
+                for instrumentor in instrumentors:
+                    instrumentor.uninstrument()
+                instrumented_steps += args.warmup + args.steps
+            arms[arm] += [wall for wall, _ in timings]
+            cpu[arm] += [cpu_s for _, cpu_s in timings]
+            per_round[arm].append(statistics.median(wall for wall, _ in timings))
+    tracer_provider.force_flush()
+    spans = counted.spans
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+
+    if int(os.environ["RANK"]) == 0:
+        base = statistics.median(arms["A"])
+        print(f"ZeRO-{args.zero_stage}, grad accumulation {args.grad_accum}, world size {os.environ['WORLD_SIZE']}, "
+              f"{args.rounds} rounds x {args.steps} steps per arm")
+        for arm, walls in arms.items():
+            print(f"  {arm:2}: median step {statistics.median(walls) * 1e3:8.3f} ms wall, "
+                  f"{statistics.median(cpu[arm]) * 1e3:8.3f} ms CPU")
+        for label, arm in (("instrumented - bare (B - A)", "B"), ("control     (A' - A)", "A'")):
+            differences = [(b - a) * 1e6 for a, b in zip(per_round["A"], per_round[arm], strict=True)]
+            low, high = bootstrap(differences)
+            print(f"  {label}: {statistics.fmean(differences):+8.1f} us/step  95% CI [{low:+.1f}, {high:+.1f}]  "
+                  f"= {statistics.fmean(differences) / (base * 1e6) * 100:+.2f}% of a {base * 1e3:.1f} ms step")
+        cpu_added = (statistics.median(cpu["B"]) - statistics.median(cpu["A"])) * 1e6
+        print(f"  CPU added (median B - median A): {cpu_added:+.1f} us/step")
+        print(f"  spans per instrumented step on this rank: {spans / instrumented_steps:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,8 @@ their modules are imported.
 from opentelemetry_instrumentation_deepspeed.comm import CommInstrumentor
 from opentelemetry_instrumentation_deepspeed.dataloader import DataLoaderInstrumentor
 from opentelemetry_instrumentation_deepspeed.engine import DeepSpeedInstrumentor
+from opentelemetry_instrumentation_deepspeed.gpu_metrics import GpuMetricsInstrumentor
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
-__all__ = ["CommInstrumentor", "DataLoaderInstrumentor", "DeepSpeedInstrumentor", "__version__"]
+__all__ = ["CommInstrumentor", "DataLoaderInstrumentor", "DeepSpeedInstrumentor", "GpuMetricsInstrumentor",
+           "__version__"]

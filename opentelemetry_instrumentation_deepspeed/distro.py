@@ -22,6 +22,28 @@ _SIGNALS = (
 )
 
 
+# Host metrics for the data-loading side, from one rank per host; every rank reports its own process.
+_PROCESS_METRICS = {
+    "process.cpu.utilization": ["user", "system"],
+    "process.memory.usage": None,
+    "process.thread.count": None,
+    "process.open_file_descriptor.count": None,
+}
+_HOST_METRICS = {
+    "system.cpu.utilization": ["idle", "user", "system"],
+    "system.memory.usage": ["used", "free", "cached"],
+    "system.memory.utilization": ["used"],
+    "system.disk.io": ["read", "write"],
+    "system.network.io": ["transmit", "receive"],
+}
+
+
+def system_metrics_config() -> dict:
+    """The host metrics of local rank 0 and the process metrics of every rank (N ranks: not N copies)."""
+    local_rank = os.environ.get("LOCAL_RANK", "0").strip()
+    return {**_PROCESS_METRICS, **(_HOST_METRICS if local_rank in ("", "0") else {})}
+
+
 class DeepSpeedDistro(BaseDistro):
     """Only sets defaults, in the environment, so child processes inherit the same choice."""
 
@@ -31,6 +53,13 @@ class DeepSpeedDistro(BaseDistro):
                 continue
             endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(endpoint_variable)
             os.environ[exporter_variable] = "otlp" if endpoint else embedded
+
+    def load_instrumentor(self, entry_point, **kwargs):
+        # The system-metrics instrumentation reports ~30 metrics by default; a training host needs these.
+        if entry_point.name == "system_metrics":
+            entry_point.load()(config=system_metrics_config()).instrument(**kwargs)
+        else:
+            super().load_instrumentor(entry_point, **kwargs)
 
 
 class DeepSpeedConfigurator:

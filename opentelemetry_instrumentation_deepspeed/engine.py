@@ -14,17 +14,19 @@ from collections.abc import Collection
 
 from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.metrics import get_meter
 
 from opentelemetry_instrumentation_deepspeed import session, trackers
 from opentelemetry_instrumentation_deepspeed.package import _instruments
 from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
+from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _logger = logging.getLogger(__name__)
 
 _ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
-def _init_wrapper(tracer_provider):
+def _init_wrapper(tracer_provider, meter_provider):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         try:
@@ -32,7 +34,8 @@ def _init_wrapper(tracer_provider):
 
             identity = session.start()
             provider = tracer_provider or trace.get_tracer_provider()
-            trackers.track(instance, StepTracker(provider, identity, instance))
+            meter = get_meter("opentelemetry_instrumentation_deepspeed", __version__, meter_provider)
+            trackers.track(instance, StepTracker(provider, identity, instance, meter))
         except Exception:
             _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                               "training is not affected")
@@ -48,7 +51,7 @@ def _forward(wrapped, instance, args, kwargs):
     if not (instance.training and sys.modules["torch"].is_grad_enabled()):
         tracker.not_training()
         return wrapped(*args, **kwargs)
-    span = tracker.forward_started(instance)
+    span = tracker.forward_started(instance, args, kwargs)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
@@ -127,7 +130,8 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs):
-        wrappers = {"__init__": _init_wrapper(kwargs.get("tracer_provider")), **_PHASES}
+        wrappers = {"__init__": _init_wrapper(kwargs.get("tracer_provider"), kwargs.get("meter_provider")),
+                    **_PHASES}
         # Our own flag: the base class sets its own only after _instrument returns, and an
         # import hook registered here may fire after uninstrument().
         self._patching = True

@@ -49,6 +49,14 @@ OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT = "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT"
 counted (``comm.count`` / ``comm.spans_dropped`` on the phase and step spans) and measured. Default: 64.
 """
 
+OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN = "OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN"
+"""Training FLOPs per token of the model, for ``training.mfu``. Default: 6 x its parameter count."""
+
+OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS = "OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS"
+"""Peak FLOP/s of one device, for ``training.mfu``. Default: the dense bf16 figure of known GPUs
+(H200, H100, A100, L40S, A10G, V100, B200); elsewhere no MFU is reported.
+"""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_JOB_ID_TIMEOUT = 60.0
 DEFAULT_COMM_MODE = "spans"
@@ -123,6 +131,26 @@ def job_id_timeout() -> float:
     return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT, DEFAULT_JOB_ID_TIMEOUT, _positive_seconds)
 
 
+def _positive_number(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if not 0 < value < 1e30:
+        raise ValueError("expected a positive number")
+    return value
+
+
+@cache
+def flops_per_token() -> float | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN, None, _positive_number)
+
+
+@cache
+def peak_flops() -> float | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS, None, _positive_number)
+
+
 @cache
 def comm_mode() -> str:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM, DEFAULT_COMM_MODE, _one_of(COMM_MODES))
@@ -133,7 +161,7 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
-_READERS = (output_dir, job_id, job_id_timeout, comm_mode, comm_span_limit)
+_READERS = (output_dir, job_id, job_id_timeout, comm_mode, comm_span_limit, flops_per_token, peak_flops)
 
 
 def check_all() -> None:

@@ -39,6 +39,20 @@ COMM_COUNT = "comm.count"
 COMM_SPANS_DROPPED = "comm.spans_dropped"
 
 # Metrics
+METRIC_STEP_DURATION = "training.step.duration"
+METRIC_PHASE_DURATION = "training.phase.duration"
+TRAINING_PHASE = "training.phase"  # its attribute: one of PHASES
+PHASE_DATA_WAIT = "data.wait"
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+PHASE_OPTIMIZER_STEP = "optimizer.step"
+PHASES = (PHASE_DATA_WAIT, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER_STEP)
+METRIC_SAMPLES = "training.samples"
+METRIC_TOKENS = "training.tokens"
+METRIC_SKIPPED_STEPS = "training.steps.skipped"
+METRIC_LOSS_SCALE = "training.loss_scale"
+METRIC_GRAD_NORM = "training.grad_norm"
+METRIC_MFU = "training.mfu"
 METRIC_COMM_DURATION = "training.comm.duration"
 METRIC_COMM_SIZE = "training.comm.size"
 METRIC_COMM_BUS_SIZE = "training.comm.bus.size"

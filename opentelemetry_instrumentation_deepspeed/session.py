@@ -23,6 +23,23 @@ _EXPORTER_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
 
 _deferred_sdk_arguments: dict | None = None
 _identity: JobIdentity | None = None
+_listeners: list = []
+
+
+def on_start(listener) -> None:
+    """Call ``listener(identity)`` once this process starts training (now, if it already has)."""
+    if _identity is not None:
+        _notify(listener, _identity)
+    else:
+        _listeners.append(listener)
+
+
+def _notify(listener, identity: JobIdentity) -> None:
+    try:
+        listener(identity)
+    except Exception:  # one part failing to start must not stop training or the others
+        _logger.exception("opentelemetry-instrumentation-deepspeed: %r failed to start; training is not affected",
+                          listener)
 
 
 def defer_sdk(arguments: dict) -> None:
@@ -51,6 +68,8 @@ def start() -> JobIdentity:
         if _deferred_sdk_arguments is not None:
             _configure_sdk(identity)
         _identity = identity
+        while _listeners:
+            _notify(_listeners.pop(0), identity)
     return _identity
 
 

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
 from opentelemetry_instrumentation_deepspeed import semconv, trace_ids
 from opentelemetry_instrumentation_deepspeed.job import JobIdentity
 from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
+from opentelemetry_instrumentation_deepspeed.training_metrics import TrainingMetrics, batch_shape, flops_per_token
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _EMPTY = Context()
@@ -37,11 +39,15 @@ _NOT_SAMPLED = TraceFlags(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 @dataclass
 class _Step:
     number: int
+    start: int
     span: trace.Span
     context: Context
     root: trace.Span | None
     micro_batches: int = 0
+    tokens: int = 0
     phase: trace.Span | None = None
+    phase_name: str = ""
+    phase_start: int = 0
     phase_context: Context | None = None
     direct_backward: trace.Span | None = None
     skipped_before: int = 0
@@ -56,7 +62,7 @@ class _Step:
 class StepTracker(Component):
     """Spans of one DeepSpeed engine's steps. Holds no reference to the engine or its tensors."""
 
-    def __init__(self, provider: trace.TracerProvider, identity: JobIdentity, engine):
+    def __init__(self, provider: trace.TracerProvider, identity: JobIdentity, engine, meter=None):
         super().__init__("step tracing")
         self._provider = provider
         self._tracer = provider.get_tracer("opentelemetry_instrumentation_deepspeed", __version__)
@@ -72,6 +78,8 @@ class StepTracker(Component):
             semconv.TRAINING_MICRO_BATCH_SIZE: self._micro_batch_size,
         }
         self._comm_span_limit = env.comm_span_limit()
+        meter = meter or NoOpMeterProvider().get_meter(__name__)
+        self.metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None)
         self._step: _Step | None = None
         self._waits: list[tuple[int, int]] = []
 
@@ -93,16 +101,21 @@ class StepTracker(Component):
         self._waits.clear()
 
     @fail_open
-    def forward_started(self, engine) -> trace.Span:
+    def forward_started(self, engine, args=(), kwargs=None) -> trace.Span:
         step = self._step or self._open(engine)
-        span = self._phase_span(step, semconv.SPAN_FORWARD, step.micro_batches)
+        span = self._phase_span(step, semconv.SPAN_FORWARD, semconv.PHASE_FORWARD, step.micro_batches)
         step.micro_batches += 1
+        samples, tokens = batch_shape(args, kwargs or {})
+        self.metrics.samples += samples or self._micro_batch_size
+        if tokens:
+            self.metrics.tokens += tokens
+            step.tokens += tokens
         return span
 
     @fail_open
     def backward_started(self, engine, direct: bool = False) -> trace.Span:
         step = self._step or self._open(engine)
-        span = self._phase_span(step, semconv.SPAN_BACKWARD, max(step.micro_batches - 1, 0))
+        span = self._phase_span(step, semconv.SPAN_BACKWARD, semconv.PHASE_BACKWARD, max(step.micro_batches - 1, 0))
         if direct:
             span.set_attribute(semconv.TRAINING_BACKWARD_DIRECT, True)
             step.direct_backward = span
@@ -124,7 +137,7 @@ class StepTracker(Component):
             return None
         step = self._step or self._open(engine)
         step.skipped_before = engine.skipped_steps
-        return self._phase_span(step, semconv.SPAN_OPTIMIZER_STEP, None)
+        return self._phase_span(step, semconv.SPAN_OPTIMIZER_STEP, semconv.PHASE_OPTIMIZER_STEP, None)
 
     @fail_open
     def optimizer_step_ended(self, engine, span: trace.Span | None) -> None:
@@ -138,7 +151,8 @@ class StepTracker(Component):
             semconv.TRAINING_STEP_MICRO_BATCHES: step.micro_batches,
             semconv.TRAINING_STEP_SKIPPED: skipped,
         })
-        self._close(step)
+        end = self._close(step)
+        self.metrics.step((end - step.start) / 1e9, step.context, step.tokens, skipped, engine)
 
     @fail_open
     def phase_ended(self, span: trace.Span | None) -> None:
@@ -213,14 +227,14 @@ class StepTracker(Component):
             semconv.SPAN_STEP, context=parent, start_time=start,
             attributes={semconv.TRAINING_STEP: number, **self._static},
         )
-        step = _Step(number, span, trace.set_span_in_context(span, _EMPTY), root)
+        step = _Step(number, start, span, trace.set_span_in_context(span, _EMPTY), root)
         self._step = step
         for wait_start, wait_end in self._waits:
             self._data_wait_span(step, wait_start, wait_end)
         self._waits.clear()
         return step
 
-    def _close(self, step: _Step) -> None:
+    def _close(self, step: _Step) -> int:
         self._step = None
         if step.comm_count:
             step.span.set_attribute(semconv.COMM_COUNT, step.comm_count)
@@ -230,6 +244,7 @@ class StepTracker(Component):
         step.span.end(end_time=end)
         if step.root is not None:
             step.root.end(end_time=end)
+        return end
 
     def _data_wait_span(self, step: _Step, start: int, end: int) -> None:
         span = self._tracer.start_span(
@@ -237,21 +252,24 @@ class StepTracker(Component):
             attributes={semconv.TRAINING_MICRO_STEP: step.micro_batches},
         )
         span.end(end_time=end)
+        self.metrics.phase(semconv.PHASE_DATA_WAIT, (end - start) / 1e9, step.context)
 
-    def _phase_span(self, step: _Step, name: str, micro_step: int | None) -> trace.Span:
+    def _phase_span(self, step: _Step, name: str, phase: str, micro_step: int | None) -> trace.Span:
         attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
-        span = self._tracer.start_span(name, context=step.context, attributes=attributes)
-        step.phase = span
+        start = time.time_ns()
+        span = self._tracer.start_span(name, context=step.context, attributes=attributes, start_time=start)
+        step.phase, step.phase_name, step.phase_start = span, phase, start
         step.phase_context = trace.set_span_in_context(span, _EMPTY)
         step.phase_comm_count = step.phase_comm_dropped = 0
         return span
 
-    @staticmethod
-    def _end_phase(step: _Step, span: trace.Span) -> None:
+    def _end_phase(self, step: _Step, span: trace.Span) -> None:
+        end = time.time_ns()
         if step.phase is span:
             if step.phase_comm_count:
                 span.set_attribute(semconv.COMM_COUNT, step.phase_comm_count)
             if step.phase_comm_dropped:
                 span.set_attribute(semconv.COMM_SPANS_DROPPED, step.phase_comm_dropped)
+            self.metrics.phase(step.phase_name, (end - step.phase_start) / 1e9, step.phase_context)
             step.phase = step.phase_context = None
-        span.end()
+        span.end(end_time=end)

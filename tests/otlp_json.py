@@ -66,6 +66,7 @@ class Point:
     attributes: dict
     value: float  # a sum's value, or a histogram's count
     total: float = 0.0  # a histogram's sum
+    exemplar_trace_ids: tuple = ()
 
 
 def read_last_points(path: Path) -> list[Point]:
@@ -80,7 +81,8 @@ def read_last_points(path: Path) -> list[Point]:
                 if "histogram" in metric:
                     for point in metric["histogram"].get("dataPoints", []):
                         points.append(Point(metric["name"], _attributes(point.get("attributes")),
-                                            int(point.get("count", 0)), float(point.get("sum", 0.0))))
+                                            int(point.get("count", 0)), float(point.get("sum", 0.0)),
+                                            tuple(e["traceId"] for e in point.get("exemplars", []) if "traceId" in e)))
                 for kind in ("sum", "gauge"):
                     for point in metric.get(kind, {}).get("dataPoints", []):
                         value = point.get("asInt", point.get("asDouble", 0))

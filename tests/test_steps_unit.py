@@ -43,6 +43,15 @@ class Engine:
     def is_gradient_accumulation_boundary(self):
         return (self.micro_steps + 1) % self.grad_accum == 0
 
+    def fp16_enabled(self):
+        return True
+
+    def _get_optimizer_loss_scale(self):
+        return 2.0**16
+
+    def get_global_grad_norm(self):
+        return 0.5
+
     def step(self, tracker):
         span = tracker.optimizer_step_started(self)
         if self.is_gradient_accumulation_boundary():

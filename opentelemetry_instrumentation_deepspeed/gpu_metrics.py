@@ -1,0 +1,273 @@
+"""NVML GPU metrics of the GPU this rank trains on, as OpenTelemetry ``hw.*`` observable instruments.
+
+Names follow the OpenTelemetry hardware semantic conventions where they define one
+(``hw.gpu.utilization``, ``hw.gpu.memory.utilization``, ``hw.gpu.memory.usage``,
+``hw.gpu.memory.limit``, ``hw.gpu.io``, ``hw.power``, ``hw.energy``, ``hw.temperature``,
+``hw.errors``) and extend them in the same style (``hw.gpu.clock.*``, ``hw.gpu.nvlink.io``,
+``hw.gpu.throttle``, ``hw.gpu.process.memory.usage``). Every point carries ``hw.id`` (the GPU's
+UUID), ``hw.name``, ``hw.vendor`` and ``hw.type``; a MIG instance also ``hw.parent`` (its GPU's UUID).
+
+NVML is only called from the metric reader's thread, at collection. Handles are looked up once.
+A field the device does not support, or that starts failing, reports nothing from then on
+(never a made-up 0), with one warning per field.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Collection
+
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.metrics import Observation, get_meter
+
+from opentelemetry_instrumentation_deepspeed import session
+from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
+from opentelemetry_instrumentation_deepspeed.version import __version__
+
+_logger = logging.getLogger(__name__)
+
+# Bits of nvmlDeviceGetCurrentClocksEventReasons (formerly ...ThrottleReasons).
+THROTTLE_REASONS = (
+    (0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"), (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"), (0x20, "sw_thermal_slowdown"), (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"), (0x100, "display_clock_setting"),
+)
+_CACHE_SECONDS = 0.5  # one NVML read serves every instrument of one collection
+
+
+class _Device:
+    def __init__(self, nvml, handle):
+        self.handle = handle
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        self.attributes = {"hw.id": _text(uuid), "hw.name": _text(nvml.nvmlDeviceGetName(handle)),
+                           "hw.vendor": "NVIDIA", "hw.type": "gpu"}
+        try:
+            if nvml.nvmlDeviceIsMigDeviceHandle(handle):
+                parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+                self.attributes["hw.parent"] = _text(nvml.nvmlDeviceGetUUID(parent))
+        except nvml.NVMLError:
+            pass
+        self.with_direction = {
+            direction: {**self.attributes, "network.io.direction": direction} for direction in ("transmit", "receive")
+        }
+        self.pcie_bytes = {"transmit": 0.0, "receive": 0.0}
+        self.pcie_read_at: float | None = None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NvmlReader:
+    """Observable ``hw.*`` instruments over the given NVML devices."""
+
+    def __init__(self, nvml, handles: list):
+        self._nvml = nvml
+        self._devices = [_Device(nvml, handle) for handle in handles]
+        self._failed: set[str] = set()
+        self._stopped = False
+        self._cache: dict[tuple[int, str], tuple[float, object]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, meter) -> None:
+        nvml = self._nvml
+        gauge, updown, counter = (meter.create_observable_gauge, meter.create_observable_up_down_counter,
+                                  meter.create_observable_counter)
+        gauge("hw.gpu.utilization", [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates,
+                                                lambda u: u.gpu / 100)], unit="1",
+              description="Fraction of time the GPU ran kernels")
+        gauge("hw.gpu.memory.utilization", [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates,
+                                                       lambda u: u.memory / 100)], unit="1",
+              description="Fraction of time the GPU memory was read or written")
+        updown("hw.gpu.memory.usage", [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.used)],
+               unit="By", description="GPU memory in use")
+        updown("hw.gpu.memory.limit", [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.total)],
+               unit="By", description="GPU memory size")
+        gauge("hw.power", [self._each("power", nvml.nvmlDeviceGetPowerUsage, lambda mw: mw / 1000)], unit="W",
+              description="GPU power draw")
+        counter("hw.energy", [self._each("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, lambda mj: mj / 1000)],
+                unit="J", description="GPU energy consumed since the driver loaded")
+        gauge("hw.temperature", [self._each("temperature",
+                                            lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
+                                            float)], unit="Cel", description="GPU temperature")
+        gauge("hw.gpu.clock.sm", [self._each("clock.sm", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+                                             lambda mhz: mhz * 1e6)], unit="Hz", description="SM clock")
+        gauge("hw.gpu.clock.memory", [self._each("clock.memory",
+                                                 lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
+                                                 lambda mhz: mhz * 1e6)], unit="Hz", description="Memory clock")
+        counter("hw.errors", [self._ecc], unit="{error}", description="GPU memory ECC errors since the driver loaded")
+        counter("hw.gpu.io", [self._pcie], unit="By",
+                description="PCIe bytes, integrated from NVML's throughput samples between collections")
+        counter("hw.gpu.nvlink.io", [self._nvlink], unit="By", description="NVLink data bytes")
+        gauge("hw.gpu.throttle", [self._throttle], unit="1",
+              description="1 while a clock-throttle reason is active, else 0, per reason")
+        updown("hw.gpu.process.memory.usage", [self._process_memory], unit="By",
+               description="GPU memory used by this rank's process")
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def _read(self, device: _Device, field: str, read):
+        """NVML's value of ``field``, or None once that field failed (said once)."""
+        if self._stopped or field in self._failed:
+            return None
+        key = (id(device), field)
+        now = time.monotonic()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None and now - cached[0] < _CACHE_SECONDS:
+                return cached[1]
+            try:
+                value = read(device.handle)
+            except self._nvml.NVMLError as error:
+                self._failed.add(field)
+                _logger.warning("NVML %s of GPU %s: %s; it is not reported from now on.", field,
+                                device.attributes["hw.id"], error)
+                return None
+            self._cache[key] = (now, value)
+            return value
+
+    def _each(self, field: str, read, convert):
+        def observe(_options):
+            observations = []
+            for device in self._devices:
+                value = self._read(device, field, read)
+                if value is not None:
+                    observations.append(Observation(convert(value), device.attributes))
+            return observations
+
+        return observe
+
+    def _ecc(self, _options):
+        nvml, observations = self._nvml, []
+        for device in self._devices:
+            for error_type, kind in (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                                     ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+                count = self._read(device, f"ecc.{error_type}", lambda h, kind=kind: nvml.nvmlDeviceGetTotalEccErrors(
+                    h, kind, nvml.NVML_AGGREGATE_ECC))
+                if count is not None:
+                    observations.append(Observation(count, {**device.attributes, "error.type": error_type}))
+        return observations
+
+    def _pcie(self, _options):
+        nvml, observations, now = self._nvml, [], time.monotonic()
+        for device in self._devices:
+            rates = {direction: self._read(device, f"pcie.{direction}",
+                                           lambda h, c=counter: nvml.nvmlDeviceGetPcieThroughput(h, c))
+                     for direction, counter in (("transmit", nvml.NVML_PCIE_UTIL_TX_BYTES),
+                                                ("receive", nvml.NVML_PCIE_UTIL_RX_BYTES))}
+            elapsed = 0.0 if device.pcie_read_at is None else now - device.pcie_read_at
+            device.pcie_read_at = now
+            for direction, kilobytes_per_second in rates.items():
+                if kilobytes_per_second is not None:
+                    device.pcie_bytes[direction] += kilobytes_per_second * 1024 * elapsed
+                    observations.append(Observation(int(device.pcie_bytes[direction]),
+                                                    device.with_direction[direction]))
+        return observations
+
+    def _nvlink(self, _options):
+        nvml, observations = self._nvml, []
+        fields = (("transmit", getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", None)),
+                  ("receive", getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", None)))
+        for device in self._devices:
+            for direction, field_id in fields:
+                if field_id is None:
+                    continue
+                value = self._read(device, f"nvlink.{direction}",
+                                   lambda h, f=field_id: _field_value(nvml, h, f))
+                if value is not None:
+                    observations.append(Observation(value * 1024, device.with_direction[direction]))
+        return observations
+
+    def _throttle(self, _options):
+        nvml, observations = self._nvml, []
+        read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        for device in self._devices:
+            mask = self._read(device, "throttle", read)
+            if mask is not None:
+                observations += [
+                    Observation(1 if mask & bit else 0, {**device.attributes, "hw.gpu.throttle.reason": name})
+                    for bit, name in THROTTLE_REASONS]
+        return observations
+
+    def _process_memory(self, _options):
+        nvml, observations, pid = self._nvml, [], os.getpid()
+        for device in self._devices:
+            processes = self._read(device, "process.memory", nvml.nvmlDeviceGetComputeRunningProcesses)
+            if processes is None:
+                continue
+            used = sum(p.usedGpuMemory or 0 for p in processes if p.pid == pid)
+            observations.append(Observation(used, device.attributes))
+        return observations
+
+
+def _field_value(nvml, handle, field_id):
+    (value,) = nvml.nvmlDeviceGetFieldValues(handle, [field_id])
+    if value.nvmlReturn != nvml.NVML_SUCCESS:
+        raise nvml.NVMLError(value.nvmlReturn)
+    return value.value.ullVal
+
+
+def rank_device_uuids() -> list[str]:
+    """UUIDs of the CUDA device this process trains on, as torch names it (honours CUDA_VISIBLE_DEVICES)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    index = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return [uuid] if uuid.startswith(("GPU-", "MIG-")) else [f"GPU-{uuid}", f"MIG-{uuid}"]
+
+
+def start(meter, nvml=None, uuids: list[str] | None = None) -> NvmlReader | None:
+    """Register the rank's GPU metrics; None (and one warning) when NVML cannot serve them."""
+    uuids = rank_device_uuids() if uuids is None else uuids
+    if not uuids:
+        return None  # this rank trains on no CUDA device: nothing to report, nothing to say
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+    except Exception as error:  # noqa: BLE001 - NVML missing or broken: GPU metrics off, training on
+        _logger.warning("NVML is not available (%s); GPU metrics are not reported.", error)
+        return None
+    for uuid in uuids:
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except nvml.NVMLError:
+            continue
+        reader = NvmlReader(nvml, [handle])
+        reader.register(meter)
+        return reader
+    _logger.warning("NVML does not know this rank's GPU %s; GPU metrics are not reported.", uuids[0])
+    return None
+
+
+class GpuMetricsInstrumentor(BaseInstrumentor):
+    """NVML metrics of each rank's own GPU, from the moment its DeepSpeed engine is built."""
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments_torch
+
+    def _instrument(self, **kwargs):
+        self._active = True
+        meter_provider = kwargs.get("meter_provider")
+
+        def started(_identity):
+            if self._active:
+                self.reader = start(get_meter("opentelemetry_instrumentation_deepspeed", __version__, meter_provider))
+
+        session.on_start(started)
+
+    def _uninstrument(self, **kwargs):
+        # Observable instruments cannot be removed from a meter; the reader stops reading instead.
+        self._active = False
+        reader = getattr(self, "reader", None)
+        if reader is not None:
+            reader.stop()

@@ -1,0 +1,171 @@
+"""The NVML reader with a fake at the pynvml boundary (the real one: scripts/gpu-check.sh)."""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections import namedtuple
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from opentelemetry_instrumentation_deepspeed import gpu_metrics
+
+Utilization = namedtuple("Utilization", "gpu memory")
+Memory = namedtuple("Memory", "total used free")
+Process = namedtuple("Process", "pid usedGpuMemory")
+
+
+class NVMLError(Exception):
+    pass
+
+
+class NotSupported(NVMLError):
+    pass
+
+
+def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0):
+    """pynvml as NVML answers on a host with ``gpus`` GPUs; counts calls."""
+    calls = []
+    handles = [f"handle-{index}" for index in range(gpus)]
+
+    def device_call(name, result):
+        def call(handle, *args):
+            calls.append((name, handle))
+            if name in unsupported:
+                raise NotSupported(f"{name}: Not Supported")
+            return result(handle, *args) if callable(result) else result
+        return call
+
+    index_of = {handle: index for index, handle in enumerate(handles)}
+    nvml = types.SimpleNamespace(
+        calls=calls, NVMLError=NVMLError, NVML_SUCCESS=0, NVML_TEMPERATURE_GPU=0, NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2,
+        NVML_PCIE_UTIL_TX_BYTES=0, NVML_PCIE_UTIL_RX_BYTES=1, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_AGGREGATE_ECC=1,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: handles[int(uuid.rsplit("-", 1)[1])],
+        nvmlDeviceGetUUID=lambda handle: (f"MIG-{index_of.get(handle, 9)}" if mig and handle in index_of
+                                          else f"GPU-{index_of.get(handle, 9)}").encode(),
+        nvmlDeviceGetName=lambda handle: "NVIDIA H100 80GB HBM3",
+        nvmlDeviceIsMigDeviceHandle=lambda handle: mig,
+        nvmlDeviceGetDeviceHandleFromMigDeviceHandle=lambda handle: "parent",
+        nvmlDeviceGetUtilizationRates=device_call("utilization", Utilization(87, 40)),
+        nvmlDeviceGetMemoryInfo=device_call("memory", Memory(80 * 2**30, 60 * 2**30, 20 * 2**30)),
+        nvmlDeviceGetPowerUsage=device_call("power", 612_500),
+        nvmlDeviceGetTotalEnergyConsumption=device_call("energy", 9_000_000),
+        nvmlDeviceGetTemperature=device_call("temperature", 71),
+        nvmlDeviceGetClockInfo=device_call("clock", lambda handle, kind: 1980 if kind == 1 else 2619),
+        nvmlDeviceGetTotalEccErrors=device_call("ecc", lambda handle, kind, counter: 3 if kind == 0 else 0),
+        nvmlDeviceGetPcieThroughput=device_call("pcie", lambda handle, kind: 1000),
+        nvmlDeviceGetCurrentClocksEventReasons=device_call("throttle", 0x4 | 0x40),
+        nvmlDeviceGetComputeRunningProcesses=device_call("processes", [Process(pid, 2**30), Process(1, 5 * 2**30)]),
+    )
+    return nvml
+
+
+def collect(reader_factory):
+    metric_reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[metric_reader])
+    reader = reader_factory(provider.get_meter("test"))
+
+    def points():
+        data = metric_reader.get_metrics_data()
+        found = {}
+        for resource_metrics in data.resource_metrics if data else []:
+            for scope in resource_metrics.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:
+                        found.setdefault(metric.name, []).append((dict(point.attributes), point.value, metric.unit))
+        return found
+
+    return reader, points
+
+
+def test_names_units_and_attributes(monkeypatch):
+    nvml = fake_nvml(pid=4242)
+    monkeypatch.setattr(gpu_metrics.os, "getpid", lambda: 4242)
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+    found = points()
+    device = {"hw.id": "GPU-0", "hw.name": "NVIDIA H100 80GB HBM3", "hw.vendor": "NVIDIA", "hw.type": "gpu"}
+
+    def only(name):
+        (point,) = found[name]
+        return point
+
+    assert only("hw.gpu.utilization") == (device, 0.87, "1")
+    assert only("hw.gpu.memory.utilization") == (device, 0.40, "1")
+    assert only("hw.gpu.memory.usage") == (device, 60 * 2**30, "By")
+    assert only("hw.gpu.memory.limit") == (device, 80 * 2**30, "By")
+    assert only("hw.power") == (device, 612.5, "W")
+    assert only("hw.energy") == (device, 9000, "J")
+    assert only("hw.temperature") == (device, 71, "Cel")
+    assert only("hw.gpu.clock.sm") == (device, 1980e6, "Hz")
+    assert only("hw.gpu.clock.memory") == (device, 2619e6, "Hz")
+    assert only("hw.gpu.process.memory.usage") == (device, 2**30, "By"), "this rank's process only"
+    assert sorted((a["error.type"], v) for a, v, _ in found["hw.errors"]) == [("corrected", 3), ("uncorrected", 0)]
+    assert {a["network.io.direction"] for a, _, _ in found["hw.gpu.io"]} == {"transmit", "receive"}
+    throttled = {a["hw.gpu.throttle.reason"] for a, v, _ in found["hw.gpu.throttle"] if v == 1}
+    assert throttled == {"sw_power_cap", "hw_thermal_slowdown"}
+    # One NVML read per field per collection, although two instruments use utilization and memory.
+    reads = [name for name, _ in nvml.calls]
+    assert reads.count("utilization") == 1 and reads.count("memory") == 1
+
+
+def test_unsupported_field_reports_nothing_and_warns_once(caplog):
+    nvml = fake_nvml(unsupported={"power", "utilization"})
+    with caplog.at_level(logging.WARNING):
+        _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+        first, second = points(), points()
+    for found in (first, second):
+        assert "hw.power" not in found, "never a made-up 0"
+        assert "hw.gpu.utilization" not in found and "hw.gpu.memory.utilization" not in found
+        assert "hw.temperature" in found
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and all("not reported from now on" in w for w in warnings)
+    assert [name for name, _ in nvml.calls].count("power") == 1, "a failed field is not read again"
+
+
+def test_failure_mid_run_stops_that_field(caplog):
+    nvml = fake_nvml()
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+    assert "hw.temperature" in points()
+    nvml.nvmlDeviceGetTemperature = lambda handle, kind: (_ for _ in ()).throw(NVMLError("GPU is lost"))
+    gpu_metrics._CACHE_SECONDS, saved = 0.0, gpu_metrics._CACHE_SECONDS
+    try:
+        with caplog.at_level(logging.WARNING):
+            found = points()
+    finally:
+        gpu_metrics._CACHE_SECONDS = saved
+    assert "hw.temperature" not in found and "hw.power" in found
+    assert "GPU is lost" in caplog.text
+
+
+def test_nvml_missing_or_failing_at_init(caplog):
+    broken = fake_nvml()
+    broken.nvmlInit = lambda: (_ for _ in ()).throw(NVMLError("Driver Not Loaded"))
+    with caplog.at_level(logging.WARNING):
+        _, points = collect(lambda meter: gpu_metrics.start(meter, broken, ["GPU-0"]))
+    assert not [name for name in points() if name.startswith("hw.")]
+    assert "Driver Not Loaded" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert gpu_metrics.start(None, broken, []) is None
+    assert not caplog.records, "a rank without a CUDA device has nothing to say"
+
+
+def test_mig_instance_is_reported_as_such():
+    nvml = fake_nvml(mig=True)
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["MIG-0"]))
+    ((attributes, _, _),) = points()["hw.gpu.memory.usage"]
+    assert attributes["hw.id"] == "MIG-0" and attributes["hw.parent"] == "GPU-9"
+
+
+@pytest.mark.parametrize("gpus", [4])
+def test_each_rank_of_a_multi_gpu_host_reports_only_its_own_gpu(gpus):
+    nvml = fake_nvml(gpus=gpus)
+    reported = []
+    for rank in range(gpus):
+        _, points = collect(lambda meter, rank=rank: gpu_metrics.start(meter, nvml, [f"GPU-{rank}"]))
+        reported.append({attributes["hw.id"] for attributes, _, _ in points()["hw.power"]})
+    assert reported == [{f"GPU-{rank}"} for rank in range(gpus)]

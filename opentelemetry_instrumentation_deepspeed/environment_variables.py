@@ -57,6 +57,9 @@ OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS = "OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS"
 (H200, H100, A100, L40S, A10G, V100, B200); elsewhere no MFU is reported.
 """
 
+OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT"
+"""With the SDK's Prometheus exporter: seconds a rank waits at exit for one last scrape. Default: 0 (no wait)."""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_JOB_ID_TIMEOUT = 60.0
 DEFAULT_COMM_MODE = "spans"
@@ -151,6 +154,21 @@ def peak_flops() -> float | None:
     return _read(OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS, None, _positive_number)
 
 
+def _seconds_or_zero(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 <= value <= 3600:
+        raise ValueError("expected seconds in [0, 3600]")
+    return value
+
+
+@cache
+def prometheus_final_scrape_timeout() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT, 0.0, _seconds_or_zero)
+
+
 @cache
 def comm_mode() -> str:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM, DEFAULT_COMM_MODE, _one_of(COMM_MODES))
@@ -161,7 +179,8 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
-_READERS = (output_dir, job_id, job_id_timeout, comm_mode, comm_span_limit, flops_per_token, peak_flops)
+_READERS = (output_dir, job_id, job_id_timeout, comm_mode, comm_span_limit, flops_per_token, peak_flops,
+            prometheus_final_scrape_timeout)
 
 
 def check_all() -> None:

@@ -83,7 +83,13 @@ def _configure_sdk(identity: JobIdentity) -> None:
         return
     from opentelemetry.sdk._configuration import _initialize_components
 
+    from opentelemetry_instrumentation_deepspeed import prometheus
+
+    if prometheus.in_use():
+        prometheus.assign_port(identity.local_rank)
     _initialize_components(**arguments, resource_attributes=identity.resource_attributes())
+    if prometheus.in_use():
+        prometheus.wait_for_final_scrape_at_exit()
     if any(env.EMBEDDED_EXPORTER in os.environ.get(name, "") for name in _EXPORTER_VARIABLES):
         from opentelemetry_instrumentation_deepspeed import output
 

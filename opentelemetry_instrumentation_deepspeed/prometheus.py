@@ -1,0 +1,65 @@
+"""The SDK's Prometheus exporter on a multi-rank host: one port per rank, and a last scrape.
+
+Every rank of a host would bind ``OTEL_EXPORTER_PROMETHEUS_PORT``; rank ``local_rank`` binds that
+port plus ``local_rank`` instead. Prometheus pulls, so the values of a job's last seconds are
+lost when the process exits before the next scrape: with
+``OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT`` set, the process waits at exit, up to
+that many seconds, for one more scrape.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+
+from opentelemetry_instrumentation_deepspeed import environment_variables as env
+
+DEFAULT_PORT = 9464
+
+
+def in_use() -> bool:
+    return "prometheus" in [name.strip() for name in os.environ.get("OTEL_METRICS_EXPORTER", "").split(",")]
+
+
+def assign_port(local_rank: int) -> int:
+    """Before the SDK starts the exporter's server: this rank's port."""
+    try:
+        base = int(os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", DEFAULT_PORT))
+    except ValueError:
+        base = DEFAULT_PORT
+    port = base + local_rank
+    os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(port)
+    return port
+
+
+class _ScrapeWatch:
+    """A collector that only notes when Prometheus scraped this process."""
+
+    def __init__(self):
+        self.scraped = threading.Condition()
+        self.last = 0.0
+
+    def collect(self):
+        with self.scraped:
+            self.last = time.monotonic()
+            self.scraped.notify_all()
+        return []
+
+    def wait_for_scrape(self, timeout: float) -> None:
+        since = time.monotonic()
+        with self.scraped:
+            self.scraped.wait_for(lambda: self.last > since, timeout=timeout)
+
+
+def wait_for_final_scrape_at_exit() -> None:
+    timeout = env.prometheus_final_scrape_timeout()
+    if not timeout:
+        return
+    from prometheus_client import REGISTRY
+
+    watch = _ScrapeWatch()
+    REGISTRY.register(watch)
+    # Registered after the SDK's own exit handler, so it runs first, while the exporter still serves.
+    atexit.register(watch.wait_for_scrape, timeout)

@@ -30,6 +30,7 @@ def parse_args(argv=None):
     parser.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
@@ -156,7 +157,7 @@ def main(argv=None):
     else:
         sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank,
                                      shuffle=False)
-        loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler)
+        loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers)
 
     if args.comms_log:
         deepspeed.comm.configure(enabled=True, prof_all=True)

@@ -4,6 +4,9 @@ Every ``torch.utils.data.DataLoader`` iterator (single- and multi-process) and D
 own loaders (``DeepSpeedDataLoader``, ``RepeatingLoader``), which wrap one. Only the outermost
 ``__next__`` on a thread is timed, so a DeepSpeed loader around a DataLoader counts once.
 A ``next()`` that ends the iteration (``StopIteration``) is the end of an epoch, not a wait.
+
+Once training starts, the CPU and memory of the rank's child processes (its DataLoader workers,
+and any other child) are observed at collection, summed: ``training.data.workers.*``.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import time
 from collections.abc import Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.metrics import Observation, get_meter
 
-from opentelemetry_instrumentation_deepspeed import trackers
+from opentelemetry_instrumentation_deepspeed import semconv, session, trackers
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
+from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _TARGETS = (
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
@@ -42,6 +47,58 @@ def _next(wrapped, instance, args, kwargs):
     return batch
 
 
+class WorkerProcesses:
+    """The rank's child processes, read from /proc by psutil: never waits on or reaps them."""
+
+    def __init__(self):
+        import psutil
+
+        self._psutil = psutil
+        self._self = psutil.Process()
+        self._known: dict[int, object] = {}  # pid -> psutil.Process, whose CPU deltas it keeps
+        self.active = True
+
+    def _children(self) -> list:
+        if not self.active:
+            return []
+        children = []
+        for child in self._self.children():
+            known = self._known.setdefault(child.pid, child)
+            children.append(known)
+        self._known = {child.pid: child for child in children}
+        return children
+
+    def count(self, _options):
+        return [Observation(len(self._children()))] if self.active else []
+
+    def cpu(self, _options):
+        total = 0.0
+        for child in self._children():
+            try:
+                total += child.cpu_percent(None) / 100
+            except self._psutil.Error:
+                pass
+        return [Observation(total)] if self.active else []
+
+    def memory(self, _options):
+        total = 0
+        for child in self._children():
+            try:
+                total += child.memory_info().rss
+            except self._psutil.Error:
+                pass
+        return [Observation(total)] if self.active else []
+
+    def register(self, meter) -> None:
+        meter.create_observable_up_down_counter(semconv.METRIC_WORKERS, [self.count], unit="{process}",
+                                                description="Child processes of the rank (DataLoader workers)")
+        meter.create_observable_gauge(semconv.METRIC_WORKERS_CPU, [self.cpu], unit="1",
+                                      description="CPU used by the rank's child processes since the last "
+                                                  "collection, in CPUs (1 = one core busy)")
+        meter.create_observable_up_down_counter(semconv.METRIC_WORKERS_MEMORY, [self.memory], unit="By",
+                                                description="Resident memory of the rank's child processes")
+
+
 class DataLoaderInstrumentor(BaseInstrumentor):
     """Records ``training.data.wait`` spans into the step of the engine that trains."""
 
@@ -50,6 +107,15 @@ class DataLoaderInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs):
         self._patching = True
+        meter_provider = kwargs.get("meter_provider")
+
+        def started(_identity):
+            if self._patching:
+                self._workers = WorkerProcesses()
+                self._workers.register(get_meter("opentelemetry_instrumentation_deepspeed", __version__,
+                                                 meter_provider))
+
+        session.on_start(started)
         for module_name, class_name in _TARGETS:
             def patch(module, class_name=class_name):
                 if self._patching:
@@ -59,5 +125,7 @@ class DataLoaderInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs):
         self._patching = False
+        if getattr(self, "_workers", None) is not None:
+            self._workers.active = False
         for module_name, class_name in _TARGETS:
             unwrap_methods(getattr(sys.modules.get(module_name), class_name, None), ["__next__"])

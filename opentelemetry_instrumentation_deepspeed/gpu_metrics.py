@@ -56,6 +56,7 @@ class _Device:
         }
         self.pcie_bytes = {"transmit": 0.0, "receive": 0.0}
         self.pcie_read_at: float | None = None
+        self.gpm_samples: list | None = None  # [previous, current] GPM samples, once known supported
 
 
 def _text(value) -> str:
@@ -107,6 +108,8 @@ class NvmlReader:
               description="1 while a clock-throttle reason is active, else 0, per reason")
         updown("hw.gpu.process.memory.usage", [self._process_memory], unit="By",
                description="GPU memory used by this rank's process")
+        gauge("hw.gpu.sm.activity", [self._sm_activity], unit="1",
+              description="Fraction of SMs busy between two collections (NVML GPM, Hopper and newer)")
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -126,12 +129,15 @@ class NvmlReader:
             try:
                 value = read(device.handle)
             except self._nvml.NVMLError as error:
-                self._failed.add(field)
-                _logger.warning("NVML %s of GPU %s: %s; it is not reported from now on.", field,
-                                device.attributes["hw.id"], error)
+                self._fail(field, device, error)
                 return None
             self._cache[key] = (now, value)
             return value
+
+    def _fail(self, field: str, device: _Device, error) -> None:
+        self._failed.add(field)
+        _logger.warning("NVML %s of GPU %s: %s; it is not reported from now on.", field, device.attributes["hw.id"],
+                        error)
 
     def _each(self, field: str, read, convert):
         def observe(_options):
@@ -205,6 +211,34 @@ class NvmlReader:
                 continue
             used = sum(p.usedGpuMemory or 0 for p in processes if p.pid == pid)
             observations.append(Observation(used, device.attributes))
+        return observations
+
+
+    def _sm_activity(self, _options):
+        """SM utilization between this collection's GPM sample and the previous one."""
+        nvml, observations = self._nvml, []
+        for device in self._devices:
+            if self._stopped or "gpm" in self._failed:
+                continue
+            try:
+                if device.gpm_samples is None:
+                    if not nvml.nvmlGpmQueryDeviceSupport(device.handle).isSupportedDevice:
+                        raise nvml.NVMLError("GPM not supported by this GPU")
+                    device.gpm_samples = [None, nvml.nvmlGpmSampleAlloc()]
+                previous, current = device.gpm_samples
+                nvml.nvmlGpmSampleGet(device.handle, current)
+                if previous is not None:
+                    query = nvml.c_nvmlGpmMetricsGet_t()
+                    query.version, query.numMetrics = nvml.NVML_GPM_METRICS_GET_VERSION, 1
+                    query.sample1, query.sample2 = previous, current
+                    query.metrics[0].metricId = nvml.NVML_GPM_METRIC_SM_UTIL
+                    metric = nvml.nvmlGpmMetricsGet(query).metrics[0]
+                    if metric.nvmlReturn != nvml.NVML_SUCCESS:
+                        raise nvml.NVMLError(metric.nvmlReturn)
+                    observations.append(Observation(metric.value / 100, device.attributes))
+                device.gpm_samples = [current, previous or nvml.nvmlGpmSampleAlloc()]
+            except nvml.NVMLError as error:
+                self._fail("gpm", device, error)
         return observations
 
 

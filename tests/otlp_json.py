@@ -72,10 +72,17 @@ class Point:
 def read_last_points(path: Path) -> list[Point]:
     """The data points of the last export (cumulative: the run's totals)."""
     lines = path.read_text().splitlines()
-    if not lines:
-        return []
+    return _points(json.loads(lines[-1])) if lines else []
+
+
+def read_all_points(path: Path) -> list[Point]:
+    """The data points of every export, in order."""
+    return [point for line in path.read_text().splitlines() for point in _points(json.loads(line))]
+
+
+def _points(request: dict) -> list[Point]:
     points = []
-    for resource_metrics in json.loads(lines[-1]).get("resourceMetrics", []):
+    for resource_metrics in request.get("resourceMetrics", []):
         for scope_metrics in resource_metrics.get("scopeMetrics", []):
             for metric in scope_metrics.get("metrics", []):
                 if "histogram" in metric:

@@ -25,9 +25,32 @@ class NotSupported(NVMLError):
     pass
 
 
-def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0):
+class GpmSample:
+    taken_at = None
+
+
+class GpmQuery:
+    """pynvml's c_nvmlGpmMetricsGet_t, as far as the reader fills it."""
+
+    def __init__(self):
+        self.metrics = [types.SimpleNamespace(metricId=None, nvmlReturn=None, value=None)]
+
+
+def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0, gpm: bool = True):
     """pynvml as NVML answers on a host with ``gpus`` GPUs; counts calls."""
     calls = []
+    clock = iter(range(1, 10**6))
+
+    def gpm_metrics_get(query):
+        calls.append(("gpm", query.sample1.taken_at, query.sample2.taken_at))
+        assert query.sample1.taken_at < query.sample2.taken_at, "older sample first"
+        assert query.metrics[0].metricId == 2 and query.numMetrics == 1
+        query.metrics[0].nvmlReturn, query.metrics[0].value = 0, 62.5
+        return query
+
+    def gpm_sample_get(handle, sample):
+        sample.taken_at = next(clock)
+        return sample
     handles = [f"handle-{index}" for index in range(gpus)]
 
     def device_call(name, result):
@@ -60,6 +83,9 @@ def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0):
         nvmlDeviceGetPcieThroughput=device_call("pcie", lambda handle, kind: 1000),
         nvmlDeviceGetCurrentClocksEventReasons=device_call("throttle", 0x4 | 0x40),
         nvmlDeviceGetComputeRunningProcesses=device_call("processes", [Process(pid, 2**30), Process(1, 5 * 2**30)]),
+        NVML_GPM_METRICS_GET_VERSION=1, NVML_GPM_METRIC_SM_UTIL=2, c_nvmlGpmMetricsGet_t=GpmQuery,
+        nvmlGpmQueryDeviceSupport=lambda handle: types.SimpleNamespace(isSupportedDevice=int(gpm)),
+        nvmlGpmSampleAlloc=GpmSample, nvmlGpmSampleGet=gpm_sample_get, nvmlGpmMetricsGet=gpm_metrics_get,
     )
     return nvml
 
@@ -112,8 +138,26 @@ def test_names_units_and_attributes(monkeypatch):
     assert reads.count("utilization") == 1 and reads.count("memory") == 1
 
 
+def test_sm_activity_from_gpm_between_collections():
+    nvml = fake_nvml()
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+    assert "hw.gpu.sm.activity" not in points(), "one GPM sample is not an interval yet"
+    for _ in range(3):
+        ((_, value, unit),) = points()["hw.gpu.sm.activity"]
+        assert (value, unit) == (0.625, "1")
+    assert [call[1:] for call in nvml.calls if call[0] == "gpm"] == [(1, 2), (2, 3), (3, 4)]
+
+
+def test_gpu_without_gpm_reports_no_sm_activity(caplog):
+    nvml = fake_nvml(gpm=False)
+    with caplog.at_level(logging.WARNING):
+        _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+        assert "hw.gpu.sm.activity" not in points() | points()
+    assert caplog.text.count("GPM not supported") == 1
+
+
 def test_unsupported_field_reports_nothing_and_warns_once(caplog):
-    nvml = fake_nvml(unsupported={"power", "utilization"})
+    nvml = fake_nvml(unsupported={"power", "utilization"}, gpm=False)
     with caplog.at_level(logging.WARNING):
         _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
         first, second = points(), points()
@@ -121,7 +165,7 @@ def test_unsupported_field_reports_nothing_and_warns_once(caplog):
         assert "hw.power" not in found, "never a made-up 0"
         assert "hw.gpu.utilization" not in found and "hw.gpu.memory.utilization" not in found
         assert "hw.temperature" in found
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = [r.getMessage() for r in caplog.records if "GPM" not in r.getMessage()]
     assert len(warnings) == 2 and all("not reported from now on" in w for w in warnings)
     assert [name for name, _ in nvml.calls].count("power") == 1, "a failed field is not read again"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import launch
-from tests.otlp_json import read_last_points
+from tests.otlp_json import read_all_points, read_last_points
 
 STEPS, GRAD_ACCUM, MICRO_BATCH, SEQ_LEN = 5, 2, 4, 32
 
@@ -80,3 +80,16 @@ def test_mfu_grad_norm_and_bounded_attributes(run):
         for point in points:
             if point.metric.startswith("training."):
                 assert set(point.attributes) <= {"training.phase", "comm.op", "comm.backend", "comm.group.size"}
+
+
+def test_dataloader_workers_are_measured(workdir):
+    launch(workdir, "python", "--steps", "30", "--workers", "2",
+           env={"OTEL_METRIC_EXPORT_INTERVAL": "200"}).check()
+    (metrics_file,) = workdir.glob("telemetry/*/metrics-rank0.jsonl")
+    points = read_all_points(metrics_file)
+    workers = [p.value for p in points if p.metric == "training.data.workers"]
+    memory = [p.value for p in points if p.metric == "training.data.workers.memory.usage"]
+    cpu = [p.value for p in points if p.metric == "training.data.workers.cpu.utilization"]
+    assert 2 in workers, workers
+    assert max(memory) > 10 * 2**20, "two Python processes hold more than 10 MiB"
+    assert all(0 <= value <= 4 for value in cpu)

@@ -20,23 +20,30 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="needs Prometheus (apt-get install prometheus; scripts/test.sh does)")
 
 
-@pytest.fixture
-def prometheus(tmp_path):
-    exporter_port = free_port()
-    while True:  # two consecutive free ports: rank r listens on base + r
+def free_port_pair(avoid: int) -> int:
+    """A free port whose successor is free too (rank r listens on base + r), neither being ``avoid``."""
+    while True:
+        port = free_port()
+        if avoid in (port, port + 1):
+            continue
         try:
             with socket.socket() as sock:
-                sock.bind(("127.0.0.1", exporter_port + 1))
-            break
+                sock.bind(("127.0.0.1", port + 1))
+            return port
         except OSError:
-            exporter_port = free_port()
+            continue
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    port = free_port()
+    exporter_port = free_port_pair(avoid=port)
     targets = [f"127.0.0.1:{exporter_port}", f"127.0.0.1:{exporter_port + 1}"]
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({
         "global": {"scrape_interval": "1s", "scrape_timeout": "800ms"},
         "scrape_configs": [{"job_name": "training", "static_configs": [{"targets": targets}]}],
     }))
-    port = free_port()
     server = subprocess.Popen(
         ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],

@@ -4,7 +4,7 @@ Every rank of a host would bind ``OTEL_EXPORTER_PROMETHEUS_PORT``; rank ``local_
 port plus ``local_rank`` instead. Prometheus pulls, so the values of a job's last seconds are
 lost when the process exits before the next scrape: with
 ``OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT`` set, the process waits at exit, up to
-that many seconds, for one more scrape.
+that many seconds, until one more scrape has been delivered.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import time
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
 
@@ -35,22 +34,24 @@ def assign_port(local_rank: int) -> int:
 
 
 class _ScrapeWatch:
-    """A collector that only notes when Prometheus scraped this process."""
+    """A collector that only counts the scrapes of this process."""
 
     def __init__(self):
         self.scraped = threading.Condition()
-        self.last = 0.0
+        self.scrapes = 0
 
     def collect(self):
         with self.scraped:
-            self.last = time.monotonic()
+            self.scrapes += 1
             self.scraped.notify_all()
         return []
 
     def wait_for_scrape(self, timeout: float) -> None:
-        since = time.monotonic()
+        # A scrape is seen when it starts: the first one after exit began has been delivered
+        # once the next one starts (a target is scraped one request at a time).
         with self.scraped:
-            self.scraped.wait_for(lambda: self.last > since, timeout=timeout)
+            target = self.scrapes + 2
+            self.scraped.wait_for(lambda: self.scrapes >= target, timeout=timeout)
 
 
 def wait_for_final_scrape_at_exit() -> None:

@@ -19,7 +19,9 @@ def environ(monkeypatch):
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
                  "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "OTEL_PYTHON_DEEPSPEED_JOB_ID",
                  "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "OTEL_PYTHON_DEEPSPEED_COMM",
-                 "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
+                 "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN",
+                 "OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS", "OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT",
+                 "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
                  "SLURM_JOB_ID", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
     env.reset_cache()
@@ -70,6 +72,12 @@ def test_signal_endpoint_only_affects_its_signal(environ):
     ("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "-1", env.comm_span_limit, 64),
     ("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "lots", env.comm_span_limit, 64),
     ("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "99999999999", env.comm_span_limit, 64),
+    ("OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN", "six billion", env.flops_per_token, None),
+    ("OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN", "0", env.flops_per_token, None),
+    ("OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS", "-989e12", env.peak_flops, None),
+    ("OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS", "inf", env.peak_flops, None),
+    ("OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "forever", env.prometheus_final_scrape_timeout, 0.0),
+    ("OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "7200", env.prometheus_final_scrape_timeout, 0.0),
 ])
 def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
     variable, raw, reader, default = case

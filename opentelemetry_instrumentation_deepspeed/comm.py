@@ -201,6 +201,9 @@ class CommObserver(Component):
             span.record_exception(error)
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         span.end(end_time=end)
+        tracker = trackers.active()
+        if tracker is not None:
+            tracker.note_interval(start, end, span)
 
     @staticmethod
     def _attributes_for(op: str, group: _Group) -> dict:

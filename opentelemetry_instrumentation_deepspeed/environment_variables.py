@@ -60,11 +60,27 @@ OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS = "OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS"
 OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT"
 """With the SDK's Prometheus exporter: seconds a rank waits at exit for one last scrape. Default: 0 (no wait)."""
 
+OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY = "OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY"
+"""Profile every N-th optimizer step with torch.profiler (operator and kernel spans); 0 turns it off."""
+
+OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER = "OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER"
+"""A file whose modification (``touch``) makes each rank profile the next step it starts. Empty: none."""
+
+OTEL_PYTHON_DEEPSPEED_PROFILE_TOP = "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP"
+"""Operators (by self time), and kernels (by time), that become spans per profiled step."""
+
+OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"
+"""Profile the next step when one takes more than this times the recent median; 0 turns it off."""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_JOB_ID_TIMEOUT = 60.0
 DEFAULT_COMM_MODE = "spans"
 COMM_MODES = ("spans", "metrics", "off")
 DEFAULT_COMM_SPAN_LIMIT = 64
+DEFAULT_PROFILE_EVERY = 1000
+DEFAULT_PROFILE_TRIGGER = "otel-profile-trigger"
+DEFAULT_PROFILE_TOP = 64
+DEFAULT_PROFILE_SLOW_FACTOR = 3.0
 
 
 def _warn_default(name: str, raw: str, default: object, why: str) -> None:
@@ -169,6 +185,47 @@ def prometheus_final_scrape_timeout() -> float:
     return _read(OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT, 0.0, _seconds_or_zero)
 
 
+def _path_or_nothing(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _top(raw: str) -> int:
+    value = _count(raw)
+    if value < 1:
+        raise ValueError("expected at least 1")
+    return value
+
+
+@cache
+def profile_every() -> int:
+    return _read(OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY, DEFAULT_PROFILE_EVERY, _count)
+
+
+@cache
+def profile_trigger() -> str | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER, DEFAULT_PROFILE_TRIGGER, _path_or_nothing)
+
+
+def _factor(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if not (value == 0 or 1 < value <= 1000):
+        raise ValueError("expected 0 (off) or a factor above 1")
+    return value
+
+
+@cache
+def profile_slow_factor() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR, DEFAULT_PROFILE_SLOW_FACTOR, _factor)
+
+
+@cache
+def profile_top() -> int:
+    return _read(OTEL_PYTHON_DEEPSPEED_PROFILE_TOP, DEFAULT_PROFILE_TOP, _top)
+
+
 @cache
 def comm_mode() -> str:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM, DEFAULT_COMM_MODE, _one_of(COMM_MODES))
@@ -180,7 +237,7 @@ def comm_span_limit() -> int:
 
 
 _READERS = (output_dir, job_id, job_id_timeout, comm_mode, comm_span_limit, flops_per_token, peak_flops,
-            prometheus_final_scrape_timeout)
+            prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top, profile_slow_factor)
 
 
 def check_all() -> None:

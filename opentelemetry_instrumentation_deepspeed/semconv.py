@@ -60,6 +60,18 @@ METRIC_COMM_DURATION = "training.comm.duration"
 METRIC_COMM_SIZE = "training.comm.size"
 METRIC_COMM_BUS_SIZE = "training.comm.bus.size"
 
+# Operator and kernel spans of profiled steps (named after the operator or kernel)
+PROFILE_KIND = "profile.kind"  # cpu_op, kernel, memcpy, memset
+PROFILE_DEVICE = "profile.device"
+PROFILE_STREAM = "profile.stream"
+PROFILE_SHAPES = "profile.shapes"
+PROFILE_FLOPS = "profile.flops"
+# On the step span of a profiled step
+PROFILE_OPS = "profile.ops"
+PROFILE_OPS_EMITTED = "profile.ops.emitted"
+PROFILE_KERNELS = "profile.kernels"
+PROFILE_KERNELS_EMITTED = "profile.kernels.emitted"
+
 # Resource attributes (service.*, host.name and process.pid are OpenTelemetry's own)
 TRAINING_JOB_ID = "training.job.id"
 TRAINING_RANK = "training.rank"

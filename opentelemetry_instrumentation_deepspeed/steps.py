@@ -24,7 +24,7 @@ from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import semconv, trace_ids
+from opentelemetry_instrumentation_deepspeed import kernels, semconv, trace_ids
 from opentelemetry_instrumentation_deepspeed.job import JobIdentity
 from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
 from opentelemetry_instrumentation_deepspeed.training_metrics import TrainingMetrics, batch_shape, flops_per_token
@@ -57,6 +57,8 @@ class _Step:
     comm_dropped: int = 0
     phase_comm_count: int = 0
     phase_comm_dropped: int = 0
+    # Phases and collectives of a profiled step, where its operators are placed; None otherwise.
+    intervals: list | None = None
 
 
 class StepTracker(Component):
@@ -78,6 +80,7 @@ class StepTracker(Component):
             semconv.TRAINING_MICRO_BATCH_SIZE: self._micro_batch_size,
         }
         self._comm_span_limit = env.comm_span_limit()
+        self._profiler = kernels.from_environment()
         meter = meter or NoOpMeterProvider().get_meter(__name__)
         self.metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None)
         self._step: _Step | None = None
@@ -151,6 +154,8 @@ class StepTracker(Component):
             semconv.TRAINING_STEP_MICRO_BATCHES: step.micro_batches,
             semconv.TRAINING_STEP_SKIPPED: skipped,
         })
+        if self._profiler is not None:
+            self._profiler.step_closed(self._tracer, step.span, step.intervals, (time.time_ns() - step.start) / 1e9)
         end = self._close(step)
         self.metrics.step((end - step.start) / 1e9, step.context, step.tokens, skipped, engine)
 
@@ -174,11 +179,19 @@ class StepTracker(Component):
         step.span.set_status(Status(StatusCode.ERROR, description))
         if step.root is not None:
             step.root.set_status(Status(StatusCode.ERROR, description))
+        if self._profiler is not None:
+            self._profiler.abandon()
         self._close(step)
 
     def step_number(self) -> int | None:
         step = self._step
         return None if step is None else step.number
+
+    def note_interval(self, start: int, end: int, span: trace.Span) -> None:
+        """A collective's span, for placing the operators of a profiled step."""
+        step = self._step
+        if step is not None and step.intervals is not None:
+            step.intervals.append(kernels.Interval(start, end, trace.set_span_in_context(span, _EMPTY)))
 
     def comm_issued(self, want_span: bool) -> Context | None:
         """Count a collective issued now; the parent for its span, or None (no step open, or over the limit)."""
@@ -228,6 +241,8 @@ class StepTracker(Component):
             attributes={semconv.TRAINING_STEP: number, **self._static},
         )
         step = _Step(number, start, span, trace.set_span_in_context(span, _EMPTY), root)
+        if self._profiler is not None and self._profiler.step_opened(number):
+            step.intervals = []
         self._step = step
         for wait_start, wait_end in self._waits:
             self._data_wait_span(step, wait_start, wait_end)
@@ -271,5 +286,7 @@ class StepTracker(Component):
             if step.phase_comm_dropped:
                 span.set_attribute(semconv.COMM_SPANS_DROPPED, step.phase_comm_dropped)
             self.metrics.phase(step.phase_name, (end - step.phase_start) / 1e9, step.phase_context)
+            if step.intervals is not None:
+                step.intervals.append(kernels.Interval(step.phase_start, end, step.phase_context))
             step.phase = step.phase_context = None
         span.end(end_time=end)

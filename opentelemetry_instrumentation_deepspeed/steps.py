@@ -15,6 +15,7 @@ closes when ``engine.step()`` returns on a gradient-accumulation boundary.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,15 @@ _MAX_PENDING_WAITS = 64
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED | getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 _NOT_SAMPLED = TraceFlags(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 
+def _gpu_timeline(engine, cuda):
+    device = getattr(engine, "device", None)
+    if cuda is None and getattr(device, "type", None) != "cuda":
+        return None
+    from opentelemetry_instrumentation_deepspeed.gpu_timing import GpuTimeline
+
+    return GpuTimeline(cuda or sys.modules["torch"].cuda)
+
+
 @dataclass
 class _Step:
     number: int
@@ -49,6 +59,7 @@ class _Step:
     phase_name: str = ""
     phase_start: int = 0
     phase_context: Context | None = None
+    phase_gpu_start: object = None
     direct_backward: trace.Span | None = None
     skipped_before: int = 0
     # Collectives issued in the step / in the running phase, and those beyond the span limit.
@@ -64,7 +75,7 @@ class _Step:
 class StepTracker(Component):
     """Spans of one DeepSpeed engine's steps. Holds no reference to the engine or its tensors."""
 
-    def __init__(self, provider: trace.TracerProvider, identity: JobIdentity, engine, meter=None):
+    def __init__(self, provider: trace.TracerProvider, identity: JobIdentity, engine, meter=None, cuda=None):
         super().__init__("step tracing")
         self._provider = provider
         self._tracer = provider.get_tracer("opentelemetry_instrumentation_deepspeed", __version__)
@@ -81,6 +92,8 @@ class StepTracker(Component):
         }
         self._comm_span_limit = env.comm_span_limit()
         self._profiler = kernels.from_environment()
+        # On CUDA, each phase also gets its GPU-side interval (a `.gpu` child span) from CUDA events.
+        self._gpu = _gpu_timeline(engine, cuda)
         meter = meter or NoOpMeterProvider().get_meter(__name__)
         self.metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None)
         self._step: _Step | None = None
@@ -240,6 +253,8 @@ class StepTracker(Component):
             semconv.SPAN_STEP, context=parent, start_time=start,
             attributes={semconv.TRAINING_STEP: number, **self._static},
         )
+        if self._gpu is not None:
+            self._gpu.anchor_if_idle()
         step = _Step(number, start, span, trace.set_span_in_context(span, _EMPTY), root)
         if self._profiler is not None and self._profiler.step_opened(number):
             step.intervals = []
@@ -269,12 +284,22 @@ class StepTracker(Component):
         span.end(end_time=end)
         self.metrics.phase(semconv.PHASE_DATA_WAIT, (end - start) / 1e9, step.context)
 
+    def _gpu_span(self, name: str, parent: Context):
+        def emit(start: int | None, end: int | None) -> None:
+            if start is not None:  # never resolved (dropped, or still running at exit): no GPU times to show
+                self._tracer.start_span(name, context=parent, start_time=start).end(end_time=end)
+
+        return emit
+
     def _phase_span(self, step: _Step, name: str, phase: str, micro_step: int | None) -> trace.Span:
         attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
         start = time.time_ns()
         span = self._tracer.start_span(name, context=step.context, attributes=attributes, start_time=start)
         step.phase, step.phase_name, step.phase_start = span, phase, start
         step.phase_context = trace.set_span_in_context(span, _EMPTY)
+        if self._gpu is not None:
+            self._gpu.resolve()
+            step.phase_gpu_start = self._gpu.event()
         step.phase_comm_count = step.phase_comm_dropped = 0
         return span
 
@@ -288,5 +313,9 @@ class StepTracker(Component):
             self.metrics.phase(step.phase_name, (end - step.phase_start) / 1e9, step.phase_context)
             if step.intervals is not None:
                 step.intervals.append(kernels.Interval(step.phase_start, end, step.phase_context))
+            if self._gpu is not None and step.phase_gpu_start is not None:
+                self._gpu.defer(step.phase_gpu_start, self._gpu.event(),
+                                self._gpu_span(f"training.{step.phase_name}.gpu", step.phase_context))
+                step.phase_gpu_start = None
             step.phase = step.phase_context = None
         span.end(end_time=end)

@@ -154,3 +154,30 @@ def test_pending_gpu_intervals_are_bounded(setup, monkeypatch):
         observer.completed(observer.issued(spec, (CudaTensor(),), {}), None)
     assert len(comm_spans(exporter)) == 12, "the oldest, beyond the bound, are reported with host times"
     assert observer._gpu.dropped == 12
+
+
+def test_phases_get_gpu_intervals_as_children_without_blocking():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from opentelemetry_instrumentation_deepspeed.job import JobIdentity
+    from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+    from tests.test_steps_unit import Engine
+
+    exporter, provider, cuda = InMemorySpanExporter(), TracerProvider(), FakeCuda()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine = Engine()
+    tracker = StepTracker(provider, JobIdentity("j", 1, 1, 2), engine, cuda=cuda)
+    cuda.idle = False  # kernels queue up behind the host
+    forward = tracker.forward_started(engine)
+    tracker.phase_ended(forward)
+    backward = tracker.backward_started(engine)
+    tracker.phase_ended(backward)
+    assert not [s for s in exporter.get_finished_spans() if s.name.endswith(".gpu")], "nothing has run on the GPU"
+    cuda.run(milliseconds=3.0)
+    engine.step(tracker)  # the next phase resolves what completed
+    gpu = {s.name: s for s in exporter.get_finished_spans() if s.name.endswith(".gpu")}
+    assert set(gpu) == {"training.forward.gpu", "training.backward.gpu"}
+    assert gpu["training.forward.gpu"].parent.span_id == forward.get_span_context().span_id
+    assert gpu["training.backward.gpu"].end_time - gpu["training.backward.gpu"].start_time == 3_000_000

@@ -21,6 +21,8 @@ def environ(monkeypatch):
                  "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "OTEL_PYTHON_DEEPSPEED_COMM",
                  "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN",
                  "OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS", "OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT",
+                 "OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP",
+                 "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER",
                  "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
                  "SLURM_JOB_ID", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -78,6 +80,11 @@ def test_signal_endpoint_only_affects_its_signal(environ):
     ("OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS", "inf", env.peak_flops, None),
     ("OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "forever", env.prometheus_final_scrape_timeout, 0.0),
     ("OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "7200", env.prometheus_final_scrape_timeout, 0.0),
+    ("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "often", env.profile_every, 1000),
+    ("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "-3", env.profile_every, 1000),
+    ("OTEL_PYTHON_DEEPSPEED_PROFILE_TOP", "0", env.profile_top, 64),
+    ("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0.5", env.profile_slow_factor, 3.0),
+    ("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "slow", env.profile_slow_factor, 3.0),
 ])
 def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
     variable, raw, reader, default = case

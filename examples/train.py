@@ -46,6 +46,16 @@ def parse_args(argv=None):
     parser.add_argument("--average-loss", choices=("off", "sync", "async"), default="off",
                         help="all-reduce each micro-batch's loss with torch.distributed for logging, as many loops do; "
                              "async overlaps it with 20 ms of host work before waiting")
+    faults = parser.add_argument_group("fault injection", "slow-downs for `opentelemetry-deepspeed diagnose` to find")
+    faults.add_argument("--stall-every", type=int, default=0, metavar="K",
+                        help="the data loader stalls on every K-th optimizer step (its first micro-batch)")
+    faults.add_argument("--stall-ms", type=float, default=200.0, metavar="D", help="length of each stall")
+    faults.add_argument("--slow-rank", type=int, default=-1, metavar="R",
+                        help="rank R computes --slow-ms longer in each forward (a straggler)")
+    faults.add_argument("--slow-ms", type=float, default=50.0, metavar="D")
+    faults.add_argument("--comm-heavy", action="store_true",
+                        help="add 8M parameters that cost no compute, as a large embedding does: "
+                             "their gradients make each step's all-reduce large")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -72,9 +82,26 @@ class SyntheticTokens(Dataset):
         return {"input_ids": sequence[:-1], "labels": sequence[1:]}
 
 
+class StallingCollate:
+    """Collates micro-batches; the first micro-batch of every K-th optimizer step takes D ms longer."""
+
+    def __init__(self, every: int, milliseconds: float, grad_accum: int):
+        self.every, self.seconds, self.grad_accum, self.batches = every, milliseconds / 1000, grad_accum, 0
+
+    def __call__(self, samples):
+        step, micro = divmod(self.batches, self.grad_accum)
+        self.batches += 1
+        if self.every and micro == 0 and (step + 1) % self.every == 0:
+            time.sleep(self.seconds)
+        return torch.utils.data.default_collate(samples)
+
+
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int, d_model: int, layers: int, seq_len: int):
+    def __init__(self, vocab: int, d_model: int, layers: int, seq_len: int, *, delay_ms: float = 0.0,
+                 ballast: int = 0):
         super().__init__()
+        self.delay = delay_ms / 1000
+        self.ballast = nn.Parameter(torch.zeros(ballast)) if ballast else None
         self.embed = nn.Embedding(vocab, d_model)
         self.position = nn.Parameter(torch.zeros(1, seq_len, d_model))
         layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0,
@@ -84,11 +111,14 @@ class TinyLM(nn.Module):
         self.mask = nn.Transformer.generate_square_subsequent_mask(seq_len)
 
     def forward(self, input_ids, labels):
+        if self.delay:
+            time.sleep(self.delay)
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
         mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
-        return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
 
 
 def deepspeed_config(args) -> dict:
@@ -141,7 +171,9 @@ def main(argv=None):
         # gloo is what it falls back to without it, and what this example is for.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
-    model = TinyLM(args.vocab, args.d_model, args.layers, args.seq_len)
+    delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
+    model = TinyLM(args.vocab, args.d_model, args.layers, args.seq_len, delay_ms=delay,
+                   ballast=8 * 2**20 if args.comm_heavy else 0)
     # A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -157,7 +189,8 @@ def main(argv=None):
     else:
         sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank,
                                      shuffle=False)
-        loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers)
+        loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
+                            collate_fn=StallingCollate(args.stall_every, args.stall_ms, args.grad_accum))
 
     if args.comms_log:
         deepspeed.comm.configure(enabled=True, prof_all=True)

@@ -1,0 +1,1 @@
+"""``opentelemetry-deepspeed diagnose``: the layer that holds a training job back, from its telemetry."""

@@ -1,0 +1,294 @@
+"""From step spans to "which layer holds training back".
+
+Per rank and step: the step time, and its split into data wait, forward, backward and optimizer
+compute, exposed communication (synchronous collectives: the rank waits through them) and time no
+phase accounts for. Then, over the steps: the step-time distribution, periodic stalls (every k-th
+step slower, and in which phase), a straggler rank (one whose compute is longer, so the others wait
+for it in collectives), and each collective's bus bandwidth against the best of the run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+
+PHASES = {"training.data.wait": "data_wait", "training.forward": "forward", "training.backward": "backward",
+          "training.optimizer.step": "optimizer"}
+PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_wait", "unaccounted")
+
+# Thresholds of the verdict, shares of step time.
+DATA_WAIT_SHARE = 0.25
+COMM_SHARE = 0.25
+STRAGGLER_SHARE = 0.10  # a rank computing this much longer than the others, per step
+ANOMALY_FACTOR = 1.5  # a step this much slower than the median is an anomaly
+
+
+@dataclass
+class _Step:
+    number: int = 0
+    trace_id: str = ""
+    start: int = 0
+    end: int = 0
+    seen: bool = False
+    phases: list = field(default_factory=list)  # (part, start, end)
+    comm: list = field(default_factory=list)  # synchronous collectives: (start, end, group, sequence)
+
+
+def _union_overlap(intervals: list[tuple[int, int]], start: int, end: int) -> int:
+    """Nanoseconds of [start, end] covered by the union of ``intervals``."""
+    covered, cursor = 0, start
+    for first, last in sorted(intervals):
+        low, high = max(first, cursor), min(last, end)
+        if high > low:
+            covered += high - low
+            cursor = high
+    return covered
+
+
+class Analysis:
+    def __init__(self):
+        self.jobs: dict[str, int] = defaultdict(int)
+        self._steps: dict[tuple[str, int, str], _Step] = {}
+        self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
+        self._busbw: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, spans: Iterable[Span]) -> None:
+        for span in spans:
+            self.jobs[span.job] += 1
+            key = (span.job, span.rank, span.trace_id)
+            if span.name == "training.step":
+                step = self._steps.setdefault(key, _Step())
+                if not step.seen or span.end > step.end:  # a retried step keeps its last attempt
+                    step.number, step.trace_id, step.start, step.end = (span.attributes.get("training.step", 0),
+                                                                        span.trace_id, span.start, span.end)
+                    step.seen = True
+            elif span.name in PHASES:
+                self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
+            elif span.name.startswith("comm."):
+                attributes = span.attributes
+                group, sequence = attributes.get("comm.group.name", "0"), attributes.get("comm.sequence")
+                if not attributes.get("comm.async"):
+                    self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
+                if sequence is not None:
+                    self._collectives[(span.job, group, sequence)][span.rank] = span.start
+                if attributes.get("comm.busbw"):
+                    self._busbw[span.name.removeprefix("comm.")].append(float(attributes["comm.busbw"]))
+
+    # -- results ------------------------------------------------------------------------------------
+
+    def result(self, job: str | None = None) -> dict:
+        if not self.jobs:
+            return {"job_id": None, "ranks": {}, "verdict": _verdict_none("no training spans in the input")}
+        job = job if job is not None else max(self.jobs, key=self.jobs.get)
+        by_rank: dict[int, list[dict]] = defaultdict(list)
+        for (step_job, rank, _trace), step in self._steps.items():
+            if step_job == job and step.seen:
+                by_rank[rank].append(self._breakdown(step, job))
+        for steps in by_rank.values():
+            steps.sort(key=lambda s: s["step"])
+        ranks = {rank: self._rank_summary(steps) for rank, steps in sorted(by_rank.items())}
+        straggler = self._straggler(job, by_rank)
+        result = {
+            "job_id": job,
+            "other_jobs": sorted(j for j in self.jobs if j != job),
+            "ranks": ranks,
+            "job": self._job_summary(ranks),
+            "straggler": straggler,
+            "bandwidth": {op: {"median_busbw": statistics.median(values), "best_busbw": max(values),
+                               "calls": len(values)} for op, values in sorted(self._busbw.items())},
+        }
+        result["verdict"] = _verdict(result)
+        return result
+
+    def _breakdown(self, step: _Step, job: str) -> dict:
+        """Split a step; a synchronous collective splits into waiting for the last rank to arrive
+        (``comm_wait``: load imbalance) and the transfer after it (``exposed_comm``)."""
+        parts = dict.fromkeys(PARTS, 0)
+        waits, transfers = [], []
+        for start, end, group, sequence in step.comm:
+            starts = self._collectives.get((job, group, sequence)) if sequence is not None else None
+            last = min(max(starts.values()), end) if starts else start
+            if last > start:
+                waits.append((start, last))
+            transfers.append((max(last, start), end))
+        comm = [(start, end) for start, end, _group, _sequence in step.comm]
+        for part, start, end in step.phases:
+            parts[part] += (end - start) - (_union_overlap(comm, start, end) if part != "data_wait" else 0)
+        parts["exposed_comm"] = _union_overlap(transfers, step.start, step.end)
+        parts["comm_wait"] = _union_overlap(waits, step.start, step.end)
+        total = step.end - step.start
+        parts["unaccounted"] = max(total - sum(parts.values()), 0)
+        return {"step": step.number, "trace_id": step.trace_id, "seconds": total / 1e9,
+                "parts": {name: value / 1e9 for name, value in parts.items()}}
+
+    @staticmethod
+    def _rank_summary(steps: list[dict]) -> dict:
+        durations = [s["seconds"] for s in steps]
+        # The first step pays for warm-up (allocation, first collectives): not part of the pattern.
+        steady = steps[1:] if len(steps) > 3 else steps
+        total = sum(s["seconds"] for s in steady) or 1.0
+        shares = {part: sum(s["parts"][part] for s in steady) / total for part in PARTS}
+        return {
+            "steps": len(steps),
+            "step_seconds": {"p50": _quantile(durations, 0.5), "p95": _quantile(durations, 0.95),
+                             "max": max(durations) if durations else 0.0},
+            "shares": shares,
+            "anomaly": _periodic_anomaly(steady),
+            "slowest": max(steps, key=lambda s: s["seconds"]) if steps else None,
+            "typical": sorted(steady, key=lambda s: s["seconds"])[len(steady) // 2] if steady else None,
+            "compute_by_step": {s["step"]: s["parts"]["forward"] + s["parts"]["backward"] + s["parts"]["optimizer"]
+                                for s in steady},
+        }
+
+    @staticmethod
+    def _job_summary(ranks: dict) -> dict:
+        if not ranks:
+            return {}
+        count = len(ranks)
+        shares = {part: sum(r["shares"][part] for r in ranks.values()) / count for part in PARTS}
+        p50 = statistics.median(r["step_seconds"]["p50"] for r in ranks.values())
+        anomalies = [r["anomaly"] for r in ranks.values() if r["anomaly"]]
+        anomaly = None
+        if anomalies and len(anomalies) * 2 > count:
+            anomaly = max(anomalies, key=lambda a: a["extra_seconds"])
+        return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
+
+    def _straggler(self, job: str, by_rank: dict[int, list[dict]]) -> dict | None:
+        if len(by_rank) < 2:
+            return None
+        ranks = {rank: self._rank_summary(steps)["compute_by_step"] for rank, steps in by_rank.items()}
+        common = set.intersection(*(set(steps) for steps in ranks.values()))
+        if len(common) < 3:
+            return None
+        extra: dict[int, list[float]] = defaultdict(list)
+        slowest_count: dict[int, int] = defaultdict(int)
+        step_p50 = statistics.median(s["seconds"] for steps in by_rank.values() for s in steps)
+        for number in common:
+            computes = {rank: ranks[rank][number] for rank in ranks}
+            for rank, value in computes.items():
+                others = [other for r, other in computes.items() if r != rank]
+                extra[rank].append(value - statistics.median(others))
+            slowest_count[max(computes, key=computes.get)] += 1
+        rank = max(extra, key=lambda r: statistics.fmean(extra[r]))
+        mean_extra = statistics.fmean(extra[rank])
+        if mean_extra < STRAGGLER_SHARE * step_p50 or slowest_count[rank] < 0.7 * len(common):
+            return None
+        # Evidence from the collectives: how late this rank arrives, joined across ranks by sequence number.
+        lateness = [starts[rank] - min(starts.values()) for (j, _g, _s), starts in self._collectives.items()
+                    if j == job and rank in starts and len(starts) > 1]
+        return {"rank": rank, "extra_compute_seconds": mean_extra, "slowest_in_steps": slowest_count[rank],
+                "steps": len(common), "collectives_joined": len(lateness),
+                "mean_arrival_lateness_seconds": statistics.fmean(lateness) / 1e9 if lateness else 0.0}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _find_period(numbers: list[int], slow: set[int]) -> tuple[int, int] | None:
+    """The smallest k and offset r such that the steps = r mod k are (nearly) exactly the slow ones."""
+    for period in range(2, max(3, len(numbers) // 3 + 1)):
+        for offset in range(period):
+            expected = {n for n in numbers if n % period == offset}
+            hits = len(expected & slow)
+            if hits >= 3 and hits >= 0.8 * len(expected) and hits >= 0.8 * len(slow):
+                return period, offset
+    return None
+
+
+def _periodic_anomaly(steps: list[dict]) -> dict | None:
+    """Every k-th step slower: the period, the phase that grows, and by how much.
+
+    Slow steps are those above a threshold; noise makes any single threshold wrong somewhere, so
+    each threshold between 1.5 x the median and the slowest step is tried, lowest first, and the
+    first that leaves a periodic set of slow steps wins.
+    """
+    if len(steps) < 6:
+        return None
+    median = statistics.median(s["seconds"] for s in steps)
+    numbers = [s["step"] for s in steps]
+    outliers = sorted({s["seconds"] for s in steps if s["seconds"] > ANOMALY_FACTOR * median})
+    if len(outliers) < 2:
+        return None
+    candidates = [ANOMALY_FACTOR * median] + [value * 0.999 for value in outliers[1:]]
+    slow, best = set(), None
+    for threshold in candidates[:64]:
+        slow = {s["step"] for s in steps if s["seconds"] > threshold}
+        if len(slow) < 3:
+            break
+        best = _find_period(numbers, slow)
+        if best:
+            break
+    if not best:
+        slow = {s["step"] for s in steps if s["seconds"] > ANOMALY_FACTOR * median}
+    slow_steps = [s for s in steps if s["step"] in slow]
+    normal = [s for s in steps if s["step"] not in slow]
+    if not slow_steps or not normal:
+        return None
+    growth = {part: statistics.fmean(s["parts"][part] for s in slow_steps) -
+              statistics.fmean(s["parts"][part] for s in normal) for part in PARTS}
+    return {
+        "period": best[0] if best else None,
+        "offset": best[1] if best else None,
+        "phase": max(growth, key=growth.get),
+        "extra_seconds": statistics.fmean(s["seconds"] for s in slow_steps) -
+        statistics.fmean(s["seconds"] for s in normal),
+        "steps": sorted(slow),
+        "trace_ids": [s["trace_id"] for s in sorted(slow_steps, key=lambda s: s["seconds"], reverse=True)[:5]],
+    }
+
+
+REMEDIES = {
+    "data loading": ["more DataLoader workers (num_workers) and prefetch_factor", "pin_memory and persistent_workers",
+                     "cache or pre-shard the dataset near the GPUs; check the storage the loader reads"],
+    "communication": ["larger ZeRO buckets (reduce_bucket_size, allgather_bucket_size) and overlap_comm",
+                      "a lower ZeRO stage if memory allows, or hierarchical / hpZ partitioning",
+                      "check the interconnect (NCCL_DEBUG=INFO, NVLink/InfiniBand counters)"],
+    "straggler": ["look at the named rank's host and GPU: throttling, ECC errors, a noisy neighbour",
+                  "uneven data (sequence lengths) or extra work on that rank (logging, checkpointing)"],
+    "compute": ["the model's operators: profile a step (touch the trigger file) and read its operator spans",
+                "mixed precision, fused kernels, activation checkpointing trade-offs"],
+}
+
+
+def _verdict_none(summary: str) -> dict:
+    return {"layer": "none", "summary": summary, "evidence": [], "remedies": []}
+
+
+def _verdict(result: dict) -> dict:
+    job = result["job"]
+    if not job:
+        return _verdict_none("no complete steps in the input")
+    shares, p50 = job["shares"], job["step_seconds_p50"]
+    straggler, anomaly = result["straggler"], job["anomaly"]
+    if straggler:
+        return {"layer": "straggler", "rank": straggler["rank"],
+                "summary": f"rank {straggler['rank']} computes {straggler['extra_compute_seconds'] * 1e3:.1f} ms "
+                           f"longer per step than the other ranks' median; they wait for it in collectives",
+                "evidence": [f"slowest rank in {straggler['slowest_in_steps']} of {straggler['steps']} steps",
+                             f"arrives {straggler['mean_arrival_lateness_seconds'] * 1e3:.1f} ms late on average at "
+                             f"{straggler['collectives_joined']} collectives joined across ranks"],
+                "remedies": REMEDIES["straggler"]}
+    if anomaly and anomaly["period"]:
+        layer = {"data_wait": "data loading", "exposed_comm": "communication"}.get(anomaly["phase"], "compute")
+        return {"layer": layer, "period": anomaly["period"], "phase": anomaly["phase"],
+                "summary": f"every {anomaly['period']}th step stalls {anomaly['extra_seconds'] * 1e3:.0f} ms "
+                           f"in {anomaly['phase']}",
+                "evidence": [f"slow steps {anomaly['steps']}", f"traces to open: {anomaly['trace_ids'][:3]}"],
+                "remedies": REMEDIES[layer]}
+    if shares["data_wait"] > DATA_WAIT_SHARE:
+        return {"layer": "data loading", "summary": f"{shares['data_wait']:.0%} of step time waits for data",
+                "evidence": [f"median step {p50 * 1e3:.1f} ms"], "remedies": REMEDIES["data loading"]}
+    if shares["exposed_comm"] > COMM_SHARE:
+        return {"layer": "communication",
+                "summary": f"{shares['exposed_comm']:.0%} of step time is exposed communication",
+                "evidence": [f"median step {p50 * 1e3:.1f} ms"], "remedies": REMEDIES["communication"]}
+    compute = shares["forward"] + shares["backward"] + shares["optimizer"]
+    return _verdict_none(f"no layer stands out: median step {p50 * 1e3:.1f} ms, {compute:.0%} compute")

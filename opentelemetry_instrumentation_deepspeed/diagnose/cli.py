@@ -1,0 +1,88 @@
+"""The ``opentelemetry-deepspeed`` command.
+
+    opentelemetry-deepspeed diagnose [PATH ...] [--job ID] [--json]
+
+PATH: the embedded default's directory (default ``./telemetry``: its most recent job), OTLP JSON
+files (as the Collector's file exporter writes them), or ``-`` for standard input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, read_spans
+
+SCHEMA_VERSION = 1
+
+
+def _default_paths() -> list[str]:
+    root = Path("telemetry")
+    jobs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    return [str(jobs[-1])] if jobs else [str(root)]
+
+
+def diagnose(paths: list[str], job: str | None) -> dict:
+    stats = ReadStats()
+    analysis = Analysis()
+    analysis.add(read_spans(paths, stats))
+    result = analysis.result(job)
+    for rank in result["ranks"].values():
+        rank.pop("compute_by_step", None)
+    return {"schema_version": SCHEMA_VERSION, **result,
+            "input": {"files": stats.files, "lines": stats.lines, "spans": stats.spans,
+                      "bad_lines": stats.bad_lines, "problems": stats.problems}}
+
+
+def render_text(report: dict) -> str:
+    lines = []
+    verdict = report["verdict"]
+    lines.append(f"Job {report['job_id']}: {report['job'].get('ranks', 0) if report.get('job') else 0} rank(s)")
+    lines.append(f"Verdict: {verdict['layer'].upper()}: {verdict['summary']}")
+    lines += [f"  evidence: {item}" for item in verdict.get("evidence", [])]
+    lines += [f"  remedy: {item}" for item in verdict.get("remedies", [])]
+    job = report.get("job") or {}
+    if job:
+        shares = job["shares"]
+        lines.append("Where step time goes (mean over ranks): " +
+                     ", ".join(f"{part.replace('_', ' ')} {shares[part]:.0%}" for part in PARTS))
+    for rank, summary in report["ranks"].items():
+        seconds = summary["step_seconds"]
+        lines.append(f"  rank {rank}: {summary['steps']} steps, step p50 {seconds['p50'] * 1e3:.1f} ms, "
+                     f"p95 {seconds['p95'] * 1e3:.1f} ms, max {seconds['max'] * 1e3:.1f} ms"
+                     + (f"; slowest step {summary['slowest']['step']} (trace {summary['slowest']['trace_id']})"
+                        if summary.get("slowest") else ""))
+    for op, bandwidth in report.get("bandwidth", {}).items():
+        lines.append(f"  comm.{op}: {bandwidth['calls']} calls, bus bandwidth median "
+                     f"{bandwidth['median_busbw'] / 1e6:.1f} MB/s, best {bandwidth['best_busbw'] / 1e6:.1f} MB/s")
+    read = report["input"]
+    lines.append(f"Read {read['spans']} spans from {read['files']} file(s)"
+                 + (f"; {read['bad_lines']} malformed line(s) skipped" if read["bad_lines"] else "")
+                 + (f"; other jobs ignored: {', '.join(report['other_jobs'])}" if report.get("other_jobs") else ""))
+    lines += [f"  {problem}" for problem in read["problems"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opentelemetry-deepspeed", description="Tools for DeepSpeed telemetry")
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("diagnose", help="name the layer that holds training back")
+    command.add_argument("paths", nargs="*", help="telemetry directory, OTLP JSON files, or - for stdin")
+    command.add_argument("--job", help="training.job.id to analyse (default: the one with the most spans)")
+    command.add_argument("--json", action="store_true", help="the report as JSON (schema in docs/diagnose.md)")
+    args = parser.parse_args(argv)
+    paths = args.paths or _default_paths()
+    report = diagnose(paths, args.job)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(render_text(report))
+    return 0 if report["input"]["spans"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

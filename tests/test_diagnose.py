@@ -1,0 +1,86 @@
+"""`opentelemetry-deepspeed diagnose` on real 2-rank runs with injected faults, and on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import BIN, launch
+
+
+def diagnose(workdir, *args: str) -> tuple[int, dict | str]:
+    completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", *args], cwd=workdir,
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert "Traceback" not in completed.stderr, completed.stderr
+    if "--json" in args:
+        return completed.returncode, json.loads(completed.stdout)
+    return completed.returncode, completed.stdout + completed.stderr
+
+
+@pytest.mark.parametrize(("every", "stall_ms", "steps"), [(4, 150, 16), (6, 120, 19)])
+def test_periodic_data_loader_stall(workdir, every, stall_ms, steps):
+    launch(workdir, "torchrun", "--steps", str(steps), "--stall-every", str(every), "--stall-ms", str(stall_ms)).check()
+    code, report = diagnose(workdir, "--json")
+    assert code == 0
+    verdict = report["verdict"]
+    assert verdict["layer"] == "data loading" and verdict["period"] == every and verdict["phase"] == "data_wait"
+    anomaly = report["job"]["anomaly"]
+    assert set(range(every, steps + 1, every)) <= set(anomaly["steps"])
+    assert stall_ms * 0.5 < anomaly["extra_seconds"] * 1e3 < stall_ms * 1.5
+    assert report["straggler"] is None
+
+
+@pytest.mark.parametrize(("rank", "slow_ms"), [(1, 40), (0, 25)])
+def test_straggler_rank(workdir, rank, slow_ms):
+    launch(workdir, "torchrun", "--steps", "14", "--slow-rank", str(rank), "--slow-ms", str(slow_ms)).check()
+    _, report = diagnose(workdir, "--json")
+    assert report["verdict"]["layer"] == "straggler" and report["verdict"]["rank"] == rank
+    straggler = report["straggler"]
+    assert slow_ms * 0.6 < straggler["extra_compute_seconds"] * 1e3 < slow_ms * 1.6
+    assert straggler["collectives_joined"] > 0
+
+
+def test_communication_heavy_configuration(workdir):
+    launch(workdir, "torchrun", "--steps", "8", "--comm-heavy").check()
+    _, report = diagnose(workdir, "--json")
+    assert report["verdict"]["layer"] == "communication", report["verdict"]
+    assert report["job"]["shares"]["exposed_comm"] > 0.25
+
+
+def test_healthy_run_gets_no_false_alarm_and_a_readable_report(workdir):
+    launch(workdir, "torchrun", "--steps", "16").check()
+    code, report = diagnose(workdir, "--json")
+    assert code == 0 and report["verdict"]["layer"] == "none", report["verdict"]
+    assert report["schema_version"] == 1 and sorted(report["ranks"]) == ["0", "1"]
+    code, text = diagnose(workdir)
+    assert "Verdict: NONE" in text and "rank 1: 16 steps" in text
+
+
+def test_bad_input_gives_clear_messages_and_partial_results(workdir):
+    launch(workdir, "torchrun", "--steps", "8").check()
+    (job_dir,) = (workdir / "telemetry").iterdir()
+    rank0, rank1 = job_dir / "traces-rank0.jsonl", job_dir / "traces-rank1.jsonl"
+    # Malformed and truncated lines, a foreign job's spans, a rank whose file is gone.
+    lines = rank0.read_text().splitlines()
+    foreign = lines[0].replace(job_dir.name, "another-job")
+    rank0.write_text("\n".join(["{not json", *lines, foreign, lines[-1][: len(lines[-1]) // 2]]) + "\n")
+    rank1.unlink()
+    code, report = diagnose(workdir, str(job_dir), "--json")
+    assert code == 0
+    assert report["job_id"] == job_dir.name and report["other_jobs"] == ["another-job"]
+    assert report["input"]["bad_lines"] == 2 and len(report["input"]["problems"]) == 2
+    assert list(report["ranks"]) == ["0"] and report["ranks"]["0"]["steps"] == 8
+    code, text = diagnose(workdir, str(workdir / "missing.jsonl"))
+    assert code == 1 and "No such file" in text
+    code, text = diagnose(workdir, str(workdir / "empty"))
+    assert code == 1
+
+
+def test_reads_stdin(workdir):
+    launch(workdir, "python", "--steps", "6").check()
+    (trace_file,) = workdir.glob("telemetry/*/traces-rank0.jsonl")
+    completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "-", "--json"],
+                               stdin=trace_file.open(), capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(completed.stdout)["ranks"]["0"]["steps"] == 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -84,3 +85,21 @@ def test_reads_stdin(workdir):
     completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "-", "--json"],
                                stdin=trace_file.open(), capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(completed.stdout)["ranks"]["0"]["steps"] == 6
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/test.sh installs it)")
+def test_html_report_renders_in_headless_chromium_with_no_errors(workdir):
+    launch(workdir, "torchrun", "--steps", "12", "--stall-every", "4", "--stall-ms", "120").check()
+    code, _ = diagnose(workdir, "--html", "report.html")
+    page = (workdir / "report.html").read_text()
+    assert code == 0 and "DATA LOADING" in page and "The slowest step" in page and "The typical step" in page
+    assert "<script" not in page and "http://" not in page and "https://" not in page, "self-contained"
+    completed = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={workdir / 'profile'}", "--enable-logging=stderr", "--v=0", "--window-size=980,1200",
+         f"--screenshot={workdir / 'report.png'}", (workdir / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert (workdir / "report.png").stat().st_size > 20_000, completed.stderr[-2000:]
+    console = [line for line in completed.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert console == [], console

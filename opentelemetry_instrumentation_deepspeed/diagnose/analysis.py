@@ -102,7 +102,34 @@ class Analysis:
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
         result["verdict"] = _verdict(result)
+        result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
+                                 for rank, steps in sorted(by_rank.items())}
+        result["timelines"] = self._timelines(job, by_rank)
         return result
+
+    def _timelines(self, job: str, by_rank: dict[int, list[dict]]) -> dict:
+        """The slowest and a typical step, on every rank: phases and collectives on one clock."""
+        steps = {}
+        for rank_steps in by_rank.values():
+            for step in rank_steps[1:] or rank_steps:
+                steps[step["trace_id"]] = max(steps.get(step["trace_id"], 0.0), step["seconds"])
+        if not steps:
+            return {}
+        ordered = sorted(steps, key=steps.get)
+        timelines = {}
+        for label, trace_id in (("slowest", ordered[-1]), ("typical", ordered[len(ordered) // 2])):
+            lanes = {}
+            for rank in sorted(by_rank):
+                step = self._steps.get((job, rank, trace_id))
+                if step is None or not step.seen:
+                    continue
+                lanes[rank] = {"start": step.start, "end": step.end,
+                               "phases": [[part, start, end] for part, start, end in sorted(step.phases,
+                                                                                            key=lambda p: p[1])],
+                               "comm": [[start, end] for start, end, _group, _sequence in step.comm]}
+            number = next((s["step"] for steps_ in by_rank.values() for s in steps_ if s["trace_id"] == trace_id), 0)
+            timelines[label] = {"trace_id": trace_id, "step": number, "ranks": lanes}
+        return timelines
 
     def _breakdown(self, step: _Step, job: str) -> dict:
         """Split a step; a synchronous collective splits into waiting for the last rank to arrive
@@ -226,7 +253,9 @@ def _periodic_anomaly(steps: list[dict]) -> dict | None:
         best = _find_period(numbers, slow)
         if best:
             break
-    if not best:
+    if best:
+        slow = {n for n in numbers if n % best[0] == best[1]}  # the pattern, not the noise around it
+    else:
         slow = {s["step"] for s in steps if s["seconds"] > ANOMALY_FACTOR * median}
     slow_steps = [s for s in steps if s["step"] in slow]
     normal = [s for s in steps if s["step"] not in slow]
@@ -280,7 +309,7 @@ def _verdict(result: dict) -> dict:
         layer = {"data_wait": "data loading", "exposed_comm": "communication"}.get(anomaly["phase"], "compute")
         return {"layer": layer, "period": anomaly["period"], "phase": anomaly["phase"],
                 "summary": f"every {anomaly['period']}th step stalls {anomaly['extra_seconds'] * 1e3:.0f} ms "
-                           f"in {anomaly['phase']}",
+                           f"in {anomaly['phase'].replace('_', ' ')}",
                 "evidence": [f"slow steps {anomaly['steps']}", f"traces to open: {anomaly['trace_ids'][:3]}"],
                 "remedies": REMEDIES[layer]}
     if shares["data_wait"] > DATA_WAIT_SHARE:

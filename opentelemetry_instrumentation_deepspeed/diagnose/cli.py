@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, read_spans
 
 SCHEMA_VERSION = 1
@@ -73,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("paths", nargs="*", help="telemetry directory, OTLP JSON files, or - for stdin")
     command.add_argument("--job", help="training.job.id to analyse (default: the one with the most spans)")
     command.add_argument("--json", action="store_true", help="the report as JSON (schema in docs/diagnose.md)")
+    command.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
     args = parser.parse_args(argv)
     paths = args.paths or _default_paths()
     report = diagnose(paths, args.job)
+    if args.html:
+        Path(args.html).write_text(render_html(report), encoding="utf-8")
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

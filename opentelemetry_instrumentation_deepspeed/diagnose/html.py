@@ -1,0 +1,122 @@
+"""The diagnosis as one self-contained HTML page: inline CSS and SVG, no script, nothing fetched."""
+
+from __future__ import annotations
+
+import html
+
+from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS
+
+COLORS = {"data_wait": "#e4572e", "forward": "#4c9be8", "backward": "#2e5aac", "optimizer": "#8e6bbf",
+          "exposed_comm": "#f3a712", "comm_wait": "#f6d186", "unaccounted": "#b8b8b8", "comm": "#f3a712"}
+LABELS = {"data_wait": "data wait", "forward": "forward", "backward": "backward", "optimizer": "optimizer step",
+          "exposed_comm": "exposed communication", "comm_wait": "waiting for other ranks",
+          "unaccounted": "unaccounted", "comm": "collective"}
+
+
+def _e(value) -> str:
+    return html.escape(str(value))
+
+
+def _breakdown(shares: dict) -> str:
+    x, bars, legend = 0.0, [], []
+    for part in PARTS:
+        width = max(shares.get(part, 0.0), 0.0) * 900
+        if width > 0:
+            bars.append(f'<rect x="{x:.1f}" y="0" width="{width:.1f}" height="28" fill="{COLORS[part]}">'
+                        f"<title>{_e(LABELS[part])}: {shares[part]:.1%}</title></rect>")
+        x += width
+        legend.append(f'<span class="key"><i style="background:{COLORS[part]}"></i>{_e(LABELS[part])} '
+                      f"{shares.get(part, 0.0):.0%}</span>")
+    return f'<svg width="900" height="28" role="img">{"".join(bars)}</svg><p>{"".join(legend)}</p>'
+
+
+def _series(series: dict, anomaly: dict | None) -> str:
+    points = [(step, seconds) for values in series.values() for step, seconds in values]
+    if not points:
+        return "<p>No steps.</p>"
+    width, height = 900, 220
+    first, last = min(s for s, _ in points), max(s for s, _ in points)
+    top = max(seconds for _, seconds in points) * 1.1 or 1.0
+    slow = set(anomaly["steps"]) if anomaly else set()
+
+    def x(step):
+        return 40 + (step - first) / max(last - first, 1) * (width - 60)
+
+    def y(seconds):
+        return height - 25 - seconds / top * (height - 40)
+
+    shapes = [f'<line x1="40" y1="{height - 25}" x2="{width - 20}" y2="{height - 25}" stroke="#888"/>',
+              f'<text x="4" y="{y(top / 1.1) + 4:.0f}" class="axis">{top / 1.1 * 1e3:.0f} ms</text>',
+              f'<text x="40" y="{height - 8}" class="axis">step {first}</text>',
+              f'<text x="{width - 80}" y="{height - 8}" class="axis">step {last}</text>']
+    palette = ["#2e5aac", "#e4572e", "#17a398", "#8e6bbf", "#f3a712", "#555"]
+    for index, (rank, values) in enumerate(sorted(series.items())):
+        color = palette[index % len(palette)]
+        path = " ".join(f"{x(step):.1f},{y(seconds):.1f}" for step, seconds in values)
+        shapes.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.5">'
+                      f"<title>rank {_e(rank)}</title></polyline>")
+        for step, seconds in values:
+            if step in slow:
+                shapes.append(f'<circle cx="{x(step):.1f}" cy="{y(seconds):.1f}" r="4" fill="#e4572e">'
+                              f"<title>rank {_e(rank)} step {step}: {seconds * 1e3:.1f} ms</title></circle>")
+    return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>'
+
+
+def _timeline(timeline: dict) -> str:
+    lanes = timeline.get("ranks", {})
+    if not lanes:
+        return "<p>No spans for this step.</p>"
+    start = min(lane["start"] for lane in lanes.values())
+    end = max(lane["end"] for lane in lanes.values())
+    span = max(end - start, 1)
+    width, lane_height = 900, 34
+    shapes = []
+
+    def x(at):
+        return 70 + (at - start) / span * (width - 80)
+
+    for row, (rank, lane) in enumerate(sorted(lanes.items(), key=lambda item: int(item[0]))):
+        top = row * lane_height + 4
+        shapes.append(f'<text x="0" y="{top + 16}" class="axis">rank {_e(rank)}</text>')
+        shapes.append(f'<rect x="{x(lane["start"]):.1f}" y="{top}" width="{x(lane["end"]) - x(lane["start"]):.1f}" '
+                      f'height="22" fill="#eee" stroke="#ccc"/>')
+        for part, begin, finish in lane["phases"]:
+            shapes.append(f'<rect x="{x(begin):.1f}" y="{top}" width="{max(x(finish) - x(begin), 0.5):.1f}" '
+                          f'height="14" fill="{COLORS[part]}"><title>{_e(LABELS[part])}: '
+                          f"{(finish - begin) / 1e6:.2f} ms</title></rect>")
+        for begin, finish in lane["comm"]:
+            shapes.append(f'<rect x="{x(begin):.1f}" y="{top + 15}" width="{max(x(finish) - x(begin), 0.5):.1f}" '
+                          f'height="7" fill="{COLORS["comm"]}"><title>collective: {(finish - begin) / 1e6:.2f} ms'
+                          "</title></rect>")
+    height = len(lanes) * lane_height + 24
+    shapes.append(f'<text x="70" y="{height - 4}" class="axis">0 ms</text>'
+                  f'<text x="{width - 70}" y="{height - 4}" class="axis">{span / 1e6:.1f} ms</text>')
+    return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>'
+
+
+def render_html(report: dict) -> str:
+    verdict, job = report["verdict"], report.get("job") or {}
+    timelines = report.get("timelines") or {}
+    sections = [
+        f"<h1>Training diagnosis</h1><p class=job>job {_e(report['job_id'])} · {job.get('ranks', 0)} rank(s) · "
+        f"median step {job.get('step_seconds_p50', 0) * 1e3:.1f} ms</p>",
+        f'<div class="verdict {_e(verdict["layer"]).replace(" ", "-")}"><h2>{_e(verdict["layer"].upper())}</h2>'
+        f"<p>{_e(verdict['summary'])}</p><ul>"
+        + "".join(f"<li>{_e(item)}</li>" for item in verdict.get("evidence", []))
+        + "</ul>" + ("<h3>Usual remedies</h3><ul>" + "".join(f"<li>{_e(r)}</li>" for r in verdict["remedies"])
+                     + "</ul>" if verdict.get("remedies") else "") + "</div>",
+        "<h2>Where step time goes</h2>" + _breakdown(job.get("shares", {})),
+        "<h2>Step time</h2>" + _series(report.get("step_series", {}), job.get("anomaly")),
+    ]
+    for label in ("slowest", "typical"):
+        if label in timelines:
+            timeline = timelines[label]
+            sections.append(f"<h2>The {label} step: {timeline['step']} <small>trace {_e(timeline['trace_id'])}"
+                            f"</small></h2>" + _timeline(timeline))
+    style = ("body{font:14px system-ui,sans-serif;margin:24px;color:#222;max-width:940px}"
+             ".axis{font-size:11px;fill:#555}.key{margin-right:14px;white-space:nowrap}"
+             ".key i{display:inline-block;width:10px;height:10px;margin-right:4px}"
+             ".verdict{border-left:6px solid #e4572e;padding:4px 16px;background:#fafafa}"
+             ".verdict.none{border-color:#17a398}.job{color:#555}small{color:#777;font-weight:normal}")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Training diagnosis</title>'
+            f"<style>{style}</style></head><body>{''.join(sections)}</body></html>\n")

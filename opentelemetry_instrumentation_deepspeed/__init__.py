@@ -3,11 +3,13 @@
 Run a training script under ``opentelemetry-instrument`` and every rank traces every
 optimizer step; see README.md and docs/telemetry.md. Programmatic use::
 
-    from opentelemetry_instrumentation_deepspeed import DataLoaderInstrumentor, DeepSpeedInstrumentor
+    from opentelemetry_instrumentation_deepspeed import (
+        CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor, GpuMetricsInstrumentor)
 
     DeepSpeedInstrumentor().instrument(tracer_provider=provider)
     DataLoaderInstrumentor().instrument()
     CommInstrumentor().instrument(tracer_provider=provider, meter_provider=meter_provider)
+    GpuMetricsInstrumentor().instrument(meter_provider=meter_provider)
 
 Importing this package imports neither torch nor DeepSpeed: classes are patched when
 their modules are imported.

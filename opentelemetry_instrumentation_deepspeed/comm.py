@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import semconv, trackers
+from opentelemetry_instrumentation_deepspeed import semconv, session, trackers
 from opentelemetry_instrumentation_deepspeed.collectives import (
     DEEPSPEED_OPS,
     TORCH_OPS,
@@ -43,8 +44,6 @@ from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _logger = logging.getLogger(__name__)
 
-# Unwaited async handles kept at most; beyond that the oldest is forgotten (its span is lost).
-_MAX_PENDING_ASYNC = 4096
 _DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -87,7 +86,8 @@ class CommObserver(Component):
         self._group_objects: list = []  # ids above stay valid while the groups live
         self._dtypes: dict[object, str] = {}
         self._span_attributes: dict[tuple, dict] = {}
-        self._pending_async: dict[int, _Call] = {}
+        # Async work handles until their wait(); weak, so a handle dropped unwaited takes its entry along.
+        self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._gpu = None
         self._gpu_step: object = -1  # the step whose start was last considered for an anchor
         self._duration = meter.create_histogram(
@@ -135,9 +135,11 @@ class CommObserver(Component):
             return
         call.remaining = len(works)
         for work in works:
-            if len(self._pending_async) >= _MAX_PENDING_ASYNC:
-                del self._pending_async[next(iter(self._pending_async))]
-            self._pending_async[id(work)] = call
+            try:
+                self._pending_async[work] = call
+            except TypeError:  # a handle type without weak references: it cannot be followed to wait()
+                self._finish(call)
+                return
 
     @fail_open
     def failed(self, call: _Call | None, error: BaseException) -> None:
@@ -146,7 +148,7 @@ class CommObserver(Component):
 
     @fail_open
     def waited(self, work) -> None:
-        call = self._pending_async.pop(id(work), None)
+        call = self._pending_async.pop(work, None)
         if call is not None:
             call.remaining -= 1
             if call.remaining == 0:
@@ -202,7 +204,7 @@ class CommObserver(Component):
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         span.end(end_time=end)
         tracker = trackers.active()
-        if tracker is not None:
+        if tracker is not None and not on_gpu:  # operators run on the host clock, in the step of the call
             tracker.note_interval(start, end, span)
 
     @staticmethod
@@ -230,10 +232,14 @@ class CommObserver(Component):
         if found is None:
             dist = sys.modules["torch.distributed"]
             pg = group if group is not None else dist.distributed_c10d._get_default_group()
-            name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
-            found = _Group(str(name), dist.get_world_size(pg), str(dist.get_backend(pg)))
+            # group=None and the default group object are one group: one sequence of collectives.
+            found = self._groups.get(id(pg))
+            if found is None:
+                name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
+                found = _Group(str(name), dist.get_world_size(pg), str(dist.get_backend(pg)))
+                self._groups[id(pg)] = found
+                self._group_objects.append(pg)
             self._groups[id(group)] = found
-            self._group_objects.append(group)
         return found
 
     def _dtype(self, tensor) -> str:
@@ -250,7 +256,8 @@ class CommObserver(Component):
 
         if self._gpu is None:
             self._gpu = GpuTimeline(self._cuda or sys.modules["torch"].cuda)
-            atexit.register(self.flush)
+            # After the SDK's own exit handler has been registered, so that this one runs first.
+            session.on_start(lambda _identity: atexit.register(self.flush))
         step = None if tracker is None else tracker.step_number()
         if step != self._gpu_step:
             self._gpu_step = step

@@ -56,17 +56,19 @@ class WorkerProcesses:
         self._psutil = psutil
         self._self = psutil.Process()
         self._known: dict[int, object] = {}  # pid -> psutil.Process, whose CPU deltas it keeps
+        self._listed_at = 0.0
         self.active = True
 
     def _children(self) -> list:
+        """The children, listed once per collection (the three instruments share one /proc scan)."""
         if not self.active:
             return []
-        children = []
-        for child in self._self.children():
-            known = self._known.setdefault(child.pid, child)
-            children.append(known)
-        self._known = {child.pid: child for child in children}
-        return children
+        now = time.monotonic()
+        if now - self._listed_at > 0.5:
+            self._listed_at = now
+            children = [self._known.get(child.pid, child) for child in self._self.children()]
+            self._known = {child.pid: child for child in children}
+        return list(self._known.values())
 
     def count(self, _options):
         return [Observation(len(self._children()))] if self.active else []

@@ -29,6 +29,10 @@ _ENGINE_MODULE = "deepspeed.runtime.engine"
 def _init_wrapper(tracer_provider, meter_provider):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
+        if type(instance).__name__ == "PipelineEngine":
+            # train_batch() runs its own schedule and never calls step(): its steps would never close.
+            _logger.warning("opentelemetry-instrumentation-deepspeed does not trace PipelineEngine steps yet")
+            return result
         try:
             from opentelemetry_instrumentation_deepspeed.steps import StepTracker
 
@@ -77,11 +81,17 @@ def _backward(wrapped, instance, args, kwargs):
 
 def _backward_prologue(wrapped, instance, args, kwargs):
     # Inside engine.backward() the span is already open; this catches a direct loss.backward().
+    tracker = None
     if not getattr(instance, "_running_engine_backward", True):
         tracker = trackers.tracker_for(instance)
         if tracker is not None:
             tracker.backward_started(instance, direct=True)
-    return wrapped(*args, **kwargs)
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException as error:
+        if tracker is not None:
+            tracker.direct_backward_failed(error)
+        raise
 
 
 def _backward_epilogue(wrapped, instance, args, kwargs):
@@ -89,8 +99,9 @@ def _backward_epilogue(wrapped, instance, args, kwargs):
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
+        # Inside engine.backward(), its own wrapper ends the span; here only a direct backward's.
         if tracker is not None:
-            tracker.phase_failed(None, error)
+            tracker.direct_backward_failed(error)
         raise
     if tracker is not None:
         tracker.direct_backward_ended()

@@ -100,7 +100,7 @@ class NvmlReader:
         gauge("hw.gpu.clock.memory", [self._each("clock.memory",
                                                  lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
                                                  lambda mhz: mhz * 1e6)], unit="Hz", description="Memory clock")
-        counter("hw.errors", [self._ecc], unit="{error}", description="GPU memory ECC errors since the driver loaded")
+        counter("hw.errors", [self._ecc], unit="{error}", description="GPU memory ECC errors over the GPU's lifetime")
         counter("hw.gpu.io", [self._pcie], unit="By",
                 description="PCIe bytes, integrated from NVML's throughput samples between collections")
         counter("hw.gpu.nvlink.io", [self._nvlink], unit="By", description="NVLink data bytes")
@@ -209,8 +209,9 @@ class NvmlReader:
             processes = self._read(device, "process.memory", nvml.nvmlDeviceGetComputeRunningProcesses)
             if processes is None:
                 continue
-            used = sum(p.usedGpuMemory or 0 for p in processes if p.pid == pid)
-            observations.append(Observation(used, device.attributes))
+            mine = [p.usedGpuMemory or 0 for p in processes if p.pid == pid]
+            if mine:  # in a container NVML may list host pids: then nothing, not a made-up 0
+                observations.append(Observation(sum(mine), device.attributes))
         return observations
 
 
@@ -242,8 +243,11 @@ class NvmlReader:
         return observations
 
 
+_ALL_LINKS = 0xFFFFFFFF  # NVML's scope for "summed over every NVLink link"
+
+
 def _field_value(nvml, handle, field_id):
-    (value,) = nvml.nvmlDeviceGetFieldValues(handle, [field_id])
+    (value,) = nvml.nvmlDeviceGetFieldValues(handle, [(field_id, _ALL_LINKS)])
     if value.nvmlReturn != nvml.NVML_SUCCESS:
         raise nvml.NVMLError(value.nvmlReturn)
     return value.value.ullVal

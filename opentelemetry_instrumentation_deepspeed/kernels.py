@@ -56,6 +56,10 @@ class _Op:
     parent: _Op | None = None
     span_context: Context | None = None
 
+    @property
+    def start_thread(self) -> int:
+        return self.event.start_thread_id()
+
 
 class StepProfiler(Component):
     def __init__(self, every: int, trigger: str | None, top: int, slow_factor: float):
@@ -65,14 +69,9 @@ class StepProfiler(Component):
         self._requested = False
         self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._profile = None
-        self.profiled_steps = 0
         # Kineto logs every start and stop on stderr; a user's own setting wins.
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")
         atexit.register(self.abandon)
-
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
 
     def _trigger_mtime(self) -> float | None:
         if not self._trigger:
@@ -107,20 +106,16 @@ class StepProfiler(Component):
         self._profile = profile
         return True
 
-    def _stop(self) -> list:
+    def _stop(self):
         profile, self._profile = self._profile, None
-        if profile is None:
-            return []
-        profile.stop()
-        self.profiled_steps += 1
-        return list(profile.profiler.kineto_results.events())
+        if profile is not None:
+            profile.stop()
+        return profile
 
     @fail_open
     def abandon(self) -> None:
         """The step failed, or the process exits: stop the profiler, emit nothing."""
-        if self._profile is not None:
-            profile, self._profile = self._profile, None
-            profile.stop()
+        self._stop()
 
     @fail_open
     def step_closed(self, tracer, step_span, intervals: list[Interval], seconds: float | None) -> None:
@@ -131,7 +126,7 @@ class StepProfiler(Component):
                     self._requested = True
                 self._recent.append(seconds)
             return
-        events = self._stop()
+        events = list(self._stop().profiler.kineto_results.events())
         cpu_ops, device_events = [], []
         for event in events:
             kind = str(event.activity_type())
@@ -139,36 +134,33 @@ class StepProfiler(Component):
                 cpu_ops.append(event)
             elif kind.endswith(("kernel", "memcpy", "memset")):
                 device_events.append(event)
-        emitted_ops = self._emit_ops(tracer, cpu_ops, intervals)
-        emitted_kernels = self._emit_device_events(tracer, device_events, emitted_ops, intervals)
+        # Operators outside every phase (loss code, zero_grad) sit directly under the step.
+        step_context = trace.set_span_in_context(step_span, _EMPTY)
+        ops, emitted = self._emit_ops(tracer, cpu_ops, intervals, step_context)
+        emitted_kernels = self._emit_device_events(tracer, device_events, ops, intervals, step_context)
         step_span.set_attributes({
-            semconv.PROFILE_OPS: len(cpu_ops), semconv.PROFILE_OPS_EMITTED: len(emitted_ops),
+            semconv.PROFILE_OPS: len(cpu_ops), semconv.PROFILE_OPS_EMITTED: emitted,
             semconv.PROFILE_KERNELS: len(device_events), semconv.PROFILE_KERNELS_EMITTED: emitted_kernels,
         })
 
     # -- emission ---------------------------------------------------------------------------------
 
-    def _emit_ops(self, tracer, events, intervals: list[Interval]) -> dict[int, _Op]:
+    def _emit_ops(self, tracer, events, intervals: list[Interval], step_context) -> tuple[dict[int, _Op], int]:
+        """Operators by correlation id (all of them, for kernels to find their launcher), and how many became spans."""
         ops = sorted((_Op(e, e.start_ns(), e.end_ns(), e.duration_ns()) for e in events),
-                     key=lambda op: (op.start, -op.end))
+                     key=lambda op: (op.start_thread, op.start, -op.end))
         stack: list[_Op] = []
-        for op in ops:  # each operator's caller: the innermost earlier one that contains it
-            while stack and stack[-1].end < op.end:
+        for op in ops:  # each operator's caller: the innermost earlier one on its thread that contains it
+            while stack and (stack[-1].start_thread != op.start_thread or stack[-1].end < op.end):
                 stack.pop()
             if stack:
                 op.parent = stack[-1]
                 op.parent.self_ns -= op.end - op.start
             stack.append(op)
         chosen = sorted(ops, key=lambda op: op.self_ns, reverse=True)[: self._top]
-        chosen_ids = {id(op) for op in chosen}
-        emitted: dict[int, _Op] = {}
-        for op in sorted(chosen, key=lambda op: op.start):  # callers before callees
-            caller = op.parent
-            while caller is not None and id(caller) not in chosen_ids:
-                caller = caller.parent
-            parent = caller.span_context if caller is not None else _innermost(intervals, op.start)
-            if parent is None:
-                continue
+        for op in sorted(chosen, key=lambda op: (op.start, -op.end)):  # callers before callees
+            caller = _emitted_ancestor(op.parent)
+            parent = caller.span_context if caller is not None else _innermost(intervals, op.start) or step_context
             event = op.event
             attributes = {semconv.PROFILE_KIND: "cpu_op", semconv.PROFILE_DEVICE: "cpu"}
             shapes = [list(shape) for shape in (event.shapes() or []) if shape]
@@ -179,16 +171,20 @@ class StepProfiler(Component):
             span = tracer.start_span(event.name(), context=parent, start_time=op.start, attributes=attributes)
             span.end(end_time=op.end)
             op.span_context = trace.set_span_in_context(span, _EMPTY)
-            emitted[event.correlation_id()] = op
-        return emitted
+        return {op.event.correlation_id(): op for op in ops}, len(chosen)
 
-    def _emit_device_events(self, tracer, events, ops: dict[int, _Op], intervals: list[Interval]) -> int:
+    def _emit_device_events(self, tracer, events, ops: dict[int, _Op], intervals: list[Interval],
+                            step_context) -> int:
         chosen = sorted(events, key=lambda e: e.duration_ns(), reverse=True)[: self._top]
         for event in chosen:
-            launcher = ops.get(event.linked_correlation_id()) or ops.get(event.correlation_id())
-            parent = launcher.span_context if launcher is not None else _innermost(intervals, event.start_ns())
-            if parent is None:
-                continue
+            # Kineto links a kernel to the operator that launched it; the nearest one that became a span
+            # is its parent, else the phase around the launch (on the host clock, not the kernel's).
+            launcher = ops.get(event.linked_correlation_id())
+            emitted = _emitted_ancestor(launcher)
+            if emitted is not None:
+                parent = emitted.span_context
+            else:
+                parent = (_innermost(intervals, launcher.start) if launcher is not None else None) or step_context
             name = event.name()
             kind = "memcpy" if "memcpy" in name.lower() else "memset" if "memset" in name.lower() else "kernel"
             span = tracer.start_span(name, context=parent, start_time=event.start_ns(), attributes={
@@ -198,6 +194,12 @@ class StepProfiler(Component):
             })
             span.end(end_time=event.end_ns())
         return len(chosen)
+
+
+def _emitted_ancestor(op: _Op | None) -> _Op | None:
+    while op is not None and op.span_context is None:
+        op = op.parent
+    return op
 
 
 def _innermost(intervals: list[Interval], at: int) -> Context | None:

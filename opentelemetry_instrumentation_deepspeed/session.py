@@ -48,10 +48,6 @@ def defer_sdk(arguments: dict) -> None:
     _deferred_sdk_arguments = dict(arguments)
 
 
-def sdk_deferred() -> bool:
-    return _deferred_sdk_arguments is not None
-
-
 def start() -> JobIdentity:
     """Identify this process in its job and, when deferred, set the SDK up. Idempotent.
 

@@ -32,8 +32,6 @@ from opentelemetry_instrumentation_deepspeed.training_metrics import TrainingMet
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _EMPTY = Context()
-# A loop that iterates a loader without training must not grow this without bound.
-_MAX_PENDING_WAITS = 64
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED | getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 _NOT_SAMPLED = TraceFlags(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 
@@ -98,6 +96,9 @@ class StepTracker(Component):
         self.metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None)
         self._step: _Step | None = None
         self._waits: list[tuple[int, int]] = []
+        # Waits kept before a step opens: the ones that fetch its micro-batches, no older.
+        self._max_waits = max(1, engine.gradient_accumulation_steps())
+        self._failed_root: tuple[int, trace.Span] | None = None
 
     # -- what the wrappers call -------------------------------------------------------------
 
@@ -105,7 +106,7 @@ class StepTracker(Component):
     def data_waited(self, start: int, end: int) -> None:
         step = self._step
         if step is None:
-            if len(self._waits) >= _MAX_PENDING_WAITS:
+            if len(self._waits) >= self._max_waits:
                 del self._waits[0]
             self._waits.append((start, end))
         else:
@@ -145,6 +146,13 @@ class StepTracker(Component):
             self._end_phase(step, span)
 
     @fail_open
+    def direct_backward_failed(self, error: BaseException) -> None:
+        step = self._step
+        if step is not None and step.direct_backward is not None:
+            span, step.direct_backward = step.direct_backward, None
+            self.phase_failed(span, error)
+
+    @fail_open
     def optimizer_step_started(self, engine) -> trace.Span | None:
         """None unless this ``engine.step()`` call is a gradient-accumulation boundary."""
         # Read before step(): micro_steps advances inside it. Unmanaged accumulation makes every step() one.
@@ -180,21 +188,45 @@ class StepTracker(Component):
 
     @fail_open
     def phase_failed(self, span: trace.Span | None, error: BaseException) -> None:
-        """The step raised inside a phase: both carry the error and end; the next event opens a new step."""
-        step = self._step
-        if step is None:
-            return
+        """The step raised inside a phase: both carry the error and end; the next event opens a new step.
+
+        A retry of the step (same number: DeepSpeed did not count it) goes under the same root span.
+        """
         description = f"{type(error).__name__}: {error}"
+        step = self._step
         if span is not None:
             span.record_exception(error)
             span.set_status(Status(StatusCode.ERROR, description))
+            if step is None:
+                span.end()
+        if step is None:
+            return
+        if span is not None:
             self._end_phase(step, span)
+        if step.direct_backward is not None and step.direct_backward is not span:
+            self._interrupt(step)
         step.span.set_status(Status(StatusCode.ERROR, description))
-        if step.root is not None:
-            step.root.set_status(Status(StatusCode.ERROR, description))
         if self._profiler is not None:
             self._profiler.abandon()
+        root, step.root = step.root, None
         self._close(step)
+        if root is not None:
+            root.set_status(Status(StatusCode.ERROR, description))
+            if self._failed_root is not None:
+                self._failed_root[1].end()
+            self._failed_root = (step.number, root)
+
+    def _interrupt(self, step: _Step) -> None:
+        """A direct loss.backward() that never reached DeepSpeed's epilogue (it raised, and was caught)."""
+        span, step.direct_backward = step.direct_backward, None
+        span.set_status(Status(StatusCode.ERROR, "backward did not complete"))
+        self._end_phase(step, span)
+
+    def fail(self, where: str) -> None:
+        # Whatever broke, a profiler must not keep running (and costing) for the rest of the job.
+        if self._profiler is not None:
+            self._profiler.abandon()
+        super().fail(where)
 
     def step_number(self) -> int | None:
         step = self._step
@@ -231,7 +263,16 @@ class StepTracker(Component):
         number = engine.global_steps + 1
         trace_id, root_span_id = trace_ids.step_ids(self._job_id, number)
         root = None
-        if self._ids is not None:
+        if self._failed_root is not None:
+            failed_number, failed_root = self._failed_root
+            self._failed_root = None
+            if failed_number == number:
+                root = failed_root
+            else:
+                failed_root.end()
+        if root is not None:
+            parent = trace.set_span_in_context(root, _EMPTY)
+        elif self._ids is not None:
             self._ids.pin(trace_id, root_span_id)
             try:
                 root = self._tracer.start_span(
@@ -292,6 +333,8 @@ class StepTracker(Component):
         return emit
 
     def _phase_span(self, step: _Step, name: str, phase: str, micro_step: int | None) -> trace.Span:
+        if step.direct_backward is not None:
+            self._interrupt(step)
         attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
         start = time.time_ns()
         span = self._tracer.start_span(name, context=step.context, attributes=attributes, start_time=start)

@@ -21,7 +21,14 @@ def tracker_for(engine) -> StepTracker | None:
 
 
 def active() -> StepTracker | None:
-    """The tracker of the engine built last in this process (what a data loader feeds)."""
+    """The tracker of the engine that trains now: the one with an open step, else the one built last.
+
+    Several engines in a process (an RL actor and its reference model) are not several trainings.
+    """
+    if len(_trackers) > 1:
+        for tracker in list(_trackers.values()):
+            if tracker.step_number() is not None:
+                return tracker
     return _active
 
 

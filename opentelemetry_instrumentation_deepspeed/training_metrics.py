@@ -65,7 +65,7 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
         first = args[0]
         ids = first.get("input_ids") if isinstance(first, dict) else first
     shape = getattr(ids, "shape", None)
-    if not shape:
+    if not shape or not hasattr(ids, "is_floating_point"):  # a torch tensor, not an array or a list
         return None, None
     is_integer = not ids.is_floating_point() and not ids.is_complex()
     return int(shape[0]), (ids.numel() if is_integer else None)

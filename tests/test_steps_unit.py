@@ -143,12 +143,28 @@ def test_evaluation_forwards_drop_the_waits_that_fed_them():
     assert [(s.start_time, s.end_time) for s in waits] == [(10, 20)]
 
 
-def test_waits_without_training_are_bounded():
-    tracker, engine, exporter = tracker_on(1)
+def test_waits_without_training_are_bounded_by_the_micro_batches_of_a_step():
+    tracker, engine, exporter = tracker_on(1, grad_accum=4)
     for i in range(10_000):
         tracker.data_waited(i, i + 1)
+    train_step(tracker, engine, grad_accum=4)
+    waits = [s for s in exporter.get_finished_spans() if s.name == "training.data.wait"]
+    assert [s.start_time for s in waits] == [9996, 9997, 9998, 9999], "the most recent ones"
+
+
+def test_a_caught_failure_in_direct_backward_ends_its_span_and_the_retry_shares_the_root():
+    tracker, engine, exporter = tracker_on(0)
+    tracker.phase_ended(tracker.forward_started(engine))
+    tracker.backward_started(engine, direct=True)
+    tracker.direct_backward_failed(RuntimeError("out of memory"))  # the user catches it and retries
     train_step(tracker, engine)
-    assert len([s for s in exporter.get_finished_spans() if s.name == "training.data.wait"]) == 64
+    spans = exporter.get_finished_spans()
+    backward = [s for s in spans if s.name == "training.backward"]
+    assert backward[0].status.status_code == StatusCode.ERROR and backward[0].end_time is not None
+    roots = [s for s in spans if s.name == "training.global_step"]
+    steps = [s for s in spans if s.name == "training.step"]
+    assert len(roots) == 1 and len(steps) == 2, "one root for the step and its retry"
+    assert {s.parent.span_id for s in steps} == {roots[0].context.span_id}
 
 
 def test_a_bug_in_the_tracker_is_logged_once_and_disables_it(caplog):

@@ -9,8 +9,9 @@ for it in collectives), and each collective's bus bandwidth against the best of 
 
 from __future__ import annotations
 
+import itertools
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -91,7 +92,7 @@ class Analysis:
         for steps in by_rank.values():
             steps.sort(key=lambda s: s["step"])
         ranks = {rank: self._rank_summary(steps) for rank, steps in sorted(by_rank.items())}
-        straggler = self._straggler(job, by_rank)
+        straggler = self._straggler(job, by_rank, ranks)
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
@@ -184,10 +185,10 @@ class Analysis:
             anomaly = max(anomalies, key=lambda a: a["extra_seconds"])
         return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
 
-    def _straggler(self, job: str, by_rank: dict[int, list[dict]]) -> dict | None:
+    def _straggler(self, job: str, by_rank: dict[int, list[dict]], summaries: dict) -> dict | None:
         if len(by_rank) < 2:
             return None
-        ranks = {rank: self._rank_summary(steps)["compute_by_step"] for rank, steps in by_rank.items()}
+        ranks = {rank: summaries[rank]["compute_by_step"] for rank in by_rank}
         common = set.intersection(*(set(steps) for steps in ranks.values()))
         if len(common) < 3:
             return None
@@ -220,13 +221,18 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _find_period(numbers: list[int], slow: set[int]) -> tuple[int, int] | None:
-    """The smallest k and offset r such that the steps = r mod k are (nearly) exactly the slow ones."""
-    for period in range(2, max(3, len(numbers) // 3 + 1)):
-        for offset in range(period):
-            expected = {n for n in numbers if n % period == offset}
-            hits = len(expected & slow)
-            if hits >= 3 and hits >= 0.8 * len(expected) and hits >= 0.8 * len(slow):
-                return period, offset
+    """A period k and offset r such that the steps = r mod k are (nearly) exactly the slow ones.
+
+    Candidates are the most common gaps between consecutive slow steps: linear in the steps.
+    """
+    ordered = sorted(slow)
+    gaps = Counter(b - a for a, b in itertools.pairwise(ordered) if b - a > 1)
+    for period, _count in sorted(gaps.most_common(3)):
+        offset = Counter(n % period for n in ordered).most_common(1)[0][0]
+        expected = sum(1 for n in numbers if n % period == offset)
+        hits = sum(1 for n in ordered if n % period == offset)
+        if hits >= 3 and hits >= 0.8 * expected and hits >= 0.8 * len(slow):
+            return period, offset
     return None
 
 

@@ -1,6 +1,8 @@
 """The ``opentelemetry-deepspeed`` command.
 
-    opentelemetry-deepspeed diagnose [PATH ...] [--job ID] [--json]
+    opentelemetry-deepspeed diagnose [PATH ...] [--job ID] [--json] [--html FILE]
+    opentelemetry-deepspeed diagnose --tempo URL --job ID
+    opentelemetry-deepspeed diagnose --jaeger URL --service NAME [--job ID]
 
 PATH: the embedded default's directory (default ``./telemetry``: its most recent job), OTLP JSON
 files (as the Collector's file exporter writes them), or ``-`` for standard input.
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.backends import BackendError, jaeger_spans, tempo_spans
 from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, read_spans
 
@@ -26,10 +29,14 @@ def _default_paths() -> list[str]:
     return [str(jobs[-1])] if jobs else [str(root)]
 
 
-def diagnose(paths: list[str], job: str | None) -> dict:
+def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
+    """``backend``: a function of the read statistics that yields spans, instead of the paths."""
     stats = ReadStats()
     analysis = Analysis()
-    analysis.add(read_spans(paths, stats))
+    try:
+        analysis.add(backend(stats) if backend else read_spans(paths, stats))
+    except BackendError as error:
+        stats.problems.append(f"cannot read the backend: {error}")
     result = analysis.result(job)
     for rank in result["ranks"].values():
         rank.pop("compute_by_step", None)
@@ -75,9 +82,28 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--job", help="training.job.id to analyse (default: the one with the most spans)")
     command.add_argument("--json", action="store_true", help="the report as JSON (schema in docs/diagnose.md)")
     command.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
+    source = command.add_mutually_exclusive_group()
+    source.add_argument("--tempo", metavar="URL", help="read from Tempo's HTTP API (needs --job)")
+    source.add_argument("--jaeger", metavar="URL", help="read from Jaeger v2's HTTP API (/api/v3; needs --service)")
+    command.add_argument("--service", help="service.name to search in Jaeger")
+    command.add_argument("--since", type=float, default=86400.0, metavar="SECONDS",
+                         help="backends: how far back to search (default one day)")
+    command.add_argument("--limit", type=int, default=1000, help="backends: most traces to fetch")
     args = parser.parse_args(argv)
-    paths = args.paths or _default_paths()
-    report = diagnose(paths, args.job)
+    backend = None
+    if args.tempo:
+        if not args.job:
+            parser.error("--tempo needs --job (Tempo is searched by training.job.id)")
+        def backend(stats):
+            return tempo_spans(args.tempo, args.job, args.since, args.limit, stats)
+    elif args.jaeger:
+        if not args.service:
+            parser.error("--jaeger needs --service (Jaeger searches by service name)")
+        def backend(stats):
+            return jaeger_spans(args.jaeger, args.service, args.job, since_seconds=args.since, limit=args.limit,
+                                stats=stats)
+    paths = args.paths or ([] if backend else _default_paths())
+    report = diagnose(paths, args.job, backend)
     if args.html:
         Path(args.html).write_text(render_html(report), encoding="utf-8")
     if args.json:
@@ -85,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         print(render_text(report))
+    for problem in report["input"]["problems"]:
+        print(f"opentelemetry-deepspeed diagnose: {problem}", file=sys.stderr)
     return 0 if report["input"]["spans"] else 1
 
 

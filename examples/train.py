@@ -54,8 +54,8 @@ def parse_args(argv=None):
                         help="rank R computes --slow-ms longer in each forward (a straggler)")
     faults.add_argument("--slow-ms", type=float, default=50.0, metavar="D")
     faults.add_argument("--comm-heavy", action="store_true",
-                        help="add 8M parameters that cost no compute, as a large embedding does: "
-                             "their gradients make each step's all-reduce large")
+                        help="add 8M parameters that cost no compute, as a large embedding does, and update "
+                             "with SGD: each step's large gradient all-reduce dominates")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -128,6 +128,8 @@ def deepspeed_config(args) -> dict:
     config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     if args.fp16:
         config["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 1000}
+    if args.comm_heavy:
+        config["zero_allow_untested_optimizer"] = True  # torch's SGD under ZeRO: DeepSpeed only asks to be told
     return config
 
 
@@ -146,6 +148,14 @@ def average_loss(loss: torch.Tensor, asynchronous: bool) -> float:
         time.sleep(0.02)
         work.wait()
     return total.item() / torch.distributed.get_world_size()
+
+
+def make_optimizer(args, model):
+    """A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU. The
+    communication-heavy configuration updates with plain SGD, so its large gradients dominate."""
+    if args.comm_heavy:
+        return torch.optim.SGD(model.parameters(), lr=1e-2)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def write_comms_counts(prefix: str, rank: int) -> None:
@@ -174,8 +184,7 @@ def main(argv=None):
     delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
     model = TinyLM(args.vocab, args.d_model, args.layers, args.seq_len, delay_ms=delay,
                    ballast=8 * 2**20 if args.comm_heavy else 0)
-    # A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(args, model)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dataset = SyntheticTokens(args.steps * args.grad_accum * args.micro_batch_size * world_size,
                               args.seq_len, args.vocab, args.seed)

@@ -23,9 +23,11 @@ PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_
 
 # Thresholds of the verdict, shares of step time.
 DATA_WAIT_SHARE = 0.25
-COMM_SHARE = 0.25
+COMM_SHARE = 0.30
 STRAGGLER_SHARE = 0.10  # a rank computing this much longer than the others, per step
 ANOMALY_FACTOR = 1.5  # a step this much slower than the median is an anomaly
+THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
+HARDWARE_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")
 
 
 @dataclass
@@ -56,6 +58,11 @@ class Analysis:
         self._steps: dict[tuple[str, int, str], _Step] = {}
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
+        self._samples: list = []
+
+    def add_samples(self, samples) -> None:
+        """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
+        self._samples.extend(samples)
 
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
@@ -93,12 +100,14 @@ class Analysis:
             steps.sort(key=lambda s: s["step"])
         ranks = {rank: self._rank_summary(steps) for rank, steps in sorted(by_rank.items())}
         straggler = self._straggler(job, by_rank, ranks)
+        gpu = self._gpu(job, by_rank)
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
             "ranks": ranks,
             "job": self._job_summary(ranks),
             "straggler": straggler,
+            "gpu": gpu,
             "bandwidth": {op: {"median_busbw": statistics.median(values), "best_busbw": max(values),
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
@@ -131,6 +140,43 @@ class Analysis:
             number = next((s["step"] for steps_ in by_rank.values() for s in steps_ if s["trace_id"] == trace_id), 0)
             timelines[label] = {"trace_id": trace_id, "step": number, "ranks": lanes}
         return timelines
+
+    def _part_at(self, at: int, steps: list) -> str:
+        """The part of the rank's step running at ``at``; "between_steps" outside every step."""
+        for step in steps:
+            if step.start <= at <= step.end:
+                for part, start, end in step.phases:
+                    if start <= at <= end:
+                        if part != "data_wait" and any(a <= at <= b for a, b, _g, _s in step.comm):
+                            return "exposed_comm"
+                        return part
+                return "unaccounted"
+        return "between_steps"
+
+    def _gpu(self, job: str, by_rank: dict) -> dict:
+        """Per rank: utilization overall and by the part of the step it was sampled in; throttling; ECC."""
+        found = {}
+        for rank in sorted({sample.rank for sample in self._samples} & set(by_rank)):
+            samples = [s for s in self._samples if s.rank == rank]
+            steps = sorted((s for (j, r, _t), s in self._steps.items() if j == job and r == rank and s.seen),
+                           key=lambda s: s.start)
+            utilization = [s for s in samples if s.metric == "hw.gpu.utilization"]
+            by_part = defaultdict(list)
+            for sample in utilization:
+                by_part[self._part_at(sample.time, steps)].append(sample.value)
+            throttle = defaultdict(list)
+            for sample in samples:
+                if sample.metric == "hw.gpu.throttle":
+                    throttle[sample.detail].append(sample.value)
+            found[rank] = {
+                "utilization_mean": statistics.fmean(s.value for s in utilization) if utilization else None,
+                "utilization_by_part": {part: statistics.fmean(values) for part, values in sorted(by_part.items())},
+                "throttled": {reason: statistics.fmean(values) for reason, values in sorted(throttle.items())
+                              if any(values)},
+                "uncorrected_ecc": max((s.value for s in samples if s.metric == "hw.errors"
+                                        and s.detail == "uncorrected"), default=0),
+            }
+        return found
 
     def _breakdown(self, step: _Step, job: str) -> dict:
         """Split a step; a synchronous collective splits into waiting for the last rank to arrive
@@ -290,19 +336,47 @@ REMEDIES = {
                   "uneven data (sequence lengths) or extra work on that rank (logging, checkpointing)"],
     "compute": ["the model's operators: profile a step (touch the trigger file) and read its operator spans",
                 "mixed precision, fused kernels, activation checkpointing trade-offs"],
+    "GPU/hardware": ["check cooling, power capping and clocks of the named GPU (nvidia-smi -q -d PERFORMANCE)",
+                     "drain the node if ECC errors or hardware slowdown persist"],
 }
+
+
+def _hardware_verdict(result: dict) -> dict | None:
+    """A GPU that throttles or has ECC errors: first, since it also makes its rank a straggler."""
+    straggler = result["straggler"]
+    hardware = {rank: _hardware_issues(gpu) for rank, gpu in result.get("gpu", {}).items()}
+    hardware = {rank: issues for rank, issues in hardware.items() if issues}
+    if not hardware or (straggler and straggler["rank"] not in hardware):
+        return None
+    rank = straggler["rank"] if straggler else min(hardware)
+    slow = (f"rank {rank} computes {straggler['extra_compute_seconds'] * 1e3:.1f} ms longer per step; "
+            if straggler else f"rank {rank}: ")
+    return {"layer": "GPU/hardware", "rank": rank, "summary": f"{slow}its GPU reports {'; '.join(hardware[rank])}",
+            "evidence": [f"rank {r}: {'; '.join(issues)}" for r, issues in sorted(hardware.items())],
+            "remedies": REMEDIES["GPU/hardware"]}
+
+
+def _hardware_issues(gpu: dict) -> list[str]:
+    issues = [f"{reason.replace('_', ' ')} in {share:.0%} of samples" for reason, share in gpu["throttled"].items()
+              if reason in HARDWARE_THROTTLE and share >= THROTTLED_SHARE]
+    if gpu["uncorrected_ecc"]:
+        issues.append(f"{gpu['uncorrected_ecc']:.0f} uncorrected ECC errors")
+    return issues
 
 
 def _verdict_none(summary: str) -> dict:
     return {"layer": "none", "summary": summary, "evidence": [], "remedies": []}
 
 
-def _verdict(result: dict) -> dict:
+def _verdict(result: dict) -> dict:  # noqa: PLR0911 - one return per layer, in order of precedence
     job = result["job"]
     if not job:
         return _verdict_none("no complete steps in the input")
     shares, p50 = job["shares"], job["step_seconds_p50"]
     straggler, anomaly = result["straggler"], job["anomaly"]
+    hardware = _hardware_verdict(result)
+    if hardware:
+        return hardware
     if straggler:
         return {"layer": "straggler", "rank": straggler["rank"],
                 "summary": f"rank {straggler['rank']} computes {straggler['extra_compute_seconds'] * 1e3:.1f} ms "

@@ -37,11 +37,13 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
         analysis.add(backend(stats) if backend else read_spans(paths, stats))
     except BackendError as error:
         stats.problems.append(f"cannot read the backend: {error}")
+    analysis.add_samples(stats.samples)
     result = analysis.result(job)
     for rank in result["ranks"].values():
         rank.pop("compute_by_step", None)
     return {"schema_version": SCHEMA_VERSION, **result,
             "input": {"files": stats.files, "lines": stats.lines, "spans": stats.spans,
+                      "gpu_samples": len(stats.samples),
                       "bad_lines": stats.bad_lines, "problems": stats.problems}}
 
 
@@ -63,6 +65,11 @@ def render_text(report: dict) -> str:
                      f"p95 {seconds['p95'] * 1e3:.1f} ms, max {seconds['max'] * 1e3:.1f} ms"
                      + (f"; slowest step {summary['slowest']['step']} (trace {summary['slowest']['trace_id']})"
                         if summary.get("slowest") else ""))
+    for rank, gpu in report.get("gpu", {}).items():
+        if gpu["utilization_mean"] is not None:
+            parts = ", ".join(f"{part.replace('_', ' ')} {value:.0%}"
+                              for part, value in gpu["utilization_by_part"].items())
+            lines.append(f"  rank {rank}: GPU utilization {gpu['utilization_mean']:.0%} (by phase: {parts})")
     for op, bandwidth in report.get("bandwidth", {}).items():
         lines.append(f"  comm.{op}: {bandwidth['calls']} calls, bus bandwidth median "
                      f"{bandwidth['median_busbw'] / 1e6:.1f} MB/s, best {bandwidth['best_busbw'] / 1e6:.1f} MB/s")

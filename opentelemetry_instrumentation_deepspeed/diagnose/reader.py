@@ -33,6 +33,21 @@ class Span:
         return (self.end - self.start) / 1e9
 
 
+# GPU metrics the analysis lines up with the steps.
+GPU_METRICS = ("hw.gpu.utilization", "hw.gpu.throttle", "hw.errors")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One data point of a GPU metric: rank, metric, time, value and the attribute that matters."""
+
+    rank: int
+    metric: str
+    time: int
+    value: float
+    detail: str = ""
+
+
 @dataclass
 class ReadStats:
     lines: int = 0
@@ -40,6 +55,7 @@ class ReadStats:
     spans: int = 0
     files: int = 0
     problems: list = field(default_factory=list)
+    samples: list = field(default_factory=list)  # GPU metric samples: a few per collection interval
 
 
 def _value(value: dict):
@@ -74,6 +90,24 @@ def spans_of_request(request: dict) -> Iterator[Span]:
                            _attributes(span.get("attributes"), _KEPT))
 
 
+def samples_of_request(request: dict) -> Iterator[Sample]:
+    for resource_metrics in request.get("resourceMetrics") or ():
+        resource = _attributes((resource_metrics.get("resource") or {}).get("attributes"), ("training.rank",))
+        if resource.get("training.rank") is None:
+            continue
+        for scope_metrics in resource_metrics.get("scopeMetrics") or ():
+            for metric in scope_metrics.get("metrics") or ():
+                if metric.get("name") not in GPU_METRICS:
+                    continue
+                data = metric.get("gauge") or metric.get("sum") or {}
+                for point in data.get("dataPoints") or ():
+                    attributes = _attributes(point.get("attributes"), ("hw.gpu.throttle.reason", "error.type"))
+                    value = point.get("asDouble", point.get("asInt", 0))
+                    yield Sample(int(resource["training.rank"]), metric["name"], int(point.get("timeUnixNano", 0)),
+                                 float(value), attributes.get("hw.gpu.throttle.reason") or
+                                 attributes.get("error.type") or "")
+
+
 def _lines(source) -> Iterator[tuple[str, str]]:
     if source == "-":
         for line in sys.stdin:
@@ -93,9 +127,7 @@ def expand(paths: Iterable[str]) -> list[str]:
             continue
         candidate = Path(path)
         if candidate.is_dir():
-            found = sorted(p for p in candidate.rglob("*") if p.is_file() and
-                           (p.name.startswith("traces") or p.suffix in (".json", ".jsonl")) and
-                           not p.name.startswith("metrics"))
+            found = sorted(p for p in candidate.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl"))
             files += [str(p) for p in found]
         else:
             files.append(path)
@@ -114,6 +146,8 @@ def read_spans(paths: Iterable[str], stats: ReadStats) -> Iterator[Span]:
                 try:
                     request = json.loads(line)
                     spans = list(spans_of_request(request)) if isinstance(request, dict) else None
+                    if spans is not None and "resourceMetrics" in request:
+                        stats.samples.extend(samples_of_request(request))
                 except (ValueError, KeyError, TypeError, RecursionError):
                     spans = None
                 if spans is None:

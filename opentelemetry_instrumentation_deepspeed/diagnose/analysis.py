@@ -24,7 +24,7 @@ PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_
 # Thresholds of the verdict, shares of step time.
 DATA_WAIT_SHARE = 0.25
 COMM_SHARE = 0.30
-STRAGGLER_SHARE = 0.10  # a rank computing this much longer than the others, per step
+STRAGGLER_SHARE = 0.20  # a rank computing this much longer than the others, per step
 ANOMALY_FACTOR = 1.5  # a step this much slower than the median is an anomaly
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
 HARDWARE_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")
@@ -377,6 +377,15 @@ def _verdict(result: dict) -> dict:  # noqa: PLR0911 - one return per layer, in 
     hardware = _hardware_verdict(result)
     if hardware:
         return hardware
+    exposed_seconds = shares["exposed_comm"] * p50
+    if straggler and shares["exposed_comm"] > COMM_SHARE and exposed_seconds > straggler["extra_compute_seconds"]:
+        # Both: the layer that costs more per step is named, the other is evidence.
+        return {"layer": "communication",
+                "summary": f"{shares['exposed_comm']:.0%} of step time is exposed communication",
+                "evidence": [f"median step {p50 * 1e3:.1f} ms; {exposed_seconds * 1e3:.1f} ms exposed per step",
+                             f"also: rank {straggler['rank']} computes {straggler['extra_compute_seconds'] * 1e3:.1f} "
+                             "ms longer per step than the others"],
+                "remedies": REMEDIES["communication"]}
     if straggler:
         return {"layer": "straggler", "rank": straggler["rank"],
                 "summary": f"rank {straggler['rank']} computes {straggler['extra_compute_seconds'] * 1e3:.1f} ms "

@@ -320,24 +320,22 @@ class CommInstrumentor(BaseInstrumentor):
         self._observer = observer
         patches = self._patches
 
+        def wrap_ops(module, names, package: str) -> None:
+            for name in names:
+                function = getattr(module, name, None)
+                if function is not None:
+                    patches.wrap(module, name, _collective_wrapper(observer, OpSpec.of(name, function)))
+            # One scan of the package's modules for the copies of every wrapped op, not one per op.
+            patches.rebind(_loaded(package))
+
         def patch_torch(c10d):
             if patches.active:
-                torch_modules = _loaded("torch.distributed")
-                for name in TORCH_OPS:
-                    function = getattr(c10d, name, None)
-                    if function is not None:
-                        patches.wrap_everywhere(c10d, name, _collective_wrapper(observer, OpSpec.of(name, function)),
-                                                torch_modules)
+                wrap_ops(c10d, TORCH_OPS, "torch.distributed")
                 patches.wrap(c10d.Work, "wait", _wait_wrapper(observer))
 
         def patch_deepspeed(comm):
             if patches.active:
-                deepspeed_modules = _loaded("deepspeed")
-                for name in DEEPSPEED_OPS:
-                    function = getattr(comm, name, None)
-                    if function is not None:
-                        patches.wrap_everywhere(comm, name, _collective_wrapper(observer, OpSpec.of(name, function)),
-                                                deepspeed_modules)
+                wrap_ops(comm, DEEPSPEED_OPS, "deepspeed")
                 _rebind_cached_backend_functions(comm, patches)
 
         def rebind_late_imports(_module):

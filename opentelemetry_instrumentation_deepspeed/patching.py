@@ -60,10 +60,6 @@ class Patches:
         self._proxies[id(original)] = (original, vars(owner)[name] if isinstance(owner, type) else getattr(owner, name))
         self._applied.append((owner, name, original))
 
-    def wrap_everywhere(self, owner, name: str, wrapper, modules: Iterable) -> None:
-        self.wrap(owner, name, wrapper)
-        self.rebind(modules)
-
     def rebind(self, objects: Iterable, attributes: Iterable[str] | None = None) -> None:
         for target in objects:
             namespace = getattr(target, "__dict__", None)

@@ -10,6 +10,7 @@ SPAN_DATA_WAIT = "training.data.wait"
 SPAN_FORWARD = "training.forward"
 SPAN_BACKWARD = "training.backward"
 SPAN_OPTIMIZER_STEP = "training.optimizer.step"
+SPAN_PHASE_GPU = "training.{phase}.gpu"  # on CUDA: a phase's GPU-side interval, child of the phase
 
 # Span attributes
 TRAINING_STEP = "training.step"

@@ -35,6 +35,7 @@ _EMPTY = Context()
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED | getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 _NOT_SAMPLED = TraceFlags(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 
+
 def _gpu_timeline(engine, cuda):
     device = getattr(engine, "device", None)
     if cuda is None and getattr(device, "type", None) != "cuda":
@@ -358,7 +359,8 @@ class StepTracker(Component):
                 step.intervals.append(kernels.Interval(step.phase_start, end, step.phase_context))
             if self._gpu is not None and step.phase_gpu_start is not None:
                 self._gpu.defer(step.phase_gpu_start, self._gpu.event(),
-                                self._gpu_span(f"training.{step.phase_name}.gpu", step.phase_context))
+                                self._gpu_span(semconv.SPAN_PHASE_GPU.format(phase=step.phase_name),
+                                               step.phase_context))
                 step.phase_gpu_start = None
             step.phase = step.phase_context = None
         span.end(end_time=end)

@@ -90,12 +90,12 @@ def file_path(signal: str) -> Path | None:
     return None if folder is None else folder / f"{signal}-rank{_identity.rank}.jsonl"
 
 
-def announce() -> None:
+def announce(signals: list[str]) -> None:
     """Say once, on rank 0, where the telemetry goes."""
     folder = directory()
     if folder is not None and _identity is not None and _identity.rank == 0:
         print(
-            f"opentelemetry-instrumentation-deepspeed: writing traces and metrics of job {_identity.job_id} "
+            f"opentelemetry-instrumentation-deepspeed: writing {' and '.join(signals)} of job {_identity.job_id} "
             f"as OTLP JSON lines to {folder}/ (set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead)",
             file=sys.stderr,
             flush=True,

@@ -61,6 +61,13 @@ METRIC_COMM_DURATION = "training.comm.duration"
 METRIC_COMM_SIZE = "training.comm.size"
 METRIC_COMM_BUS_SIZE = "training.comm.bus.size"
 
+# Telemetry about the telemetry (delivery.py): the SDK self-observability names of OpenTelemetry
+METRIC_SPANS_EXPORTED = "otel.sdk.exporter.span.exported"
+METRIC_SPANS_PROCESSED = "otel.sdk.processor.span.processed"
+METRIC_POINTS_EXPORTED = "otel.sdk.exporter.metric_data_point.exported"
+OTEL_COMPONENT_NAME = "otel.component.name"
+ERROR_TYPE = "error.type"
+
 # Operator and kernel spans of profiled steps (named after the operator or kernel)
 PROFILE_KIND = "profile.kind"  # cpu_op, kernel, memcpy, memset
 PROFILE_DEVICE = "profile.device"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
 from opentelemetry_instrumentation_deepspeed import job
@@ -19,7 +19,7 @@ from opentelemetry_instrumentation_deepspeed.job import JobIdentity
 
 _logger = logging.getLogger(__name__)
 
-_EXPORTER_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
+_EXPORTER_VARIABLES = (("traces", "OTEL_TRACES_EXPORTER"), ("metrics", "OTEL_METRICS_EXPORTER"))
 
 _deferred_sdk_arguments: dict | None = None
 _identity: JobIdentity | None = None
@@ -79,17 +79,24 @@ def _configure_sdk(identity: JobIdentity) -> None:
         return
     from opentelemetry.sdk._configuration import _initialize_components
 
-    from opentelemetry_instrumentation_deepspeed import prometheus
+    from opentelemetry_instrumentation_deepspeed import delivery, prometheus
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
+    delivery.install()
     _initialize_components(**arguments, resource_attributes=identity.resource_attributes())
+    try:
+        delivery.watch(trace.get_tracer_provider(), metrics.get_meter_provider())
+    except Exception:  # only the accounting of lost telemetry is lost
+        _logger.warning("opentelemetry-instrumentation-deepspeed: cannot count undelivered telemetry with this SDK",
+                        exc_info=True)
     if prometheus.in_use():
         prometheus.wait_for_final_scrape_at_exit()
-    if any(env.EMBEDDED_EXPORTER in os.environ.get(name, "") for name in _EXPORTER_VARIABLES):
+    embedded = [signal for signal, name in _EXPORTER_VARIABLES if env.EMBEDDED_EXPORTER in os.environ.get(name, "")]
+    if embedded:
         from opentelemetry_instrumentation_deepspeed import output
 
-        output.announce()
+        output.announce(embedded)
 
 
 def reset() -> None:

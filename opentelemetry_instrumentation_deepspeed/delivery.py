@@ -1,0 +1,236 @@
+"""Accounting for telemetry that could not be delivered: counted, reported once, never retried here.
+
+A training job must not notice a dead collector, and its owner must still learn that telemetry
+was lost. Once the SDK is set up, each batch span processor's exporter and each periodic metric
+reader's exporter is wrapped to count what it exported and what failed, and the batch
+processor's queue-full drops are counted too. The counts are observable counters with the
+OpenTelemetry semantic-convention names (``otel.sdk.exporter.span.exported``,
+``otel.sdk.processor.span.processed``, ``otel.sdk.exporter.metric_data_point.exported``, with
+``error.type`` on failures and drops), read at collection: nothing runs on the training thread
+but an integer increment when the queue overflows. The exporters' own warnings are let through
+once per logger; the rest are counted, and one line at exit says how much was lost.
+
+When the SDK's own self-metrics are on (``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``), it
+reports the same names itself, and only the log summary is done here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections import Counter
+
+from opentelemetry_instrumentation_deepspeed import semconv
+
+_logger = logging.getLogger(__name__)
+
+# Loggers that warn once per failed batch, or once per dropped span.
+_NOISY_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http._log_exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.metrics._internal.export",
+)
+
+
+class Ledger:
+    """What each exporter delivered and lost, by (component, error type); thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.spans: Counter[tuple[str, str]] = Counter()  # (component, error type or "") -> spans exported
+        self.processed: Counter[tuple[str, str]] = Counter()  # (component, error type or "") -> spans processed
+        self.points: Counter[tuple[str, str]] = Counter()
+        self.first_error: str | None = None
+
+    def add(self, table: Counter, component: str, count: int, error: str = "") -> None:
+        if count <= 0:
+            return
+        with self._lock:
+            table[component, error] += count
+            if error and self.first_error is None:
+                self.first_error = error
+
+    def lost(self, table: Counter) -> int:
+        with self._lock:
+            return sum(count for (_, error), count in table.items() if error)
+
+    def snapshot(self, table: Counter) -> list[tuple[str, str, int]]:
+        with self._lock:
+            return [(component, error, count) for (component, error), count in table.items()]
+
+
+LEDGER = Ledger()
+
+
+def _error_type(result_or_error) -> str:
+    if isinstance(result_or_error, BaseException):
+        return type(result_or_error).__name__
+    return "export_failed"
+
+
+class _CountingExporter:
+    """Wraps an exporter: every other attribute is the wrapped one's, so readers and processors see no change."""
+
+    def __init__(self, inner, component: str, table: Counter, count_items, success):
+        self._inner = inner
+        self._component = component
+        self._table = table
+        self._count_items = count_items
+        self._success = success
+
+    def export(self, batch, *args, **kwargs):
+        count = self._count_items(batch)
+        try:
+            result = self._inner.export(batch, *args, **kwargs)
+        except Exception as error:  # an exporter that raises loses the batch like one that fails
+            LEDGER.add(self._table, self._component, count, _error_type(error))
+            raise
+        LEDGER.add(self._table, self._component, count, "" if result == self._success else _error_type(result))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _ProcessorCounts:
+    """Stands in for the batch processor's self-metrics: counts hand-offs and drops, cheaply."""
+
+    def __init__(self, component: str, chained):
+        self._component = component
+        self._chained = chained  # the SDK's own, when its self-metrics are on
+
+    def register_queue_size(self, get_queue_size) -> None:
+        self._chained.register_queue_size(get_queue_size)
+
+    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
+        LEDGER.add(LEDGER.processed, self._component, count, error_type)
+        self._chained.drop_items(count, error_type)
+
+    def finish_items(self, count: int) -> None:
+        LEDGER.add(LEDGER.processed, self._component, count)
+        self._chained.finish_items(count)
+
+
+def _count_points(metrics_data) -> int:
+    return sum(
+        len(metric.data.data_points)
+        for resource_metrics in metrics_data.resource_metrics
+        for scope_metrics in resource_metrics.scope_metrics
+        for metric in scope_metrics.metrics
+    )
+
+
+def _sdk_reports_itself() -> bool:
+    return os.environ.get("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "").strip().lower() == "true"
+
+
+def watch(tracer_provider, meter_provider) -> None:
+    """Wrap the exporters of the SDK just set up. Private SDK attributes are read defensively:
+    an SDK that lays them out differently only loses this accounting."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    processors = getattr(getattr(tracer_provider, "_active_span_processor", None), "_span_processors", ())
+    for index, processor in enumerate(processors):
+        batch = getattr(processor, "_batch_processor", None)
+        exporter = getattr(batch, "_exporter", None)
+        if exporter is None or isinstance(exporter, _CountingExporter):
+            continue
+        component = f"{type(exporter).__name__}/{index}"
+        batch._exporter = _CountingExporter(exporter, component, LEDGER.spans, len, SpanExportResult.SUCCESS)
+        if hasattr(batch, "_metrics"):
+            batch._metrics = _ProcessorCounts(f"{type(processor).__name__}/{index}", batch._metrics)
+
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    readers = getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", ())
+    for index, reader in enumerate(readers):
+        exporter = getattr(reader, "_exporter", None)
+        if exporter is None or isinstance(exporter, _CountingExporter):
+            continue
+        component = f"{type(exporter).__name__}/{index}"
+        reader._exporter = _CountingExporter(exporter, component, LEDGER.points, _count_points,
+                                             MetricExportResult.SUCCESS)
+
+    if not _sdk_reports_itself() and hasattr(meter_provider, "get_meter"):
+        _observe(meter_provider)
+
+
+def _observe(meter_provider) -> None:
+    from opentelemetry.metrics import Observation
+
+    from opentelemetry_instrumentation_deepspeed.version import __version__
+
+    meter = meter_provider.get_meter("opentelemetry_instrumentation_deepspeed", __version__)
+
+    def observer(table: Counter):
+        def observe(_options):
+            return [
+                Observation(count, {semconv.OTEL_COMPONENT_NAME: component,
+                                    **({semconv.ERROR_TYPE: error} if error else {})})
+                for component, error, count in LEDGER.snapshot(table)
+            ]
+        return observe
+
+    meter.create_observable_counter(semconv.METRIC_SPANS_EXPORTED, [observer(LEDGER.spans)], unit="{span}",
+                                    description="Spans handed to an exporter; error.type when the export failed")
+    meter.create_observable_counter(semconv.METRIC_SPANS_PROCESSED, [observer(LEDGER.processed)], unit="{span}",
+                                    description="Spans a batch processor handed on; error.type when it dropped them")
+    meter.create_observable_counter(semconv.METRIC_POINTS_EXPORTED, [observer(LEDGER.points)], unit="{data_point}",
+                                    description="Metric data points handed to an exporter; error.type when it failed")
+
+
+class _OncePerLogger(logging.Filter):
+    """Lets a logger's first warning through and counts the rest, for the summary at exit."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        if not self.seen:
+            self.seen = True
+            record.msg = f"{record.msg} (further messages like this are counted, and summarized at exit)"
+            return True
+        self.suppressed += 1
+        return False
+
+
+_filters: list[_OncePerLogger] = []
+
+
+def quiet_repeated_warnings() -> None:
+    for name in _NOISY_LOGGERS:
+        log_filter = _OncePerLogger()
+        logging.getLogger(name).addFilter(log_filter)
+        _filters.append(log_filter)
+
+
+def summary() -> str | None:
+    spans = LEDGER.lost(LEDGER.spans) + LEDGER.lost(LEDGER.processed)
+    points = LEDGER.lost(LEDGER.points)
+    if not spans and not points:
+        return None
+    suppressed = sum(log_filter.suppressed for log_filter in _filters)
+    return (f"opentelemetry-instrumentation-deepspeed: {spans} spans and {points} metric data points of this "
+            f"process were not delivered (first error: {LEDGER.first_error}; {suppressed} repeated warnings "
+            f"suppressed); training was not affected.")
+
+
+def _report_at_exit() -> None:
+    line = summary()
+    if line:
+        _logger.warning(line)
+
+
+def install() -> None:
+    """Before the SDK is set up: the exit report runs after the SDK's own exit handlers (atexit is LIFO)."""
+    quiet_repeated_warnings()
+    atexit.register(_report_at_exit)

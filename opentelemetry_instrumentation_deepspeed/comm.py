@@ -29,7 +29,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import semconv, session, trackers
+from opentelemetry_instrumentation_deepspeed import semconv, session, spans, trackers
 from opentelemetry_instrumentation_deepspeed.collectives import (
     DEEPSPEED_OPS,
     TORCH_OPS,
@@ -265,8 +265,8 @@ class CommObserver(Component):
         return self._gpu
 
     def use_tracer_provider(self, provider) -> None:
-        self._tracer = (provider or trace.get_tracer_provider()).get_tracer(
-            "opentelemetry_instrumentation_deepspeed", __version__)
+        self._tracer = spans.Tracer((provider or trace.get_tracer_provider()).get_tracer(
+            "opentelemetry_instrumentation_deepspeed", __version__))
 
 
 def _collective_wrapper(observer: CommObserver, spec: OpSpec):

@@ -25,7 +25,7 @@ from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import kernels, semconv, trace_ids
+from opentelemetry_instrumentation_deepspeed import kernels, semconv, spans, trace_ids
 from opentelemetry_instrumentation_deepspeed.job import JobIdentity
 from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
 from opentelemetry_instrumentation_deepspeed.training_metrics import TrainingMetrics, batch_shape, flops_per_token
@@ -77,9 +77,10 @@ class StepTracker(Component):
     def __init__(self, provider: trace.TracerProvider, identity: JobIdentity, engine, meter=None, cuda=None):
         super().__init__("step tracing")
         self._provider = provider
-        self._tracer = provider.get_tracer("opentelemetry_instrumentation_deepspeed", __version__)
+        sdk_tracer = provider.get_tracer("opentelemetry_instrumentation_deepspeed", __version__)
         # Rank 0 emits each step's root span under the derived ids: its tracer learns to pin them.
-        self._ids = trace_ids.pinnable(self._tracer) if identity.rank == 0 else None
+        self._ids = trace_ids.pinnable(sdk_tracer) if identity.rank == 0 else None
+        self._tracer = spans.Tracer(sdk_tracer)
         self._job_id = identity.job_id
         self._world_size = identity.world_size
         self._micro_batch_size = engine.train_micro_batch_size_per_gpu()

@@ -124,6 +124,10 @@ def test_step_tree(workdir, case):
 
 def test_skipped_steps_match_deepspeed(workdir):
     """fp16 with a huge initial loss scale overflows; DeepSpeed skips those updates."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        pytest.skip("DeepSpeed's CPU accelerator refuses fp16 on this CPU (oneDNN has no fp16 support here)")
     run = launch(workdir, "python", "--steps", "10", "--zero-stage", "2", "--fp16").check()
     steps, skipped = run.trained()
     assert 0 < skipped < steps

@@ -41,21 +41,23 @@ def parse_args():
 
 
 def setup_sdk(directory: Path):
+    """The SDK as the embedded default sets it up: batch processor and periodic reader into this
+    project's OTLP JSON lines exporters."""
+    os.environ["OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR"] = str(directory)
     from opentelemetry import metrics, trace
-    from opentelemetry.exporter.otlp.json.file import FileMetricExporter, FileSpanExporter
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from opentelemetry_instrumentation_deepspeed import output
     from opentelemetry_instrumentation_deepspeed.job import identify
 
-    identity = identify()
-    counted = _CountingExporter(FileSpanExporter(directory / f"traces-rank{identity.rank}.jsonl"))
+    output.use_identity(identify())
+    counted = _CountingExporter(output.JsonLinesSpanExporter())
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(BatchSpanProcessor(counted))
-    reader = PeriodicExportingMetricReader(FileMetricExporter(directory / f"metrics-rank{identity.rank}.jsonl"),
-                                           export_interval_millis=5000)
+    reader = PeriodicExportingMetricReader(output.JsonLinesMetricExporter(), export_interval_millis=5000)
     meter_provider = MeterProvider(metric_readers=[reader])
     trace.set_tracer_provider(tracer_provider)
     metrics.set_meter_provider(meter_provider)

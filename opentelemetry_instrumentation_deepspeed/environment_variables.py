@@ -22,6 +22,12 @@ OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR = "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR"
 Used only when no exporter and no OTLP endpoint is configured. Default: ``./telemetry``.
 """
 
+OTEL_PYTHON_DEEPSPEED_OUTPUT_MAX_MB = "OTEL_PYTHON_DEEPSPEED_OUTPUT_MAX_MB"
+"""Most megabytes each file of the embedded default keeps on disk, with its one rotated
+predecessor (``traces-rank<N>.previous.jsonl``): at half of it the file is rotated, so the
+newest telemetry is always kept. 0: no limit. Default: 1024.
+"""
+
 OTEL_PYTHON_DEEPSPEED_JOB_ID = "OTEL_PYTHON_DEEPSPEED_JOB_ID"
 """The ``training.job.id`` of this run, identical on every rank.
 
@@ -73,6 +79,7 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_
 """Profile the next step when one takes more than this times the recent median; 0 turns it off."""
 
 DEFAULT_OUTPUT_DIR = "telemetry"
+DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
 DEFAULT_COMM_MODE = "spans"
 COMM_MODES = ("spans", "metrics", "off")
@@ -138,6 +145,21 @@ def _count(raw: str) -> int:
 @cache
 def output_dir() -> str:
     return _read(OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR, DEFAULT_OUTPUT_DIR, _non_empty)
+
+
+def _megabytes(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("expected a whole number of megabytes") from None
+    if not 0 <= value <= 10_000_000:
+        raise ValueError("expected 0 (no limit) to 10000000")
+    return value
+
+
+@cache
+def output_max_mb() -> int:
+    return _read(OTEL_PYTHON_DEEPSPEED_OUTPUT_MAX_MB, DEFAULT_OUTPUT_MAX_MB, _megabytes)
 
 
 @cache
@@ -236,7 +258,7 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
-_READERS = (output_dir, job_id, job_id_timeout, comm_mode, comm_span_limit, flops_per_token, peak_flops,
+_READERS = (output_dir, output_max_mb, job_id, job_id_timeout, comm_mode, comm_span_limit, flops_per_token, peak_flops,
             prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top, profile_slow_factor)
 
 

@@ -2,12 +2,15 @@
 
 Files are ``<OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR>/<job id>/{traces,metrics}-rank<N>.jsonl`` in the
 format of the official ``opentelemetry-exporter-otlp-json-file`` (one ``ExportTraceServiceRequest``
-or ``ExportMetricsServiceRequest`` as OTLP JSON per line). A file is opened on the first export,
-so a process that never trains writes nothing.
+or ``ExportMetricsServiceRequest`` as OTLP JSON per line; spans through this project's faster
+encoder, metrics through the official one). A file is opened on the first export, so a process
+that never trains writes nothing; it is rotated once it holds half of
+``OTEL_PYTHON_DEEPSPEED_OUTPUT_MAX_MB``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -17,13 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from opentelemetry.exporter.otlp.common._aggregation import _get_aggregation, _get_temporality
-from opentelemetry.exporter.otlp.json.file import FileMetricExporter, FileSpanExporter
+from opentelemetry.exporter.otlp.json.common.metrics_encoder import encode_metrics
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.job import JobIdentity
+from opentelemetry_instrumentation_deepspeed.otlp_json import SpanEncoder
 
 _logger = logging.getLogger(__name__)
 
@@ -109,47 +113,81 @@ def reset() -> None:
         _directory, _resolved, _identity = None, False, None
 
 
-class _LazyFile:
-    """Builds the official file exporter for this rank's file on first use."""
+class _JsonLines:
+    """This rank's file of one signal: opened at the first line, rotated at half the size limit.
 
-    def __init__(self, signal: str, factory):
+    Each line is written with one call and flushed, so the file holds whole lines whenever the
+    process stops between batches.
+    """
+
+    def __init__(self, signal: str):
         self._signal = signal
-        self._factory = factory
-        self._exporter = None
-        self._opened = False
         self._lock = threading.Lock()
+        self._stream = None
+        self._opened = False
+        self._path: Path | None = None
+        self._size = 0
+        self._rotate_at = env.output_max_mb() * 1_000_000 // 2
 
-    def get(self):
+    def _open(self) -> None:
+        self._opened = True
+        self._path = file_path(self._signal)
+        if self._path is None:
+            return
+        try:
+            self._stream = open(self._path, "ab")
+            self._size = self._stream.tell()
+        except OSError as error:
+            _logger.warning("Cannot open %s (%s); %s are not written.", self._path, error, self._signal)
+
+    def _rotate(self) -> None:
+        # One predecessor is kept: the newest telemetry is the one a slow job needs.
+        self._stream.close()
+        os.replace(self._path, self._path.with_suffix(".previous.jsonl"))
+        self._stream = open(self._path, "ab")
+        self._size = 0
+
+    def write(self, line: str) -> bool:
+        """False when the line could not be written (nowhere to write has been said once already)."""
+        data = line.encode() + b"\n"
         with self._lock:
             if not self._opened:
-                self._opened = True
-                path = file_path(self._signal)
-                if path is not None:
-                    try:
-                        self._exporter = self._factory(path)
-                    except OSError as error:
-                        _logger.warning("Cannot open %s (%s); %s are not written.", path, error, self._signal)
-            return self._exporter
+                self._open()
+            if self._stream is None:
+                return self._path is None
+            try:
+                if self._rotate_at and self._size and self._size + len(data) > self._rotate_at:
+                    self._rotate()
+                self._stream.write(data)
+                self._stream.flush()
+            except (OSError, ValueError) as error:  # disk full, file removed, closed at shutdown
+                _logger.warning("Cannot write %s to %s: %s", self._signal, self._path, error)
+                return False
+            self._size += len(data)
+            return True
 
-    def shutdown(self):
+    def close(self) -> None:
         with self._lock:
-            if self._exporter is not None:
-                self._exporter.shutdown()
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
 
 
 class JsonLinesSpanExporter(SpanExporter):
     """Spans of this rank as OTLP JSON lines in ``traces-rank<N>.jsonl``."""
 
     def __init__(self):
-        self._file = _LazyFile("traces", FileSpanExporter)
+        self._file = _JsonLines("traces")
+        self._encoder = SpanEncoder()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        exporter = self._file.get()
-        # Nowhere to write has been said once already; failing every batch would only add noise.
-        return SpanExportResult.SUCCESS if exporter is None else exporter.export(spans)
+        if not spans:
+            return SpanExportResult.SUCCESS
+        written = self._file.write(self._encoder.encode(spans))
+        return SpanExportResult.SUCCESS if written else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
-        self._file.shutdown()
+        self._file.close()
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return True
@@ -159,26 +197,22 @@ class JsonLinesMetricExporter(MetricExporter):
     """Metrics of this rank as OTLP JSON lines in ``metrics-rank<N>.jsonl``."""
 
     def __init__(self, preferred_temporality=None, preferred_aggregation=None):
-        # The reader asks this wrapper, so it must resolve the OTLP temporality variables as the official one does.
+        # The OTLP temporality and aggregation variables apply, as to the official exporters.
         super().__init__(
             preferred_temporality=_get_temporality(preferred_temporality),
             preferred_aggregation=_get_aggregation(preferred_aggregation),
         )
-        self._file = _LazyFile(
-            "metrics",
-            lambda path: FileMetricExporter(
-                path,
-                preferred_temporality=preferred_temporality,
-                preferred_aggregation=preferred_aggregation,
-            ),
-        )
+        self._file = _JsonLines("metrics")
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
-        exporter = self._file.get()
-        return MetricExportResult.SUCCESS if exporter is None else exporter.export(metrics_data)
+        encoded = encode_metrics(metrics_data)
+        if not encoded.resource_metrics:
+            return MetricExportResult.SUCCESS
+        written = self._file.write(json.dumps(encoded.to_dict(), separators=(",", ":"), ensure_ascii=False))
+        return MetricExportResult.SUCCESS if written else MetricExportResult.FAILURE
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-        self._file.shutdown()
+        self._file.close()
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return True

@@ -147,7 +147,7 @@ def watch(tracer_provider, meter_provider) -> None:
 
     from opentelemetry.sdk.metrics.export import MetricExportResult
 
-    readers = getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", ())
+    readers = getattr(meter_provider, "_metric_readers", None) or ()
     for index, reader in enumerate(readers):
         exporter = getattr(reader, "_exporter", None)
         if exporter is None or isinstance(exporter, _CountingExporter):

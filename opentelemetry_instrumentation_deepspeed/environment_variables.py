@@ -28,6 +28,11 @@ predecessor (``traces-rank<N>.previous.jsonl``): at half of it the file is rotat
 newest telemetry is always kept. 0: no limit. Default: 1024.
 """
 
+OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH = "OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH"
+"""On SIGTERM (when nothing else handles it): end the open step as an error and flush the
+telemetry, then die by SIGTERM as before. ``true`` or ``false``. Default: ``true``.
+"""
+
 OTEL_PYTHON_DEEPSPEED_JOB_ID = "OTEL_PYTHON_DEEPSPEED_JOB_ID"
 """The ``training.job.id`` of this run, identical on every rank.
 
@@ -162,6 +167,18 @@ def output_max_mb() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_OUTPUT_MAX_MB, DEFAULT_OUTPUT_MAX_MB, _megabytes)
 
 
+def _boolean(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError("expected true or false")
+    return value == "true"
+
+
+@cache
+def sigterm_flush() -> bool:
+    return _read(OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH, True, _boolean)
+
+
 @cache
 def job_id() -> str | None:
     return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID, None, _non_empty)
@@ -258,8 +275,9 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
-_READERS = (output_dir, output_max_mb, job_id, job_id_timeout, comm_mode, comm_span_limit, flops_per_token, peak_flops,
-            prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top, profile_slow_factor)
+_READERS = (output_dir, output_max_mb, sigterm_flush, job_id, job_id_timeout, comm_mode, comm_span_limit,
+            flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
+            profile_slow_factor)
 
 
 def check_all() -> None:

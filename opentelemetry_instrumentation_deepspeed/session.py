@@ -79,17 +79,19 @@ def _configure_sdk(identity: JobIdentity) -> None:
         return
     from opentelemetry.sdk._configuration import _initialize_components
 
-    from opentelemetry_instrumentation_deepspeed import delivery, prometheus
+    from opentelemetry_instrumentation_deepspeed import delivery, process_exit, prometheus
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
     delivery.install()
     _initialize_components(**arguments, resource_attributes=identity.resource_attributes())
+    tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
     try:
-        delivery.watch(trace.get_tracer_provider(), metrics.get_meter_provider())
+        delivery.watch(tracer_provider, meter_provider)
     except Exception:  # only the accounting of lost telemetry is lost
         _logger.warning("opentelemetry-instrumentation-deepspeed: cannot count undelivered telemetry with this SDK",
                         exc_info=True)
+    process_exit.install(tracer_provider, meter_provider)
     if prometheus.in_use():
         prometheus.wait_for_final_scrape_at_exit()
     embedded = [signal for signal, name in _EXPORTER_VARIABLES if env.EMBEDDED_EXPORTER in os.environ.get(name, "")]

@@ -218,6 +218,25 @@ class StepTracker(Component):
                 self._failed_root[1].end()
             self._failed_root = (step.number, root)
 
+    @fail_open
+    def interrupted(self, description: str) -> None:
+        """The process is going away with a step open (a signal, an error outside DeepSpeed's calls):
+        its open phase, the step and its root end with ERROR and ``description``."""
+        step = self._step
+        if step is None:
+            return
+        for span in (step.phase, step.direct_backward):
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, description))
+                self._end_phase(step, span)
+        step.direct_backward = None
+        step.span.set_status(Status(StatusCode.ERROR, description))
+        if step.root is not None:
+            step.root.set_status(Status(StatusCode.ERROR, description))
+        if self._profiler is not None:
+            self._profiler.abandon()
+        self._close(step)
+
     def _interrupt(self, step: _Step) -> None:
         """A direct loss.backward() that never reached DeepSpeed's epilogue (it raised, and was caught)."""
         span, step.direct_backward = step.direct_backward, None

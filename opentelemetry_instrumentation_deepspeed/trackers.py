@@ -32,6 +32,10 @@ def active() -> StepTracker | None:
     return _active
 
 
+def all_trackers() -> list[StepTracker]:
+    return list(_trackers.values())
+
+
 def track(engine, tracker: StepTracker) -> None:
     global _active  # noqa: PLW0603 - the process's current training engine
     _trackers[engine] = tracker

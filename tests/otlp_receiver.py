@@ -34,7 +34,7 @@ def _hex_ids(request: dict) -> dict:
 
 
 class OtlpReceiver:
-    def __init__(self):
+    def __init__(self, port: int = 0):
         self.trace_requests: list[dict] = []
         self.metric_requests: list[dict] = []
         receiver = self
@@ -65,7 +65,8 @@ class OtlpReceiver:
             def log_message(self, *args):
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        ThreadingHTTPServer.allow_reuse_address = True  # a restarted receiver takes its old port back
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 

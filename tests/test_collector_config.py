@@ -461,7 +461,8 @@ def test_tempo_listens_for_the_collector_and_stores_on_its_volume():
 def test_prometheus_loads_the_mounted_rules_and_scrapes_stack_services():
     config = _load(STACK / "prometheus.yaml")
     rules_dir = _mount_target("prometheus", "../prometheus")
-    assert config["rule_files"] == [f"{rules_dir}/*.yaml"]
+    # Named, not globbed: the promtool unit tests (rules.test.yaml) sit in the same directory.
+    assert config["rule_files"] == [f"{rules_dir}/rules.yaml"]
     config_target = _mount_target("prometheus", "./prometheus.yaml")
     assert f"--config.file={config_target}" in _compose()["services"]["prometheus"]["command"]
     collector_port = _collector("stack/otel-collector.yaml")["service"]["telemetry"]["metrics"]["readers"][0]
@@ -481,9 +482,11 @@ def test_stack_prometheus_config_passes_promtool(tmp_path):
     # The rules live at /etc/prometheus/rules only inside the container: check them from a copy.
     rules = tmp_path / "rules"
     rules.mkdir()
-    copied = [shutil.copy(path, rules) for path in sorted((CONFIG_DIR / "prometheus").glob("*.yaml"))]
+    for path in (CONFIG_DIR / "prometheus").glob("*.yaml"):
+        shutil.copy(path, rules)
     config = _load(STACK / "prometheus.yaml")
-    config = {**config, "rule_files": [str(rules / "*.yaml")]}
+    copied = [str(rules / Path(name).name) for name in config["rule_files"]]
+    config = {**config, "rule_files": copied}
     (tmp_path / "prometheus.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     checked = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yaml")],
                              capture_output=True, text=True, timeout=60, check=False)

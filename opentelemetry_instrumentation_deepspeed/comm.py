@@ -221,6 +221,9 @@ class CommObserver(Component):
             self._span_attributes[key] = attributes
         return attributes
 
+    def restart_totals(self) -> None:
+        self._totals.clear()
+
     def _observe_sizes(self, index: int):
         def observe(_options):
             return [Observation(totals[index], totals[2]) for totals in list(self._totals.values())]
@@ -317,6 +320,9 @@ class CommInstrumentor(BaseInstrumentor):
         meter = get_meter(__name__, __version__, kwargs.get("meter_provider"))
         observer = CommObserver(meter, spans=mode == "spans")
         observer.use_tracer_provider(kwargs.get("tracer_provider"))
+        # The SDK starts with the first engine, after the engine's own start-up broadcasts: their
+        # durations went nowhere, so their bytes must not count either (bandwidth = bytes / time).
+        session.on_start(lambda _identity: observer.restart_totals())
         self._observer = observer
         patches = self._patches
 

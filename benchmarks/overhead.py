@@ -37,10 +37,15 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--mode", choices=("full", "sampled-out", "no-sdk"), default="full",
+                        help="full: every step recorded (the default settings); sampled-out: the sampler "
+                             "drops every step (metrics still recorded); no-sdk: no SDK behind the API")
+    parser.add_argument("--profile-every", type=int, default=None,
+                        help="OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY for the instrumented blocks (default: its default)")
     return parser.parse_args()
 
 
-def setup_sdk(directory: Path):
+def setup_sdk(directory: Path, sampler=None):
     """The SDK as the embedded default sets it up: batch processor and periodic reader into this
     project's OTLP JSON lines exporters."""
     os.environ["OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR"] = str(directory)
@@ -55,7 +60,7 @@ def setup_sdk(directory: Path):
 
     output.use_identity(identify())
     counted = _CountingExporter(output.JsonLinesSpanExporter())
-    tracer_provider = TracerProvider()
+    tracer_provider = TracerProvider(sampler=sampler)
     tracer_provider.add_span_processor(BatchSpanProcessor(counted))
     reader = PeriodicExportingMetricReader(output.JsonLinesMetricExporter(), export_interval_millis=5000)
     meter_provider = MeterProvider(metric_readers=[reader])
@@ -123,20 +128,29 @@ def main():
 
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if args.profile_every is not None:
+        os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY"] = str(args.profile_every)
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-bench-"))
-    tracer_provider, meter_provider, counted = setup_sdk(directory)
+    providers, counted = {}, None
+    if args.mode != "no-sdk":
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+        tracer_provider, meter_provider, counted = setup_sdk(directory, ALWAYS_OFF if args.mode == "sampled-out"
+                                                             else None)
+        providers = {"tracer_provider": tracer_provider, "meter_provider": meter_provider}
     instrumentors = (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor())
 
     arms: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
     cpu: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
     per_round: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
+    cpu_per_round: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
     instrumented_steps = 0
     order = ["A", "B", "A'"]
     for round_index in range(args.rounds):
         for arm in order[round_index % 3:] + order[: round_index % 3]:
             if arm == "B":
                 for instrumentor in instrumentors:
-                    instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+                    instrumentor.instrument(**providers)
             timings = run_block(args, train_module, deepspeed, torch)
             if arm == "B":
                 for instrumentor in instrumentors:
@@ -145,26 +159,55 @@ def main():
             arms[arm] += [wall for wall, _ in timings]
             cpu[arm] += [cpu_s for _, cpu_s in timings]
             per_round[arm].append(statistics.median(wall for wall, _ in timings))
-    tracer_provider.force_flush()
-    spans = counted.spans
-    tracer_provider.shutdown()
-    meter_provider.shutdown()
+            cpu_per_round[arm].append(statistics.median(cpu_s for _, cpu_s in timings))
+    spans = records = 0
+    if providers:
+        providers["tracer_provider"].force_flush()
+        spans = counted.spans
+        providers["tracer_provider"].shutdown()
+        providers["meter_provider"].shutdown()
+        records = histogram_records(directory)
 
     if int(os.environ["RANK"]) == 0:
-        base = statistics.median(arms["A"])
-        print(f"ZeRO-{args.zero_stage}, grad accumulation {args.grad_accum}, world size {os.environ['WORLD_SIZE']}, "
-              f"{args.rounds} rounds x {args.steps} steps per arm")
-        for arm, walls in arms.items():
-            print(f"  {arm:2}: median step {statistics.median(walls) * 1e3:8.3f} ms wall, "
-                  f"{statistics.median(cpu[arm]) * 1e3:8.3f} ms CPU")
-        for label, arm in (("instrumented - bare (B - A)", "B"), ("control     (A' - A)", "A'")):
-            differences = [(b - a) * 1e6 for a, b in zip(per_round["A"], per_round[arm], strict=True)]
+        report(args, arms, cpu, per_round, cpu_per_round, spans_per_step=spans / instrumented_steps,
+               records_per_step=records / instrumented_steps)
+
+
+def histogram_records(directory: Path) -> int:
+    """Measurements recorded on this rank: the counts of its histograms in the last (cumulative) export."""
+    import json
+
+    (path,) = directory.rglob("metrics-rank*.jsonl")
+    last = json.loads(path.read_text().splitlines()[-1])
+    return sum(int(point["count"])
+               for resource in last["resourceMetrics"] for scope in resource["scopeMetrics"]
+               for metric in scope["metrics"] if "histogram" in metric
+               for point in metric["histogram"]["dataPoints"])
+
+
+# Costs of the pieces on this machine (benchmarks/README.md, "Where it goes"): a span on the
+# training thread and its encoding on the exporter thread; a histogram measurement.
+SPAN_US, ENCODE_US, RECORD_US = 7.0, 15.0, 15.0
+
+
+def report(args, arms, cpu, per_round, cpu_per_round, *, spans_per_step: float, records_per_step: float) -> None:
+    base = statistics.median(arms["A"])
+    print(f"ZeRO-{args.zero_stage}, grad accumulation {args.grad_accum}, world size {os.environ['WORLD_SIZE']}, "
+          f"mode {args.mode}, {args.rounds} rounds x {args.steps} steps per arm")
+    for arm, walls in arms.items():
+        print(f"  {arm:2}: median step {statistics.median(walls) * 1e3:8.3f} ms wall, "
+              f"{statistics.median(cpu[arm]) * 1e3:8.3f} ms CPU")
+    for label, arm in (("instrumented - bare (B - A)", "B"), ("control     (A' - A)", "A'")):
+        for kind, series in (("wall", per_round), ("CPU ", cpu_per_round)):
+            differences = [(b - a) * 1e6 for a, b in zip(series["A"], series[arm], strict=True)]
+            mean = statistics.fmean(differences)
             low, high = bootstrap(differences)
-            print(f"  {label}: {statistics.fmean(differences):+8.1f} us/step  95% CI [{low:+.1f}, {high:+.1f}]  "
-                  f"= {statistics.fmean(differences) / (base * 1e6) * 100:+.2f}% of a {base * 1e3:.1f} ms step")
-        cpu_added = (statistics.median(cpu["B"]) - statistics.median(cpu["A"])) * 1e6
-        print(f"  CPU added (median B - median A): {cpu_added:+.1f} us/step")
-        print(f"  spans per instrumented step on this rank: {spans / instrumented_steps:.1f}")
+            print(f"  {label} {kind}: {mean:+8.1f} us/step  95% CI [{low:+.1f}, {high:+.1f}]  "
+                  f"= {mean / (base * 1e6) * 100:+.2f}% of this {base * 1e3:.1f} ms step, "
+                  f"{mean / 1e3:+.3f}% of a 100 ms step, {mean / 1e4:+.4f}% of a 1 s step")
+    predicted = spans_per_step * (SPAN_US + ENCODE_US) + records_per_step * RECORD_US
+    print(f"  per instrumented step on this rank: {spans_per_step:.1f} spans, {records_per_step:.1f} histogram "
+          f"records; predicted from the micro-costs: {predicted:.0f} us")
 
 
 if __name__ == "__main__":

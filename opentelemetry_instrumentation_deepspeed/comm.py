@@ -274,7 +274,7 @@ class CommObserver(Component):
 
 def _collective_wrapper(observer: CommObserver, spec: OpSpec):
     def wrapper(wrapped, instance, args, kwargs):
-        if getattr(_guard, "inside", False):
+        if session.silent or getattr(_guard, "inside", False):
             return wrapped(*args, **kwargs)
         call = observer.issued(spec, args, kwargs)
         _guard.inside = True

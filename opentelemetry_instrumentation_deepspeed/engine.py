@@ -37,6 +37,8 @@ def _init_wrapper(tracer_provider, meter_provider):
             from opentelemetry_instrumentation_deepspeed.steps import StepTracker
 
             identity = session.start()
+            if session.silent and tracer_provider is None and meter_provider is None:
+                return result
             provider = tracer_provider or trace.get_tracer_provider()
             meter = get_meter("opentelemetry_instrumentation_deepspeed", __version__, meter_provider)
             trackers.track(instance, StepTracker(provider, identity, instance, meter))

@@ -24,6 +24,9 @@ _EXPORTER_VARIABLES = (("traces", "OTEL_TRACES_EXPORTER"), ("metrics", "OTEL_MET
 _deferred_sdk_arguments: dict | None = None
 _identity: JobIdentity | None = None
 _listeners: list = []
+# True once training started with no SDK behind the API (nothing would record): the wrappers
+# then only pass calls through, which is the whole cost of the no-op path.
+silent = False
 
 
 def on_start(listener) -> None:
@@ -54,7 +57,7 @@ def start() -> JobIdentity:
     Collective on first call (the job id may be agreed through the process group's store),
     which is why it runs while every rank builds its engine.
     """
-    global _identity  # noqa: PLW0603
+    global _identity, silent  # noqa: PLW0603 - one training identity per process
     if _identity is None:
         env.check_all()
         identity = job.identify()
@@ -64,9 +67,20 @@ def start() -> JobIdentity:
         if _deferred_sdk_arguments is not None:
             _configure_sdk(identity)
         _identity = identity
+        silent = _api_only()
         while _listeners:
             _notify(_listeners.pop(0), identity)
     return _identity
+
+
+def _api_only() -> bool:
+    """No tracer or meter provider was set: every span and measurement would be a no-op."""
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
+    return (isinstance(tracer_provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+            and isinstance(meter_provider, (_ProxyMeterProvider, NoOpMeterProvider)))
 
 
 def _configure_sdk(identity: JobIdentity) -> None:
@@ -103,8 +117,8 @@ def _configure_sdk(identity: JobIdentity) -> None:
 
 def reset() -> None:
     """Forget this process's identity (tests build several jobs in one process)."""
-    global _identity  # noqa: PLW0603
-    _identity = None
+    global _identity, silent
+    _identity, silent = None, False
     from opentelemetry_instrumentation_deepspeed import output
 
     output.reset()

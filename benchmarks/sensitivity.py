@@ -1,0 +1,96 @@
+"""The instrumentation's work per optimizer step, counted rather than timed, for CI.
+
+Timings on a shared CI machine swing by more than the whole budget, so CI counts what the
+overhead is made of instead: Python function calls executed inside this package and the
+OpenTelemetry API/SDK per step (the instrumentation's own code, its spans, measurements and
+export), plus spans and histogram records per step. Counts are the same on every machine; a
+change that doubles them (a span per operator, an attribute loop, a lost cache) doubles the cost.
+
+    python benchmarks/sensitivity.py --zero-stage 2
+
+Prints one JSON object: calls, spans and records per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", os.environ.get("MASTER_PORT", "29561"))):
+        os.environ.setdefault(name, value)
+    # Profiled steps are counted by their own benchmark; here every step is an ordinary one.
+    os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY"] = "0"
+    os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"] = "0"
+    import deepspeed
+    import opentelemetry
+    import torch
+    import train as train_module
+    from overhead import histogram_records, setup_sdk
+
+    import opentelemetry_instrumentation_deepspeed as package
+    from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
+
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    directory = Path(tempfile.mkdtemp(prefix="otel-ds-sensitivity-"))
+    tracer_provider, meter_provider, counted = setup_sdk(directory)
+    for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor()):
+        instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+    model = train_module.TinyLM(256, 64, 2, 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    dataset = train_module.SyntheticTokens((args.warmup + args.steps) * 8, 32, 256, seed=1)
+    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8))
+
+    roots = tuple(str(Path(module.__path__[0])) for module in (package, opentelemetry))
+    calls = 0
+
+    def count(frame, event, _arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            calls += 1
+
+    def train_step():
+        loss = engine(**next(batches))
+        engine.backward(loss)
+        engine.step()
+
+    for _ in range(args.warmup):
+        train_step()
+    tracer_provider.force_flush()
+    spans_before = counted.spans
+    # The batch processor exports every 5 s; these steps take less, so their spans are encoded by
+    # force_flush on this thread, where the encoding is counted with the rest.
+    sys.setprofile(count)
+    for _ in range(args.steps):
+        train_step()
+    tracer_provider.force_flush()
+    sys.setprofile(None)
+    spans = counted.spans - spans_before
+    meter_provider.shutdown()
+    records = histogram_records(directory)
+    print(json.dumps({"calls_per_step": round(calls / args.steps, 1), "spans_per_step": spans / args.steps,
+                      "records_per_step": records / (args.warmup + args.steps)}))
+
+
+if __name__ == "__main__":
+    main()

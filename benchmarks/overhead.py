@@ -16,6 +16,7 @@ per step with a 95% bootstrap interval over rounds, and spans per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -40,6 +41,8 @@ def parse_args():
     parser.add_argument("--mode", choices=("full", "sampled-out", "no-sdk"), default="full",
                         help="full: every step recorded (the default settings); sampled-out: the sampler "
                              "drops every step (metrics still recorded); no-sdk: no SDK behind the API")
+    parser.add_argument("--sync-check", action="store_true",
+                        help="on CUDA: count synchronizing operations per step in each arm")
     parser.add_argument("--profile-every", type=int, default=None,
                         help="OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY for the instrumented blocks (default: its default)")
     return parser.parse_args()
@@ -84,7 +87,42 @@ class _CountingExporter:
         return True
 
 
-def run_block(args, train_module, deepspeed, torch) -> list[tuple[float, float]]:
+class SyncCounter:
+    """On CUDA: synchronizing operations inside the timed steps, from torch's sync debug mode
+    (warn) and from calls to the synchronize functions; the harness's own sync is outside."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.count = 0
+        self._inside = False
+        for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
+                            (torch.cuda.Stream, "synchronize")):
+            original = getattr(owner, name)
+
+            def counting(*args, _original=original, **kwargs):
+                self.count += self._inside
+                return _original(*args, **kwargs)
+
+            setattr(owner, name, counting)
+
+    def __enter__(self):
+        import warnings
+
+        self._warnings = warnings.catch_warnings(record=True)
+        self._caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self.torch.cuda.set_sync_debug_mode("warn")
+        self._inside = True
+        return self
+
+    def __exit__(self, *exc):
+        self._inside = False
+        self.torch.cuda.set_sync_debug_mode(0)
+        self.count += sum("synchroniz" in str(warning.message) for warning in self._caught)
+        self._warnings.__exit__(*exc)
+
+
+def run_block(args, train_module, deepspeed, torch, syncs: SyncCounter | None = None) -> list[tuple[float, float]]:
     model = train_module.TinyLM(256, args.d_model, args.layers, 32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": args.grad_accum,
@@ -96,13 +134,18 @@ def run_block(args, train_module, deepspeed, torch) -> list[tuple[float, float]]
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=engine.global_rank,
                                                   shuffle=False)
     batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler))
+    cuda = engine.device.type == "cuda" if hasattr(engine.device, "type") else False
     timings = []
     for index in range(steps):
         wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(args.grad_accum):
-            loss = engine(**next(batches))
-            engine.backward(loss)
-            engine.step()
+            with syncs if syncs is not None and index >= args.warmup else contextlib.nullcontext():
+                batch = {key: value.to(engine.device, non_blocking=True) for key, value in next(batches).items()}
+                loss = engine(**batch)
+                engine.backward(loss)
+                engine.step()
+        if cuda:
+            torch.cuda.synchronize()  # the harness's: a step's time is its GPU work, in both arms
         if index >= args.warmup:
             timings.append((time.perf_counter() - wall, time.process_time() - cpu))
     engine.destroy()
@@ -145,13 +188,14 @@ def main():
     per_round: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
     cpu_per_round: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
     instrumented_steps = 0
+    syncs = {arm: SyncCounter(torch) for arm in arms} if args.sync_check else {}
     order = ["A", "B", "A'"]
     for round_index in range(args.rounds):
         for arm in order[round_index % 3:] + order[: round_index % 3]:
             if arm == "B":
                 for instrumentor in instrumentors:
                     instrumentor.instrument(**providers)
-            timings = run_block(args, train_module, deepspeed, torch)
+            timings = run_block(args, train_module, deepspeed, torch, syncs.get(arm))
             if arm == "B":
                 for instrumentor in instrumentors:
                     instrumentor.uninstrument()
@@ -171,6 +215,10 @@ def main():
     if int(os.environ["RANK"]) == 0:
         report(args, arms, cpu, per_round, cpu_per_round, spans_per_step=spans / instrumented_steps,
                records_per_step=records / instrumented_steps)
+        if syncs:
+            timed = args.rounds * args.steps
+            print("  synchronizing operations per step: "
+                  + ", ".join(f"{arm} {counter.count / timed:.2f}" for arm, counter in syncs.items()))
 
 
 def histogram_records(directory: Path) -> int:

@@ -14,4 +14,4 @@ DS_BUILD_OPS=0 pip install --quiet -e ".[test]" deepspeed
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 export OMP_NUM_THREADS=4
-timeout 280 python -m pytest -v -s tests/gpu "$@"
+timeout 290 python -m pytest -v -s tests/gpu "$@"

@@ -1,0 +1,30 @@
+"""GPU checks (scripts/gpu-check.sh): the overhead on a real GPU step, and no synchronization added."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, clean_env, free_port
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_instrumented_steps_add_no_synchronization_and_report_the_ratio():
+    # Kernel sampling off: stopping torch.profiler synchronizes, once per profiled step (documented).
+    command = [sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--zero-stage", "2", "--rounds", "6",
+               "--steps", "20", "--sync-check", "--profile-every", "0"]
+    completed = subprocess.run(command, cwd=REPO, env=clean_env(MASTER_PORT=str(free_port()),
+                                                                OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR="0"),
+                               capture_output=True, text=True, timeout=240, check=False)
+    print(completed.stdout)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    match = re.search(r"synchronizing operations per step: A ([\d.]+), B ([\d.]+), A' ([\d.]+)", completed.stdout)
+    assert match, completed.stdout
+    bare, instrumented, control = map(float, match.groups())
+    assert instrumented == bare == control, "the instrumentation added synchronizing operations"
+    assert "instrumented - bare (B - A) wall" in completed.stdout

@@ -56,6 +56,8 @@ def parse_args(argv=None):
     faults.add_argument("--comm-heavy", action="store_true",
                         help="add 8M parameters that cost no compute, as a large embedding does, and update "
                              "with SGD: each step's large gradient all-reduce dominates")
+    faults.add_argument("--crash-after", type=int, default=0, metavar="K",
+                        help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -111,6 +113,8 @@ class TinyLM(nn.Module):
         self.mask = nn.Transformer.generate_square_subsequent_mask(seq_len)
 
     def forward(self, input_ids, labels):
+        if getattr(self, "crash", False):
+            raise RuntimeError("injected crash in forward")
         if self.delay:
             time.sleep(self.delay)
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
@@ -168,6 +172,12 @@ def write_comms_counts(prefix: str, rank: int) -> None:
     pathlib.Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(counts))
 
 
+def make_loader(args, engine, dataset) -> DataLoader:
+    sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
+    return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
+                      collate_fn=StallingCollate(args.stall_every, args.stall_ms, args.grad_accum))
+
+
 def main(argv=None):
     args = parse_args(argv)
     default_single_process_env()
@@ -193,20 +203,16 @@ def main(argv=None):
         model=model, optimizer=optimizer, config=deepspeed_config(args),
         training_data=dataset if args.loader == "deepspeed" else None,
     )
-    if ds_loader is not None:
-        loader = ds_loader
-    else:
-        sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank,
-                                     shuffle=False)
-        loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
-                            collate_fn=StallingCollate(args.stall_every, args.stall_ms, args.grad_accum))
+    loader = ds_loader if ds_loader is not None else make_loader(args, engine, dataset)
 
     if args.comms_log:
         deepspeed.comm.configure(enabled=True, prof_all=True)
     losses = []
     batches = iter(loader)
     engine.train()
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if args.crash_after and step == args.crash_after and engine.global_rank == 0:
+            model.crash = True
         step_loss = 0.0
         for _ in range(args.grad_accum):
             batch = next(batches)

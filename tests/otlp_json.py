@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -18,6 +18,8 @@ class Span:
     attributes: dict
     resource: dict
     status: str = ""
+    status_message: str = ""
+    events: list = field(default_factory=list)
 
 
 def _value(value: dict):
@@ -49,6 +51,9 @@ def spans_from_request(request: dict) -> list[Span]:
                     attributes=_attributes(span.get("attributes")),
                     resource=resource,
                     status=span.get("status", {}).get("code", ""),
+                    status_message=span.get("status", {}).get("message", ""),
+                    events=[{"name": event["name"], "attributes": _attributes(event.get("attributes"))}
+                            for event in span.get("events", [])],
                 ))
     return spans
 

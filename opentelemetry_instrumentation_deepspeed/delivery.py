@@ -224,7 +224,14 @@ def summary() -> str | None:
             f"suppressed); training was not affected.")
 
 
-def _report_at_exit() -> None:
+_reported = threading.Event()
+
+
+def report() -> None:
+    """The summary line, once per process: at exit, or at SIGTERM (which skips exit handlers)."""
+    if _reported.is_set():
+        return
+    _reported.set()
     line = summary()
     if line:
         _logger.warning(line)
@@ -233,4 +240,4 @@ def _report_at_exit() -> None:
 def install() -> None:
     """Before the SDK is set up: the exit report runs after the SDK's own exit handlers (atexit is LIFO)."""
     quiet_repeated_warnings()
-    atexit.register(_report_at_exit)
+    atexit.register(report)

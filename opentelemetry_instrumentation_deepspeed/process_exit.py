@@ -59,6 +59,9 @@ def finish(reason: str) -> None:
 def _on_sigterm(signum, _frame) -> None:
     try:
         finish("terminated by SIGTERM")
+        from opentelemetry_instrumentation_deepspeed import delivery
+
+        delivery.report()  # the default action below skips the exit handlers that would say it
     finally:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

@@ -1,0 +1,57 @@
+"""The embedded default's span encoder writes exactly what the official OTLP JSON encoder writes."""
+
+from __future__ import annotations
+
+import json
+
+from opentelemetry.exporter.otlp.json.file.trace_exporter import _encode_spans_to_dict
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from opentelemetry_instrumentation_deepspeed.otlp_json import SpanEncoder
+from opentelemetry_instrumentation_deepspeed.spans import Tracer
+
+
+def _spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"training.rank": 1, "a.list": [1, 2], "f": 0.5}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("scope", "1.0")
+    with tracer.start_as_current_span("root", attributes={"b": True, "i": -3, "f": 1.5, "s": "x\"\n\u00e9",
+                                                          "l": ["a", "b"], "fl": [1.0], "big": 2**62}) as root:
+        child = tracer.start_span("child", links=[Link(root.get_span_context(), {"k": 1})], kind=SpanKind.CLIENT)
+        try:
+            raise ValueError("boom")
+        except ValueError as error:
+            child.record_exception(error)
+            child.set_status(Status(StatusCode.ERROR, "boom"))
+        child.end()
+        provider.get_tracer("other").start_span("other", attributes={"comm.op": "all_reduce"}).end()
+        ok = tracer.start_span("ok")
+        ok.set_status(Status(StatusCode.OK))
+        ok.end()
+    # This project's light spans, with the same provider.
+    light = Tracer(provider.get_tracer("light", "2"))
+    span = light.start_span("training.step", attributes={"training.step": 7})
+    span.set_attribute("comm.count", 3)
+    try:
+        raise RuntimeError("in a step")
+    except RuntimeError as error:
+        span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, "RuntimeError: in a step"))
+    span.end()
+    return exporter.get_finished_spans()
+
+
+def test_same_json_as_the_official_encoder():
+    spans = _spans()
+    ours = json.loads(SpanEncoder().encode(spans))
+    official = json.loads(json.dumps(_encode_spans_to_dict(spans)))
+    assert ours == official
+    # Several batches through one encoder (its resource and scope caches) stay identical.
+    encoder = SpanEncoder()
+    for batch in (spans[:2], spans[2:], spans):
+        assert json.loads(encoder.encode(batch)) == json.loads(json.dumps(_encode_spans_to_dict(batch)))

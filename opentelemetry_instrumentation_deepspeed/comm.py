@@ -28,8 +28,8 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
+from opentelemetry_instrumentation_deepspeed import deferred_metrics, semconv, session, spans, trackers
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import semconv, session, spans, trackers
 from opentelemetry_instrumentation_deepspeed.collectives import (
     DEEPSPEED_OPS,
     TORCH_OPS,
@@ -94,6 +94,7 @@ class CommObserver(Component):
             semconv.METRIC_COMM_DURATION, unit="s", description="Duration of collective operations",
             explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
         )
+        self._deferred = deferred_metrics.for_meter(meter)
         # Byte totals are summed here and observed at collection: two counter adds per call cost more.
         self._totals: dict[tuple, list] = {}
         meter.create_observable_counter(
@@ -180,7 +181,7 @@ class CommObserver(Component):
         totals = self._totals.get(key)
         if totals is None:
             totals = self._totals[key] = [0, 0, self._attributes_for(spec.name, group)]
-        self._duration.record(seconds, totals[2])
+        self._deferred.record(self._duration, seconds, totals[2])
         totals[0] += call.data_bytes
         totals[1] += int(busbw * seconds)
         if call.parent is None:

@@ -13,8 +13,8 @@ import sys
 
 from opentelemetry.metrics import Observation
 
+from opentelemetry_instrumentation_deepspeed import deferred_metrics, semconv
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import semconv
 
 # Seconds, from a millisecond step to a ten-minute one.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
@@ -89,6 +89,7 @@ class TrainingMetrics:
             description="Duration of a phase of a step (data wait, forward, backward, optimizer step)",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
         self._phase_attributes = {name: {semconv.TRAINING_PHASE: name} for name in semconv.PHASES}
+        self._deferred = deferred_metrics.for_meter(meter)
         meter.create_observable_counter(semconv.METRIC_SAMPLES, [self._total("samples")], unit="{sample}",
                                         description="Samples this rank trained on")
         meter.create_observable_counter(semconv.METRIC_TOKENS, [self._total("tokens")], unit="{token}",
@@ -116,10 +117,10 @@ class TrainingMetrics:
         return observe
 
     def phase(self, name: str, seconds: float, context) -> None:
-        self._phase.record(seconds, self._phase_attributes[name], context=context)
+        self._deferred.record(self._phase, seconds, self._phase_attributes[name], context)
 
     def step(self, seconds: float, context, tokens: int, skipped: bool, engine) -> None:
-        self._step.record(seconds, context=context)
+        self._deferred.record(self._step, seconds, None, context)
         self.skipped += skipped
         if self._flops_per_token and self._peak and tokens:
             self.mfu = tokens * self._flops_per_token / (seconds * self._peak)

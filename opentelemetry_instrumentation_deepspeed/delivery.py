@@ -74,9 +74,11 @@ def _error_type(result_or_error) -> str:
 
 
 class _CountingExporter:
-    """Wraps an exporter: every other attribute is the wrapped one's, so readers and processors see no change."""
+    """Wraps an exporter: every other attribute is the wrapped one's, so readers and processors see no change.
+    It exports only from the process that set it up (see process_exit: forked children)."""
 
     def __init__(self, inner, component: str, table: Counter, count_items, success):
+        self._pid = os.getpid()
         self._inner = inner
         self._component = component
         self._table = table
@@ -84,6 +86,8 @@ class _CountingExporter:
         self._success = success
 
     def export(self, batch, *args, **kwargs):
+        if os.getpid() != self._pid:  # a forked child's copy of the rank's telemetry: not its to send
+            return self._success
         count = self._count_items(batch)
         try:
             result = self._inner.export(batch, *args, **kwargs)

@@ -39,7 +39,7 @@ from opentelemetry_instrumentation_deepspeed.collectives import (
 )
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.patching import Patches, when_imported
-from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
+from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ class CommObserver(Component):
         def observe(_options):
             return [Observation(totals[index], totals[2]) for totals in list(self._totals.values())]
 
-        return observe
+        return observing(self, observe)
 
     def _group(self, group) -> _Group:
         found = self._groups.get(id(group))

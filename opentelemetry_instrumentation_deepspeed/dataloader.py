@@ -22,6 +22,7 @@ from opentelemetry.metrics import Observation, get_meter
 from opentelemetry_instrumentation_deepspeed import semconv, session, trackers
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
+from opentelemetry_instrumentation_deepspeed.safety import Component, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _TARGETS = (
@@ -92,12 +93,15 @@ class WorkerProcesses:
         return [Observation(total)] if self.active else []
 
     def register(self, meter) -> None:
-        meter.create_observable_up_down_counter(semconv.METRIC_WORKERS, [self.count], unit="{process}",
+        component = Component("DataLoader worker metrics")
+        meter.create_observable_up_down_counter(semconv.METRIC_WORKERS, [observing(component, self.count)],
+                                                unit="{process}",
                                                 description="Child processes of the rank (DataLoader workers)")
-        meter.create_observable_gauge(semconv.METRIC_WORKERS_CPU, [self.cpu], unit="1",
+        meter.create_observable_gauge(semconv.METRIC_WORKERS_CPU, [observing(component, self.cpu)], unit="1",
                                       description="CPU used by the rank's child processes since the last "
                                                   "collection, in CPUs (1 = one core busy)")
-        meter.create_observable_up_down_counter(semconv.METRIC_WORKERS_MEMORY, [self.memory], unit="By",
+        meter.create_observable_up_down_counter(semconv.METRIC_WORKERS_MEMORY, [observing(component, self.memory)],
+                                                unit="By",
                                                 description="Resident memory of the rank's child processes")
 
 

@@ -17,6 +17,8 @@ from collections import deque
 
 from opentelemetry.context import Context
 
+from opentelemetry_instrumentation_deepspeed.safety import Component, observing
+
 LIMIT = 4096
 _EMPTY = Context()
 
@@ -36,14 +38,22 @@ def for_meter(meter) -> DeferredHistograms:
 class DeferredHistograms:
     def __init__(self, meter):
         self._queue: deque = deque()
+        self._component = Component("histogram recording")
         # Its callback returns no observation, so no stream of it is ever exported.
-        meter.create_observable_gauge(_FLUSH_INSTRUMENT, [self._flush_at_collection], unit="1",
+        meter.create_observable_gauge(_FLUSH_INSTRUMENT, [observing(self._component, self._flush_at_collection)],
+                                      unit="1",
                                       description="Internal: records queued histogram measurements at collection")
 
     def record(self, histogram, value: float, attributes=None, context=None) -> None:
+        # Before the SDK is set up, a histogram is a proxy with nothing behind it: the API drops the value.
+        if self._component.broken or getattr(histogram, "_real_instrument", True) is None:
+            return
         self._queue.append((histogram, value, time.time_ns(), attributes, context))
         if len(self._queue) > LIMIT:
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - never into the training loop
+                self._component.fail("DeferredHistograms.flush")
 
     def _flush_at_collection(self, _options):
         self.flush()

@@ -23,6 +23,7 @@ import threading
 from collections import Counter
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.safety import Component, observing
 
 _logger = logging.getLogger(__name__)
 
@@ -171,6 +172,8 @@ def _observe(meter_provider) -> None:
 
     meter = meter_provider.get_meter("opentelemetry_instrumentation_deepspeed", __version__)
 
+    accounting = Component("telemetry delivery accounting")
+
     def observer(table: Counter):
         def observe(_options):
             return [
@@ -178,7 +181,7 @@ def _observe(meter_provider) -> None:
                                     **({semconv.ERROR_TYPE: error} if error else {})})
                 for component, error, count in LEDGER.snapshot(table)
             ]
-        return observe
+        return observing(accounting, observe)
 
     meter.create_observable_counter(semconv.METRIC_SPANS_EXPORTED, [observer(LEDGER.spans)], unit="{span}",
                                     description="Spans handed to an exporter; error.type when the export failed")

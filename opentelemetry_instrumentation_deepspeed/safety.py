@@ -48,3 +48,23 @@ def fail_open(method):
             return None
 
     return guarded
+
+
+def observing(component: Component, callback):
+    """An observable instrument's callback, fail-open: once it raised, it reports nothing.
+
+    The SDK logs a failing callback's traceback at every collection; this logs it once and
+    turns ``component`` off. It returns ``[]``, not None, which the SDK would not accept.
+    """
+
+    @functools.wraps(callback)
+    def observe(options):
+        if component.broken:
+            return []
+        try:
+            return callback(options)
+        except Exception:  # noqa: BLE001 - the point is to catch everything ours raises
+            component.fail(getattr(callback, "__qualname__", repr(callback)))
+            return []
+
+    return observe

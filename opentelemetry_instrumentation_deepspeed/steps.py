@@ -247,7 +247,19 @@ class StepTracker(Component):
         # Whatever broke, a profiler must not keep running (and costing) for the rest of the job.
         if self._profiler is not None:
             self._profiler.abandon()
+        was_broken = self.broken
         super().fail(where)
+        step, self._step = self._step, None
+        if step is None or was_broken:
+            return
+        # The open step ends here, so nothing later (a collective) joins a trace whose spans never end.
+        for span in (step.phase, step.direct_backward, step.span, step.root):
+            if span is not None:
+                try:
+                    span.set_status(Status(StatusCode.ERROR, "step tracing failed; see the log"))
+                    span.end()
+                except Exception:  # noqa: BLE001 - already failing: end what can be ended
+                    pass
 
     def step_number(self) -> int | None:
         step = self._step
@@ -262,7 +274,7 @@ class StepTracker(Component):
     def comm_issued(self, want_span: bool) -> Context | None:
         """Count a collective issued now; the parent for its span, or None (no step open, or over the limit)."""
         step = self._step
-        if step is None:
+        if step is None or self.broken:
             return None
         step.comm_count += 1
         in_phase = step.phase is not None

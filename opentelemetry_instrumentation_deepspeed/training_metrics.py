@@ -15,6 +15,7 @@ from opentelemetry.metrics import Observation
 
 from opentelemetry_instrumentation_deepspeed import deferred_metrics, semconv
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.safety import Component, observing
 
 # Seconds, from a millisecond step to a ten-minute one.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
@@ -90,6 +91,7 @@ class TrainingMetrics:
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
         self._phase_attributes = {name: {semconv.TRAINING_PHASE: name} for name in semconv.PHASES}
         self._deferred = deferred_metrics.for_meter(meter)
+        self._observers = Component("training metrics")
         meter.create_observable_counter(semconv.METRIC_SAMPLES, [self._total("samples")], unit="{sample}",
                                         description="Samples this rank trained on")
         meter.create_observable_counter(semconv.METRIC_TOKENS, [self._total("tokens")], unit="{token}",
@@ -107,14 +109,14 @@ class TrainingMetrics:
         def observe(_options):
             return [Observation(getattr(self, name))]
 
-        return observe
+        return observing(self._observers, observe)
 
     def _last(self, name):
         def observe(_options):
             value = getattr(self, name)
             return [] if value is None else [Observation(value)]
 
-        return observe
+        return observing(self._observers, observe)
 
     def phase(self, name: str, seconds: float, context) -> None:
         self._deferred.record(self._phase, seconds, self._phase_attributes[name], context)

@@ -10,6 +10,7 @@ that never trains writes nothing; it is rotated once it holds half of
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,6 +52,19 @@ def _fallback_identity() -> JobIdentity:
                        int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
+_MAX_NAME = 128
+
+
+def _directory_name(job_id: str) -> str:
+    """The job id as a directory name: safe characters, and short enough for any file system
+    (255 bytes at most); a long id keeps its start and gets a hash of the whole."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", job_id)
+    if len(name) > _MAX_NAME:
+        digest = hashlib.blake2b(job_id.encode(), digest_size=8).hexdigest()
+        name = f"{name[:_MAX_NAME - 17]}-{digest}"
+    return name
+
+
 def _usable(path: Path) -> str | None:
     """Why ``path`` cannot take our files, or None if it can."""
     try:
@@ -70,7 +84,7 @@ def directory() -> Path | None:
             return _directory
         _resolved = True
         _identity = _identity or _fallback_identity()
-        job = re.sub(r"[^A-Za-z0-9._-]", "_", _identity.job_id)
+        job = _directory_name(_identity.job_id)
         configured = env.output_dir()
         candidates = [configured] if configured == env.DEFAULT_OUTPUT_DIR else [configured, env.DEFAULT_OUTPUT_DIR]
         for candidate in candidates:

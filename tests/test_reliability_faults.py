@@ -330,10 +330,6 @@ def test_a_job_id_longer_than_a_file_name_still_trains(long_job_id):
     assert "Traceback" not in long_job_id.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: output.directory() uses the whole job id as a directory name; past the file system's "
-    "255-byte limit both the configured and the default directory fail (ENAMETOOLONG), nothing is written, "
-    "and the warning blames OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR='telemetry'"))
 def test_a_job_id_longer_than_a_file_name_still_writes_telemetry(long_job_id):
     long_job_id.check()
     assert len([s for s in long_job_id.spans if s.name == "training.step"]) == 3

@@ -66,12 +66,6 @@ def _stepped(attribute: dict) -> str:
     return request(span("comm.all_reduce", 1, 2, attributes=[attribute]))
 
 
-CRASHES = pytest.mark.xfail(strict=True, reason=(
-    "package bug: diagnose's reader only catches ValueError/KeyError/TypeError/RecursionError around a "
-    "line, and the analysis trusts attribute types: valid JSON of the wrong shape raises AttributeError "
-    "(a str/list where an object belongs), TypeError or ValueError (float('fast'), an unhashable group, "
-    "str < int) out of main(): a traceback, exit status 1, and none of the good lines analysed"))
-
 # name -> (line 9 of the input, what must happen: "bad" = skipped and counted, "ignored" = not a
 # training rank's telemetry, skipped silently, "accepted" = read as it is)
 SHAPES = {
@@ -115,10 +109,6 @@ SHAPES = {
     "bus bandwidth NaN": (_stepped({"key": "comm.busbw", "value": {"doubleValue": "NaN"}}), "accepted"),
     "step number 2**300": (request(span("training.step", 1, 2, 2**300, trace_id="ee" * 16)), "accepted"),
 }
-CRASHING = {"resourceSpans a string", "resourceSpans of strings", "resourceSpans of lists", "resource a string",
-            "scopeSpans a string", "scopeSpans of strings", "span name a number", "span name null",
-            "step number a word", "bus bandwidth a word", "sequence an object", "group name a list",
-            "resourceMetrics a string", "gauge a string", "data points of strings"}
 
 
 def run_main(capsys, *args: str) -> tuple[int, dict]:
@@ -128,7 +118,7 @@ def run_main(capsys, *args: str) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize(("line", "outcome"), [
-    pytest.param(*SHAPES[name], id=name, marks=[CRASHES] if name in CRASHING else [])
+    pytest.param(*SHAPES[name], id=name)
     for name in SHAPES])
 def test_valid_json_of_the_wrong_shape_is_skipped_and_the_rest_analysed(tmp_path, capsys, line, outcome):
     path = tmp_path / "spans.jsonl"
@@ -140,12 +130,10 @@ def test_valid_json_of_the_wrong_shape_is_skipped_and_the_rest_analysed(tmp_path
         assert report["ranks"]["0"]["steps"] == 8
     if outcome == "bad":
         assert report["input"]["bad_lines"] == 1
-        assert report["input"]["problems"] == [f"{path}:9: not an OTLP JSON line, skipped"]
+        (problem,) = report["input"]["problems"]
+        assert problem.startswith(f"{path}:9: ") and problem.endswith(", skipped"), problem
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: diagnose takes span times as they come: a step ending before it starts, or at 2**201 ns "
-    "(beyond OTLP's fixed64), becomes a step of the report (p95 1.6e54 ms) and no problem is reported"))
 @pytest.mark.parametrize(("start", "end"), [(10**18, 1), (-5, -(10**18)), (2**200, 2**201)],
                          ids=["end before start", "negative", "beyond fixed64"])
 def test_absurd_span_times_are_reported_not_analysed(tmp_path, capsys, start, end):
@@ -208,10 +196,7 @@ def _huge_request(path: Path) -> None:
     pytest.param(_nested, id="100k nested arrays"),
     pytest.param(_garbage_line, id="200 MB line, no newline"),
     pytest.param(_binary, id="binary garbage"),
-    pytest.param(_huge_request, id="200 MB JSON request", marks=pytest.mark.xfail(strict=True, reason=(
-        "package bug: reader.read_spans json.loads() each whole line: a 200 MB line of small objects needs "
-        ">5 GB and dies of MemoryError (traceback, exit 1) under a 1.5 GB limit. Cap the line length "
-        "(readline(limit), skip the rest of an over-long line as a bad line)"))),
+    pytest.param(_huge_request, id="200 MB JSON request"),
 ])
 def test_hostile_files_are_skipped_within_bounded_memory(tmp_path, make):
     path = tmp_path / "input.jsonl"
@@ -225,7 +210,7 @@ def test_hostile_files_are_skipped_within_bounded_memory(tmp_path, make):
     report = json.loads(out)
     assert report["ranks"]["0"]["steps"] == 8, "the good lines before it are analysed"
     assert report["input"]["bad_lines"] >= 1
-    assert any("not an OTLP JSON line, skipped" in line for line in err.splitlines()), err[-2000:]
+    assert any(line.endswith(", skipped") for line in err.splitlines()), err[-2000:]
     assert peak < MEMORY_LIMIT
 
 

@@ -64,6 +64,8 @@ def _value(value: dict):
     (kind, inner), = value.items()
     if kind == "intValue":
         return int(inner)
+    if kind == "doubleValue":
+        return float(inner)  # OTLP JSON writes NaN and the infinities as strings
     return inner if kind in ("stringValue", "boolValue", "doubleValue") else None
 
 
@@ -76,6 +78,29 @@ def _attributes(items, keep) -> dict:
     return found
 
 
+class Shape(ValueError):
+    """A line that is OTLP JSON but holds something the analysis cannot take."""
+
+
+# The attributes the analysis uses, and the types it can take for them.
+_TYPES = {"training.step": int, "training.micro_step": int, "comm.op": str, "comm.bytes": int, "comm.async": bool,
+          "comm.sequence": int, "comm.group.name": str, "comm.busbw": (int, float), "training.step.skipped": bool}
+_MAX_TIME = 2**64 - 1  # OTLP's fixed64
+
+
+def _checked(span: dict, attributes: dict) -> tuple[int, int]:
+    for key, value in attributes.items():
+        if value is not None and (not isinstance(value, _TYPES[key]) or
+                                  (_TYPES[key] is int and isinstance(value, bool))):
+            raise Shape(f"attribute {key} is {type(value).__name__}, not {_TYPES[key]}")
+    if not all(isinstance(span.get(key), str) for key in ("name", "traceId", "spanId")):
+        raise Shape("a span without a string name and ids")
+    start, end = int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
+    if not 0 < start <= end <= _MAX_TIME:
+        raise Shape(f"span {span['name']} has impossible times ({start}, {end})")
+    return start, end
+
+
 def spans_of_request(request: dict) -> Iterator[Span]:
     for resource_spans in request.get("resourceSpans") or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"),
@@ -85,9 +110,10 @@ def spans_of_request(request: dict) -> Iterator[Span]:
             continue  # not a training rank's telemetry
         for scope_spans in resource_spans.get("scopeSpans") or ():
             for span in scope_spans.get("spans") or ():
+                attributes = _attributes(span.get("attributes"), _KEPT)
+                start, end = _checked(span, attributes)
                 yield Span(span["name"], span["traceId"], span["spanId"], span.get("parentSpanId", ""),
-                           int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), str(job), int(rank),
-                           _attributes(span.get("attributes"), _KEPT))
+                           start, end, str(job), int(rank), attributes)
 
 
 def samples_of_request(request: dict) -> Iterator[Sample]:
@@ -108,13 +134,31 @@ def samples_of_request(request: dict) -> Iterator[Sample]:
                                  attributes.get("error.type") or "")
 
 
+# One exported batch per line: 512 spans (the SDK's batch) take ~0.6 MB, a Collector's 8192 ~10 MB.
+# A longer line is skipped unread: parsing JSON takes ~25 times its size in memory.
+MAX_LINE = 16 * 2**20
+TOO_LONG = "\0too long"
+
+
+def _bounded(handle) -> Iterator[str]:
+    while True:
+        line = handle.readline(MAX_LINE)
+        if not line:
+            return
+        if len(line) == MAX_LINE and not line.endswith("\n"):
+            while (rest := handle.readline(MAX_LINE)) and not rest.endswith("\n"):
+                pass
+            line = TOO_LONG
+        yield line
+
+
 def _lines(source) -> Iterator[tuple[str, str]]:
     if source == "-":
-        for line in sys.stdin:
+        for line in _bounded(sys.stdin):
             yield "<stdin>", line
         return
     with open(source, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
+        for line in _bounded(handle):
             yield str(source), line
 
 
@@ -143,17 +187,25 @@ def read_spans(paths: Iterable[str], stats: ReadStats) -> Iterator[Span]:
                 line = raw.strip()
                 if not line:
                     continue
+                why = "not an OTLP JSON line"
                 try:
+                    if line == TOO_LONG:
+                        why = f"a line longer than {MAX_LINE // 2**20} MiB"
+                        raise ValueError(why)
                     request = json.loads(line)
                     spans = list(spans_of_request(request)) if isinstance(request, dict) else None
                     if spans is not None and "resourceMetrics" in request:
                         stats.samples.extend(samples_of_request(request))
-                except (ValueError, KeyError, TypeError, RecursionError):
+                except Shape as error:
+                    why, spans = str(error), None
+                # Whatever the shape of a line (strings where objects belong, deep nesting), it is
+                # only skipped: MemoryError too, once a line is larger than it looked.
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError, MemoryError):
                     spans = None
                 if spans is None:
                     stats.bad_lines += 1
                     if stats.bad_lines <= 3:
-                        stats.problems.append(f"{where}:{stats.lines}: not an OTLP JSON line, skipped")
+                        stats.problems.append(f"{where}:{stats.lines}: {why}, skipped")
                     continue
                 stats.spans += len(spans)
                 yield from spans

@@ -1,0 +1,120 @@
+"""Added time per optimizer step, alternating every step within one engine, with an A/A control.
+
+``overhead.py`` alternates blocks, each with a fresh engine: on the 2-core benchmark machine two
+engines of the same model differ by more than the instrumentation costs (a bare block's median
+step ranges from 15 to 25 ms), so its intervals are wide. Here one instrumented engine runs
+triples of steps in rotating order: active (B), inert (A) and inert again (A', the control).
+Inert is each component's off switch (the one a failure throws): the wrappers stay and only pass
+calls through, whose cost ``overhead.py --mode no-sdk`` measures on its own. Spans and metrics
+are exported as the embedded default exports them.
+
+    python benchmarks/overhead_steps.py --zero-stage 2 --triples 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--triples", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--mode", choices=("full", "sampled-out"), default="full")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29534")):
+        os.environ.setdefault(name, value)
+    # Kernel sampling has its own figure (a profiled step): here every step is an ordinary one.
+    os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "0")
+    os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0")
+    import deepspeed
+    import torch
+    import train as train_module
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+    from overhead import bootstrap, setup_sdk
+
+    from opentelemetry_instrumentation_deepspeed import (
+        CommInstrumentor,
+        DataLoaderInstrumentor,
+        DeepSpeedInstrumentor,
+        trackers,
+    )
+
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    tracer_provider, meter_provider, counted = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-steps-")),
+                                                         ALWAYS_OFF if args.mode == "sampled-out" else None)
+    comm = CommInstrumentor()
+    for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), comm):
+        instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+    model = train_module.TinyLM(256, 64, 2, 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": args.grad_accum,
+              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    world = engine.world_size
+    steps = args.warmup + 3 * args.triples
+    dataset = train_module.SyntheticTokens(steps * args.grad_accum * 8 * world, 32, 256, seed=1)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=engine.global_rank,
+                                                  shuffle=False)
+    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler))
+    tracker = trackers.tracker_for(engine)
+    observer = comm._observer
+
+    def step(active: bool) -> float:
+        tracker.broken = observer.broken = not active
+        started = time.perf_counter()
+        for _ in range(args.grad_accum):
+            loss = engine(**next(batches))
+            engine.backward(loss)
+            engine.step()
+        return time.perf_counter() - started
+
+    for _ in range(args.warmup):
+        step(True)
+    spans_before = counted.spans
+    arms: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
+    order = ["A", "B", "A'"]
+    for index in range(args.triples):
+        for arm in order[index % 3:] + order[:index % 3]:
+            arms[arm].append(step(arm == "B"))
+    tracer_provider.force_flush()
+    spans = counted.spans - spans_before
+    if engine.global_rank == 0:
+        base = statistics.median(arms["A"])
+        print(f"ZeRO-{args.zero_stage}, grad accumulation {args.grad_accum}, world size {world}, mode {args.mode}, "
+              f"{args.triples} triples of steps, alternating within one engine")
+        for arm, times in arms.items():
+            print(f"  {arm:2}: median step {statistics.median(times) * 1e3:8.3f} ms")
+        for label, arm in (("active - inert (B - A)", "B"), ("control      (A' - A)", "A'")):
+            differences = [(b - a) * 1e6 for a, b in zip(arms["A"], arms[arm], strict=True)]
+            mean = statistics.fmean(differences)
+            low, high = bootstrap(differences)
+            print(f"  {label}: {mean:+8.1f} us/step  95% CI [{low:+.1f}, {high:+.1f}]  = "
+                  f"{mean / (base * 1e6) * 100:+.2f}% of this {base * 1e3:.1f} ms step, "
+                  f"{mean / 1e3:+.3f}% of a 100 ms step, {mean / 1e4:+.4f}% of a 1 s step")
+        print(f"  spans per active step on this rank: {spans / args.triples:.1f}")
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -69,6 +69,8 @@ class _Step:
     phase_comm_dropped: int = 0
     # Phases and collectives of a profiled step, where its operators are placed; None otherwise.
     intervals: list | None = None
+    # False for a step the sampler dropped: its phases and collectives then make no span at all.
+    recording: bool = True
 
 
 class StepTracker(Component):
@@ -279,7 +281,7 @@ class StepTracker(Component):
         step.comm_count += 1
         in_phase = step.phase is not None
         step.phase_comm_count += in_phase
-        if not want_span:
+        if not want_span or not step.recording:
             return None
         if step.comm_spans >= self._comm_span_limit:
             step.comm_dropped += 1
@@ -329,7 +331,8 @@ class StepTracker(Component):
         )
         if self._gpu is not None:
             self._gpu.anchor_if_idle()
-        step = _Step(number, start, span, trace.set_span_in_context(span, _EMPTY), root)
+        step = _Step(number, start, span, trace.set_span_in_context(span, _EMPTY), root,
+                     recording=span.is_recording())
         if self._profiler is not None and self._profiler.step_opened(number):
             step.intervals = []
         self._step = step
@@ -351,11 +354,12 @@ class StepTracker(Component):
         return end
 
     def _data_wait_span(self, step: _Step, start: int, end: int) -> None:
-        span = self._tracer.start_span(
-            semconv.SPAN_DATA_WAIT, context=step.context, start_time=start,
-            attributes={semconv.TRAINING_MICRO_STEP: step.micro_batches},
-        )
-        span.end(end_time=end)
+        if step.recording:
+            span = self._tracer.start_span(
+                semconv.SPAN_DATA_WAIT, context=step.context, start_time=start,
+                attributes={semconv.TRAINING_MICRO_STEP: step.micro_batches},
+            )
+            span.end(end_time=end)
         self.metrics.phase(semconv.PHASE_DATA_WAIT, (end - start) / 1e9, step.context)
 
     def _gpu_span(self, name: str, parent: Context):
@@ -368,11 +372,15 @@ class StepTracker(Component):
     def _phase_span(self, step: _Step, name: str, phase: str, micro_step: int | None) -> trace.Span:
         if step.direct_backward is not None:
             self._interrupt(step)
-        attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
         start = time.time_ns()
-        span = self._tracer.start_span(name, context=step.context, attributes=attributes, start_time=start)
+        if step.recording:
+            attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
+            span = self._tracer.start_span(name, context=step.context, attributes=attributes, start_time=start)
+            step.phase_context = trace.set_span_in_context(span, _EMPTY)
+        else:
+            # Its own object: phases are told apart by identity.
+            span, step.phase_context = NonRecordingSpan(step.span.get_span_context()), step.context
         step.phase, step.phase_name, step.phase_start = span, phase, start
-        step.phase_context = trace.set_span_in_context(span, _EMPTY)
         if self._gpu is not None:
             self._gpu.resolve()
             step.phase_gpu_start = self._gpu.event()

@@ -33,6 +33,8 @@ def parse_args():
     parser.add_argument("--triples", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--mode", choices=("full", "sampled-out"), default="full")
+    parser.add_argument("--endpoint-down", action="store_true",
+                        help="traces over OTLP/HTTP to a loopback port nobody listens on")
     return parser.parse_args()
 
 
@@ -48,7 +50,7 @@ def main():
     import torch
     import train as train_module
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
-    from overhead import bootstrap, setup_sdk
+    from overhead import setup_sdk
 
     from opentelemetry_instrumentation_deepspeed import (
         CommInstrumentor,
@@ -61,6 +63,10 @@ def main():
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     tracer_provider, meter_provider, counted = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-steps-")),
                                                          ALWAYS_OFF if args.mode == "sampled-out" else None)
+    if args.endpoint_down:
+        from soak import provider_with_endpoint_down
+
+        tracer_provider = provider_with_endpoint_down(meter_provider)
     comm = CommInstrumentor()
     for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), comm):
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
@@ -99,21 +105,28 @@ def main():
     tracer_provider.force_flush()
     spans = counted.spans - spans_before
     if engine.global_rank == 0:
-        base = statistics.median(arms["A"])
-        print(f"ZeRO-{args.zero_stage}, grad accumulation {args.grad_accum}, world size {world}, mode {args.mode}, "
-              f"{args.triples} triples of steps, alternating within one engine")
-        for arm, times in arms.items():
-            print(f"  {arm:2}: median step {statistics.median(times) * 1e3:8.3f} ms")
-        for label, arm in (("active - inert (B - A)", "B"), ("control      (A' - A)", "A'")):
-            differences = [(b - a) * 1e6 for a, b in zip(arms["A"], arms[arm], strict=True)]
-            mean = statistics.fmean(differences)
-            low, high = bootstrap(differences)
-            print(f"  {label}: {mean:+8.1f} us/step  95% CI [{low:+.1f}, {high:+.1f}]  = "
-                  f"{mean / (base * 1e6) * 100:+.2f}% of this {base * 1e3:.1f} ms step, "
-                  f"{mean / 1e3:+.3f}% of a 100 ms step, {mean / 1e4:+.4f}% of a 1 s step")
-        print(f"  spans per active step on this rank: {spans / args.triples:.1f}")
+        report(args, world, arms, spans)
     tracer_provider.shutdown()
     meter_provider.shutdown()
+
+
+def report(args, world: int, arms: dict[str, list[float]], spans: int) -> None:
+    from overhead import bootstrap
+
+    base = statistics.median(arms["A"])
+    print(f"ZeRO-{args.zero_stage}, grad accumulation {args.grad_accum}, world size {world}, mode {args.mode}"
+          f"{', OTLP endpoint down' if args.endpoint_down else ''}, {args.triples} triples of steps, "
+          "alternating within one engine")
+    for arm, times in arms.items():
+        print(f"  {arm:2}: median step {statistics.median(times) * 1e3:8.3f} ms")
+    for label, arm in (("active - inert (B - A)", "B"), ("control      (A' - A)", "A'")):
+        differences = [(b - a) * 1e6 for a, b in zip(arms["A"], arms[arm], strict=True)]
+        mean = statistics.fmean(differences)
+        low, high = bootstrap(differences)
+        print(f"  {label}: {mean:+8.1f} us/step  95% CI [{low:+.1f}, {high:+.1f}]  = "
+              f"{mean / (base * 1e6) * 100:+.2f}% of this {base * 1e3:.1f} ms step, "
+              f"{mean / 1e3:+.3f}% of a 100 ms step, {mean / 1e4:+.4f}% of a 1 s step")
+    print(f"  spans per active step on this rank: {spans / args.triples:.1f}")
 
 
 if __name__ == "__main__":

@@ -71,16 +71,16 @@ class Run:
 
 
 def launch(cwd: Path, launcher: str, *train_args: str, instrument: bool = True, env: dict | None = None,
-           timeout: float = 300) -> Run:
-    """Run examples/train.py as a user would: ``python``, ``deepspeed`` or ``torchrun`` (2 ranks)."""
+           timeout: float = 300, script: Path = TRAIN) -> Run:
+    """Run examples/train.py (or ``script``) as a user would: ``python``, ``deepspeed`` or ``torchrun`` (2 ranks)."""
     port = str(free_port())
     if launcher == "python":
-        command = [sys.executable, str(TRAIN)]
+        command = [sys.executable, str(script)]
         env = {"MASTER_PORT": port, **(env or {})}
     elif launcher == "deepspeed":
-        command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(TRAIN)]
+        command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(script)]
     elif launcher == "torchrun":
-        command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(TRAIN)]
+        command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(script)]
     else:
         raise ValueError(launcher)
     if instrument:

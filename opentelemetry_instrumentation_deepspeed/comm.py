@@ -80,6 +80,7 @@ class CommObserver(Component):
     def __init__(self, meter, spans: bool, cuda=None):
         super().__init__("collective tracing")
         self._spans = spans
+        self.explicit = False  # set by the instrumentor: providers were handed to instrument()
         self._cuda = cuda  # torch.cuda, looked up at the first CUDA tensor; a fake in tests
         self._tracer = None
         self._groups: dict[int, _Group] = {}
@@ -275,7 +276,7 @@ class CommObserver(Component):
 
 def _collective_wrapper(observer: CommObserver, spec: OpSpec):
     def wrapper(wrapped, instance, args, kwargs):
-        if session.silent or getattr(_guard, "inside", False):
+        if (session.silent and not observer.explicit) or getattr(_guard, "inside", False):
             return wrapped(*args, **kwargs)
         call = observer.issued(spec, args, kwargs)
         _guard.inside = True
@@ -321,6 +322,8 @@ class CommInstrumentor(BaseInstrumentor):
         meter = get_meter(__name__, __version__, kwargs.get("meter_provider"))
         observer = CommObserver(meter, spans=mode == "spans")
         observer.use_tracer_provider(kwargs.get("tracer_provider"))
+        # Providers handed to instrument() record even when the API's globals have no SDK behind them.
+        observer.explicit = kwargs.get("tracer_provider") is not None or kwargs.get("meter_provider") is not None
         # The SDK starts with the first engine, after the engine's own start-up broadcasts: their
         # durations went nowhere, so their bytes must not count either (bandwidth = bytes / time).
         session.on_start(lambda _identity: observer.restart_totals())

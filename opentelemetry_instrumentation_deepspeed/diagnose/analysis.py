@@ -282,33 +282,48 @@ def _find_period(numbers: list[int], slow: set[int]) -> tuple[int, int] | None:
     return None
 
 
+def _period_of(numbers: list[int], values: dict[int, float], floor: float) -> tuple[int, int] | None:
+    """The period of the steps whose value stands out, trying each threshold from ``floor`` up."""
+    outliers = sorted({value for value in values.values() if value > floor})
+    if len(outliers) < 2:
+        return None
+    for threshold in [floor, *[value * 0.999 for value in outliers[1:]][:63]]:
+        slow = {step for step, value in values.items() if value > threshold}
+        if len(slow) < 3:
+            return None
+        best = _find_period(numbers, slow)
+        if best:
+            return best
+    return None
+
+
 def _periodic_anomaly(steps: list[dict]) -> dict | None:
     """Every k-th step slower: the period, the phase that grows, and by how much.
 
     Slow steps are those above a threshold; noise makes any single threshold wrong somewhere, so
     each threshold between 1.5 x the median and the slowest step is tried, lowest first, and the
-    first that leaves a periodic set of slow steps wins.
+    first that leaves a periodic set of slow steps wins. When a third or more of the steps are
+    slow (a stall every 2nd or 3rd step, and the noise of a busy host), the median is no baseline
+    for the step time: then each part of the step (data wait, forward, ...) is searched the same
+    way, for a part that grows periodically by at least a tenth of the median step.
     """
     if len(steps) < 6:
         return None
     median = statistics.median(s["seconds"] for s in steps)
     numbers = [s["step"] for s in steps]
-    outliers = sorted({s["seconds"] for s in steps if s["seconds"] > ANOMALY_FACTOR * median})
-    if len(outliers) < 2:
-        return None
-    candidates = [ANOMALY_FACTOR * median] + [value * 0.999 for value in outliers[1:]]
-    slow, best = set(), None
-    for threshold in candidates[:64]:
-        slow = {s["step"] for s in steps if s["seconds"] > threshold}
-        if len(slow) < 3:
-            break
-        best = _find_period(numbers, slow)
+    best = _period_of(numbers, {s["step"]: s["seconds"] for s in steps}, ANOMALY_FACTOR * median)
+    for part in PARTS if best is None else ():
+        values = {s["step"]: s["parts"][part] for s in steps}
+        baseline = statistics.median(values.values())
+        best = _period_of(numbers, values, max(ANOMALY_FACTOR * baseline, baseline + 0.1 * median))
         if best:
             break
     if best:
         slow = {n for n in numbers if n % best[0] == best[1]}  # the pattern, not the noise around it
     else:
         slow = {s["step"] for s in steps if s["seconds"] > ANOMALY_FACTOR * median}
+        if len(slow) < 2:  # one slow step is not a pattern
+            return None
     slow_steps = [s for s in steps if s["step"] in slow]
     normal = [s for s in steps if s["step"] not in slow]
     if not slow_steps or not normal:

@@ -35,6 +35,10 @@ class Tracer:
             from opentelemetry.sdk.trace import Event, ReadableSpan
 
             self.readable_span, self.event = ReadableSpan, Event
+            # Fixed for the tracer's life: looked up once, not per span.
+            self._enabled = getattr(sdk_tracer, "_is_enabled", None)
+            self.processor, self.resource = sdk_tracer.span_processor, sdk_tracer.resource
+            self.scope = sdk_tracer._instrumentation_scope
 
     def start_span(self, name: str, context=None, attributes: dict | None = None,
                    start_time: int | None = None) -> trace.Span:
@@ -42,8 +46,7 @@ class Tracer:
         if not self._fast:
             return sdk.start_span(name, context=context, attributes=attributes, start_time=start_time)
         parent = trace.get_current_span(context).get_span_context()
-        enabled = getattr(sdk, "_is_enabled", None)
-        if enabled is not None and not enabled():
+        if self._enabled is not None and not self._enabled():
             return trace.NonRecordingSpan(parent)
         ids = sdk.id_generator
         if parent is None or not parent.is_valid:
@@ -122,10 +125,10 @@ class Span(trace.Span):
         if self._ended:
             return
         self._ended = True
-        sdk = self._tracer.sdk
-        sdk.span_processor.on_end(self._tracer.readable_span(
-            name=self._name, context=self._context, parent=self._parent, resource=sdk.resource,
+        tracer = self._tracer
+        tracer.processor.on_end(tracer.readable_span(
+            name=self._name, context=self._context, parent=self._parent, resource=tracer.resource,
             attributes=self._attributes, events=self._events or (), kind=_INTERNAL, status=self._status,
             start_time=self._start, end_time=time.time_ns() if end_time is None else end_time,
-            instrumentation_scope=sdk._instrumentation_scope,
+            instrumentation_scope=tracer.scope,
         ))

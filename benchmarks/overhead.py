@@ -160,15 +160,13 @@ def bootstrap(differences: list[float], draws: int = 5000) -> tuple[float, float
 
 def main():
     args = parse_args()
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", "29533")):
-        os.environ.setdefault(name, value)
     import deepspeed
     import torch
     import train as train_module
 
     from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
 
+    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if args.profile_every is not None:

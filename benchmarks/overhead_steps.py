@@ -40,9 +40,6 @@ def parse_args():
 
 def main():
     args = parse_args()
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", "29534")):
-        os.environ.setdefault(name, value)
     # Kernel sampling has its own figure (a profiled step): here every step is an ordinary one.
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "0")
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0")
@@ -59,6 +56,7 @@ def main():
         trackers,
     )
 
+    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     tracer_provider, meter_provider, counted = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-steps-")),

@@ -31,9 +31,6 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", os.environ.get("MASTER_PORT", "29561"))):
-        os.environ.setdefault(name, value)
     # Profiled steps are counted by their own benchmark; here every step is an ordinary one.
     os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY"] = "0"
     os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"] = "0"
@@ -46,6 +43,7 @@ def main():
     import opentelemetry_instrumentation_deepspeed as package
     from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
 
+    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-sensitivity-"))

@@ -66,9 +66,6 @@ def provider_with_endpoint_down(meter_provider):
 
 def main():
     args = parse_args()
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", str(closed_port()))):
-        os.environ.setdefault(name, value)
     import deepspeed
     import torch
     import train as train_module
@@ -76,6 +73,7 @@ def main():
 
     from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
 
+    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-soak-"))

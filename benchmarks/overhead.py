@@ -48,22 +48,24 @@ def parse_args():
     return parser.parse_args()
 
 
-def setup_sdk(directory: Path, sampler=None):
+def setup_sdk(directory: Path, sampled_out: bool = False):
     """The SDK as the embedded default sets it up: batch processor and periodic reader into this
-    project's OTLP JSON lines exporters."""
+    project's OTLP JSON lines exporters. ``sampled_out``: every step's root is dropped by a
+    parent-based sampler, as ``parentbased_traceidratio`` drops most of them."""
     os.environ["OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR"] = str(directory)
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
     from opentelemetry_instrumentation_deepspeed import output
     from opentelemetry_instrumentation_deepspeed.job import identify
 
     output.use_identity(identify())
     counted = _CountingExporter(output.JsonLinesSpanExporter())
-    tracer_provider = TracerProvider(sampler=sampler)
+    tracer_provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF) if sampled_out else None)
     tracer_provider.add_span_processor(BatchSpanProcessor(counted))
     reader = PeriodicExportingMetricReader(output.JsonLinesMetricExporter(), export_interval_millis=5000)
     meter_provider = MeterProvider(metric_readers=[reader])
@@ -73,12 +75,18 @@ def setup_sdk(directory: Path, sampler=None):
 
 
 class _CountingExporter:
+    """Counts the spans exported, and the exporter thread's CPU time spent encoding and writing them."""
+
     def __init__(self, inner):
-        self.inner, self.spans = inner, 0
+        self.inner, self.spans, self.cpu_seconds = inner, 0, 0.0
 
     def export(self, spans):
         self.spans += len(spans)
-        return self.inner.export(spans)
+        started = time.thread_time()
+        try:
+            return self.inner.export(spans)
+        finally:
+            self.cpu_seconds += time.thread_time() - started
 
     def shutdown(self):
         self.inner.shutdown()
@@ -174,10 +182,7 @@ def main():
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-bench-"))
     providers, counted = {}, None
     if args.mode != "no-sdk":
-        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
-
-        tracer_provider, meter_provider, counted = setup_sdk(directory, ALWAYS_OFF if args.mode == "sampled-out"
-                                                             else None)
+        tracer_provider, meter_provider, counted = setup_sdk(directory, args.mode == "sampled-out")
         providers = {"tracer_provider": tracer_provider, "meter_provider": meter_provider}
     instrumentors = (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor())
 

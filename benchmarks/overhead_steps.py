@@ -46,7 +46,6 @@ def main():
     import deepspeed
     import torch
     import train as train_module
-    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
     from overhead import setup_sdk
 
     from opentelemetry_instrumentation_deepspeed import (
@@ -60,7 +59,7 @@ def main():
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     tracer_provider, meter_provider, counted = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-steps-")),
-                                                         ALWAYS_OFF if args.mode == "sampled-out" else None)
+                                                         args.mode == "sampled-out")
     if args.endpoint_down:
         from soak import provider_with_endpoint_down
 
@@ -94,21 +93,22 @@ def main():
 
     for _ in range(args.warmup):
         step(True)
-    spans_before = counted.spans
+    tracer_provider.force_flush()
+    spans_before, export_cpu_before = counted.spans, counted.cpu_seconds
     arms: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
     order = ["A", "B", "A'"]
     for index in range(args.triples):
         for arm in order[index % 3:] + order[:index % 3]:
             arms[arm].append(step(arm == "B"))
     tracer_provider.force_flush()
-    spans = counted.spans - spans_before
+    spans, export_cpu = counted.spans - spans_before, counted.cpu_seconds - export_cpu_before
     if engine.global_rank == 0:
-        report(args, world, arms, spans)
+        report(args, world, arms, spans, export_cpu)
     tracer_provider.shutdown()
     meter_provider.shutdown()
 
 
-def report(args, world: int, arms: dict[str, list[float]], spans: int) -> None:
+def report(args, world: int, arms: dict[str, list[float]], spans: int, export_cpu: float) -> None:
     from overhead import bootstrap
 
     base = statistics.median(arms["A"])
@@ -124,7 +124,8 @@ def report(args, world: int, arms: dict[str, list[float]], spans: int) -> None:
         print(f"  {label}: {mean:+8.1f} us/step  95% CI [{low:+.1f}, {high:+.1f}]  = "
               f"{mean / (base * 1e6) * 100:+.2f}% of this {base * 1e3:.1f} ms step, "
               f"{mean / 1e3:+.3f}% of a 100 ms step, {mean / 1e4:+.4f}% of a 1 s step")
-    print(f"  spans per active step on this rank: {spans / args.triples:.1f}")
+    print(f"  spans per active step on this rank: {spans / args.triples:.1f}; the exporter thread's CPU time "
+          f"encoding and writing them: {export_cpu / args.triples * 1e6:.1f} us per active step")
 
 
 if __name__ == "__main__":

@@ -61,15 +61,27 @@ class _Group:
 
 
 @dataclass
+class _Route:
+    """What one op on one group always records: built at its first call, not at every call."""
+
+    span_name: str
+    metric_attributes: dict
+    span_attributes: dict
+    size_factor: int  # algorithm bytes per byte of this rank's data
+    bus_factor: float
+    totals: list  # [bytes, bus bytes], observed as counters
+
+
+@dataclass(slots=True)
 class _Call:
-    spec: OpSpec
-    group: _Group
+    route: _Route
     sequence: int
     data_bytes: int
     dtype: str
     is_async: bool
     start: int
-    parent: object  # Context of the span's parent, or None: metrics only
+    parent: trace.Span | None  # the span's parent; None: metrics only
+    tracker: object
     gpu_start: object = None
     remaining: int = 1
 
@@ -86,7 +98,7 @@ class CommObserver(Component):
         self._groups: dict[int, _Group] = {}
         self._group_objects: list = []  # ids above stay valid while the groups live
         self._dtypes: dict[object, str] = {}
-        self._span_attributes: dict[tuple, dict] = {}
+        self._routes: dict[tuple[int, int], _Route] = {}
         # Async work handles until their wait(); weak, so a handle dropped unwaited takes its entry along.
         self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._gpu = None
@@ -97,7 +109,7 @@ class CommObserver(Component):
         )
         self._deferred = deferred_metrics.for_meter(meter)
         # Byte totals are summed here and observed at collection: two counter adds per call cost more.
-        self._totals: dict[tuple, list] = {}
+        self._totals: dict[tuple, list] = {}  # (op, backend, group size) -> [bytes, bus bytes, attributes]
         meter.create_observable_counter(
             semconv.METRIC_COMM_SIZE, callbacks=[self._observe_sizes(0)], unit="By",
             description="Bytes this rank contributed to collective operations",
@@ -114,11 +126,12 @@ class CommObserver(Component):
         if self._gpu is not None:
             self._gpu.resolve()
         group = self._group(spec.group(args, kwargs))
+        route = self._routes.get((id(spec), id(group))) or self._route(spec, group)
         data_bytes, tensor = spec.data(args, kwargs)
         tracker = trackers.active()
         parent = None if tracker is None else tracker.comm_issued(self._spans)
-        call = _Call(spec, group, group.sequence, data_bytes, self._dtype(tensor), spec.is_async(args, kwargs),
-                     time.time_ns(), parent)
+        call = _Call(route, group.sequence, data_bytes, self._dtype(tensor), spec.is_async(args, kwargs),
+                     time.time_ns(), parent, tracker)
         group.sequence += 1
         if tensor is not None and getattr(tensor, "is_cuda", False):
             call.gpu_start = self._timeline(tracker).event()
@@ -174,57 +187,59 @@ class CommObserver(Component):
             self._record(call, call.start, end, False, error)
 
     def _record(self, call: _Call, start: int, end: int, on_gpu: bool, error: BaseException | None = None) -> None:
-        spec, group = call.spec, call.group
+        route = call.route
         seconds = max(end - start, 1) / 1e9
-        algbw = algorithm_bytes(spec.kind, call.data_bytes, group.size) / seconds
-        busbw = algbw * bus_factor(spec.kind, group.size)
-        key = (spec.name, group.backend, group.size)
-        totals = self._totals.get(key)
-        if totals is None:
-            totals = self._totals[key] = [0, 0, self._attributes_for(spec.name, group)]
-        self._deferred.record(self._duration, seconds, totals[2])
+        algbw = call.data_bytes * route.size_factor / seconds
+        self._deferred.record(self._duration, seconds, route.metric_attributes)
+        totals = route.totals
         totals[0] += call.data_bytes
-        totals[1] += int(busbw * seconds)
+        totals[1] += int(call.data_bytes * route.size_factor * route.bus_factor)
         if call.parent is None:
             return
+        span = self._tracer.start_child(route.span_name, call.parent,
+                                        self._span_attributes(call, algbw, route.bus_factor, on_gpu), start)
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end(end_time=end)
+        if not on_gpu and call.tracker is not None:  # operators run on the host clock, in the step of the call
+            call.tracker.note_interval(start, end, span)
+
+    @staticmethod
+    def _span_attributes(call: _Call, algbw: float, bus: float, on_gpu: bool) -> dict:
         # Only what varies per call is built here; every attribute costs ~4 us to encode on export.
         attributes = {
-            **self._span_attributes_for(spec.name, group),
+            **call.route.span_attributes,
             semconv.COMM_BYTES: call.data_bytes,
             semconv.COMM_DTYPE: call.dtype,
             semconv.COMM_ASYNC: call.is_async,
             semconv.COMM_SEQUENCE: call.sequence,
             semconv.COMM_ALGBW: algbw,
-            semconv.COMM_BUSBW: busbw,
+            semconv.COMM_BUSBW: algbw * bus,
         }
         if on_gpu:
             attributes[semconv.COMM_TIMING] = "gpu"
-        span = self._tracer.start_span(f"comm.{spec.name}", context=call.parent, start_time=start,
-                                       attributes=attributes)
-        if error is not None:
-            span.record_exception(error)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-        span.end(end_time=end)
-        tracker = trackers.active()
-        if tracker is not None and not on_gpu:  # operators run on the host clock, in the step of the call
-            tracker.note_interval(start, end, span)
-
-    @staticmethod
-    def _attributes_for(op: str, group: _Group) -> dict:
-        return {semconv.COMM_OP: op, semconv.COMM_BACKEND: group.backend, semconv.COMM_GROUP_SIZE: group.size}
-
-    def _span_attributes_for(self, op: str, group: _Group) -> dict:
-        key = (op, group.name)
-        attributes = self._span_attributes.get(key)
-        if attributes is None:
-            attributes = self._attributes_for(op, group)
-            if group.name != _DEFAULT_GROUP_NAME:
-                attributes[semconv.COMM_GROUP_NAME] = group.name
-            self._span_attributes[key] = attributes
         return attributes
 
+    def _route(self, spec: OpSpec, group: _Group) -> _Route:
+        metric_attributes = {semconv.COMM_OP: spec.name, semconv.COMM_BACKEND: group.backend,
+                             semconv.COMM_GROUP_SIZE: group.size}
+        span_attributes = dict(metric_attributes)
+        if group.name != _DEFAULT_GROUP_NAME:
+            span_attributes[semconv.COMM_GROUP_NAME] = group.name
+        key = (spec.name, group.backend, group.size)
+        totals = self._totals.get(key)
+        if totals is None:
+            totals = self._totals[key] = [0, 0, metric_attributes]
+        route = _Route(f"comm.{spec.name}", metric_attributes, span_attributes,
+                       algorithm_bytes(spec.kind, 1, group.size), bus_factor(spec.kind, group.size), totals)
+        self._routes[(id(spec), id(group))] = route
+        return route
+
     def restart_totals(self) -> None:
-        self._totals.clear()
+        # Zeroed in place: the routes hold these lists.
+        for totals in self._totals.values():
+            totals[0] = totals[1] = 0
 
     def _observe_sizes(self, index: int):
         def observe(_options):

@@ -5,9 +5,9 @@ machine (attribute hashing, the exemplar reservoir, locks, all with caches the s
 keep evicting); queuing the value, its time and its context costs about 1 us. The queue is
 handed to the SDK when a metric reader collects, on the reader's thread, by the callback of
 an observable instrument that itself reports nothing. Each measurement keeps the time it was
-taken and the span context it was taken in, so exemplars still name the step's trace and its
-moment. Past ``LIMIT`` waiting measurements (a reader that never collects), the training
-thread records them itself.
+taken and the span it was taken in (a context is built only at collection), so exemplars
+still name the step's trace and its moment. Past ``LIMIT`` waiting measurements (a reader
+that never collects), the training thread records them itself.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from opentelemetry import trace
 from opentelemetry.context import Context
 
 from opentelemetry_instrumentation_deepspeed.safety import Component, observing
@@ -44,11 +45,11 @@ class DeferredHistograms:
                                       unit="1",
                                       description="Internal: records queued histogram measurements at collection")
 
-    def record(self, histogram, value: float, attributes=None, context=None) -> None:
+    def record(self, histogram, value: float, attributes=None, span=None, taken: int | None = None) -> None:
         # Before the SDK is set up, a histogram is a proxy with nothing behind it: the API drops the value.
         if self._component.broken or getattr(histogram, "_real_instrument", True) is None:
             return
-        self._queue.append((histogram, value, time.time_ns(), attributes, context))
+        self._queue.append((histogram, value, time.time_ns() if taken is None else taken, attributes, span))
         if len(self._queue) > LIMIT:
             try:
                 self.flush()
@@ -65,13 +66,14 @@ class DeferredHistograms:
         queue = self._queue
         while queue:
             try:
-                histogram, value, taken, attributes, context = queue.popleft()
+                histogram, value, taken, attributes, span = queue.popleft()
             except IndexError:  # another thread emptied it
                 return
+            context = _EMPTY if span is None else trace.set_span_in_context(span, _EMPTY)
             # A histogram made before the SDK was set up is a proxy for the real one.
             real = getattr(histogram, "_real_instrument", histogram)
             consumer = getattr(real, "_measurement_consumer", None)
             if consumer is None or not real._is_enabled():
                 histogram.record(value, attributes, context=context)
                 continue
-            consumer.consume_measurement(Measurement(value, taken, real, context or _EMPTY, attributes))
+            consumer.consume_measurement(Measurement(value, taken, real, context, attributes))

@@ -5,8 +5,15 @@ span, attribute validation and limits, ``on_start`` callbacks); a step emits 8 o
 spans of this instrumentation are built from values it controls (names, ints, floats, bools,
 strings), are never made current, and end once, so this tracer keeps only what the SDK's
 output depends on: the provider's sampler is asked exactly as the SDK asks it, ids come from
-the tracer's id generator, and at ``end()`` a ``ReadableSpan`` (what every processor and
-exporter receives) goes to the provider's span processors. About 7 us per span.
+the tracer's id generator, and a ``ReadableSpan`` (what every processor and exporter
+receives) goes to the provider's span processors. About 7 us per span.
+
+Inside a training step each trip through this code and the SDK's finds it evicted from the
+CPU caches by the step's tensors, and costs several times its isolated figure. So the work is
+gathered: under a parent-based sampler with its default delegates (the SDK's default, and
+``parentbased_traceidratio``) a span with a valid parent takes its parent's decision without a
+call to the sampler, and ended spans wait in ``_ended`` until ``hand_over()`` (at the close of
+each step, and at exit) gives them to the processors in one loop.
 
 Span processors' ``on_start`` is not called for these spans; the tracer falls back to the SDK
 path when the provider is not the SDK's.
@@ -14,18 +21,62 @@ path when the provider is not the SDK's.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
+from collections import deque
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from opentelemetry_instrumentation_deepspeed import trace_ids
 
 _INTERNAL = SpanKind.INTERNAL
 _UNSET = Status(StatusCode.UNSET)
+_EMPTY = Context()
+# Ended spans not yet handed to their processors. Past this many they are handed over at once.
+_ended: deque = deque()
+_HAND_OVER_AT = 256
+
+
+def hand_over() -> None:
+    """Give every ended span to its tracer's span processors."""
+    ended = _ended
+    while ended:
+        try:
+            span = ended.popleft()
+        except IndexError:  # another thread emptied it
+            return
+        tracer = span._tracer
+        tracer.processor.on_end(tracer.readable_span(
+            name=span._name, context=span._context, parent=span._parent, resource=tracer.resource,
+            attributes=span._attributes, events=span._events or (), kind=_INTERNAL, status=span._status,
+            start_time=span._start, end_time=span._end, instrumentation_scope=tracer.scope,
+        ))
+
+
+if hasattr(os, "register_at_fork"):
+    # A forked child must not hand over (and export twice) what its parent had ended.
+    os.register_at_fork(after_in_child=_ended.clear)
+
+
+def _decides_by_parent(sampler) -> bool:
+    """Whether ``sampler`` only copies a valid parent's decision: a ParentBased with its default delegates."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+
+    return (isinstance(sampler, ParentBased)
+            and getattr(sampler, "_remote_parent_sampled", None) is ALWAYS_ON
+            and getattr(sampler, "_local_parent_sampled", None) is ALWAYS_ON
+            and getattr(sampler, "_remote_parent_not_sampled", None) is ALWAYS_OFF
+            and getattr(sampler, "_local_parent_not_sampled", None) is ALWAYS_OFF)
 
 
 class Tracer:
-    """``start_span`` with the subset of the SDK tracer's signature this project uses."""
+    """``start_span`` with the subset of the SDK tracer's signature this project uses.
+
+    A recording span keeps the ``attributes`` dict it is given: callers pass a new one.
+    """
 
     def __init__(self, sdk_tracer):
         self.sdk = sdk_tracer
@@ -39,16 +90,52 @@ class Tracer:
             self._enabled = getattr(sdk_tracer, "_is_enabled", None)
             self.processor, self.resource = sdk_tracer.span_processor, sdk_tracer.resource
             self.scope = sdk_tracer._instrumentation_scope
+            self._by_parent = _decides_by_parent(sdk_tracer.sampler)
 
     def start_span(self, name: str, context=None, attributes: dict | None = None,
                    start_time: int | None = None) -> trace.Span:
+        if not self._fast:
+            return self.sdk.start_span(name, context=context, attributes=attributes, start_time=start_time)
+        return self.start_child(name, trace.get_current_span(context), attributes, start_time, context)
+
+    def start_root(self, name: str, trace_id: int, span_id: int, attributes: dict,
+                   start_time: int) -> trace.Span | None:
+        """A root span under ids the caller chose, sampled as the SDK samples a root; None if this
+        tracer cannot choose ids (not the SDK's)."""
+        if not self._fast:
+            return None
+        if self._enabled is not None and not self._enabled():
+            return trace.INVALID_SPAN
+        sampling = self.sdk.sampler.should_sample(_EMPTY, trace_id, name, _INTERNAL, attributes, ())
+        flags = trace_ids.SAMPLED if sampling.decision.is_sampled() else trace_ids.NOT_SAMPLED
+        span_context = SpanContext(trace_id, span_id, False, flags, sampling.trace_state)
+        if not sampling.decision.is_recording():
+            return trace.NonRecordingSpan(span_context)
+        if sampling.attributes:
+            attributes = {**sampling.attributes, **attributes}
+        return Span(self, name, span_context, None, attributes, start_time)
+
+    def start_child(self, name: str, parent: trace.Span, attributes: dict | None = None,
+                    start_time: int | None = None, context=None) -> trace.Span:
+        """``start_span`` under ``parent`` (a span, not a context: no context object is built)."""
         sdk = self.sdk
         if not self._fast:
-            return sdk.start_span(name, context=context, attributes=attributes, start_time=start_time)
-        parent = trace.get_current_span(context).get_span_context()
+            return sdk.start_span(name, context=trace.set_span_in_context(parent, _EMPTY), attributes=attributes,
+                                  start_time=start_time)
+        parent = parent.get_span_context()
         if self._enabled is not None and not self._enabled():
             return trace.NonRecordingSpan(parent)
         ids = sdk.id_generator
+        if self._by_parent and parent.is_valid:
+            # What the sampler would answer: the parent's decision, flags and trace state.
+            span_context = SpanContext(parent.trace_id, ids.generate_span_id(), False, parent.trace_flags,
+                                       parent.trace_state)
+            if not parent.trace_flags.sampled:
+                return trace.NonRecordingSpan(span_context)
+            return Span(self, name, span_context, parent, {} if attributes is None else attributes,
+                        time.time_ns() if start_time is None else start_time)
+        if context is None:
+            context = trace.set_span_in_context(trace.NonRecordingSpan(parent), _EMPTY)
         if parent is None or not parent.is_valid:
             parent = None
             trace_id = ids.generate_trace_id()
@@ -73,7 +160,8 @@ class Tracer:
 class Span(trace.Span):
     """A recording span of this project's: mutable until ``end()``, then handed on once."""
 
-    __slots__ = ("_attributes", "_context", "_ended", "_events", "_name", "_parent", "_start", "_status", "_tracer")
+    __slots__ = ("_attributes", "_context", "_end", "_ended", "_events", "_name", "_parent", "_start", "_status",
+                 "_tracer")
 
     def __init__(self, tracer: Tracer, name: str, context: SpanContext, parent: SpanContext | None,  # noqa: PLR0917
                  attributes: dict, start_time: int):
@@ -125,10 +213,7 @@ class Span(trace.Span):
         if self._ended:
             return
         self._ended = True
-        tracer = self._tracer
-        tracer.processor.on_end(tracer.readable_span(
-            name=self._name, context=self._context, parent=self._parent, resource=tracer.resource,
-            attributes=self._attributes, events=self._events or (), kind=_INTERNAL, status=self._status,
-            start_time=self._start, end_time=time.time_ns() if end_time is None else end_time,
-            instrumentation_scope=tracer.scope,
-        ))
+        self._end = time.time_ns() if end_time is None else end_time
+        _ended.append(self)
+        if len(_ended) >= _HAND_OVER_AT:
+            hand_over()

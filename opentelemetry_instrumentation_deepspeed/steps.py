@@ -7,8 +7,9 @@
        ├─ training.backward     per micro-batch
        └─ training.optimizer.step
 
-Spans are started with explicit parents and times, never made current: that is the
-cheap path, and backward hooks may run on autograd's threads. A step opens at its first
+Spans are started with explicit parent spans and times, never made current: that is the
+cheap path (no context object per span), and backward hooks may run on autograd's threads.
+Phase durations are recorded when the step closes, in one loop. A step opens at its first
 observed event (times of data waits before it are kept and become its first spans) and
 closes when ``engine.step()`` returns on a gradient-accumulation boundary.
 """
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeterProvider
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
 from opentelemetry_instrumentation_deepspeed import kernels, semconv, spans, trace_ids
@@ -32,8 +33,6 @@ from opentelemetry_instrumentation_deepspeed.training_metrics import TrainingMet
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _EMPTY = Context()
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED | getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
-_NOT_SAMPLED = TraceFlags(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 
 
 def _gpu_timeline(engine, cuda):
@@ -50,15 +49,15 @@ class _Step:
     number: int
     start: int
     span: trace.Span
-    context: Context
     root: trace.Span | None
     micro_batches: int = 0
     tokens: int = 0
     phase: trace.Span | None = None
     phase_name: str = ""
     phase_start: int = 0
-    phase_context: Context | None = None
     phase_gpu_start: object = None
+    # (phase, seconds, span, end) of the phases that ended, recorded as metrics when the step closes.
+    durations: list = field(default_factory=list)
     direct_backward: trace.Span | None = None
     skipped_before: int = 0
     # Collectives issued in the step / in the running phase, and those beyond the span limit.
@@ -80,10 +79,10 @@ class StepTracker(Component):
         super().__init__("step tracing")
         self._provider = provider
         sdk_tracer = provider.get_tracer("opentelemetry_instrumentation_deepspeed", __version__)
-        # Rank 0 emits each step's root span under the derived ids: its tracer learns to pin them.
-        self._ids = trace_ids.pinnable(sdk_tracer) if identity.rank == 0 else None
         self._tracer = spans.Tracer(sdk_tracer)
-        self._job_id = identity.job_id
+        # Rank 0 emits each step's root span, under the ids every rank derives.
+        self._emits_root = identity.rank == 0
+        self._step_ids = trace_ids.StepIds(identity.job_id)
         self._world_size = identity.world_size
         self._micro_batch_size = engine.train_micro_batch_size_per_gpu()
         self._global_batch_size = engine.train_batch_size()
@@ -182,7 +181,7 @@ class StepTracker(Component):
         if self._profiler is not None:
             self._profiler.step_closed(self._tracer, step.span, step.intervals, (time.time_ns() - step.start) / 1e9)
         end = self._close(step)
-        self.metrics.step((end - step.start) / 1e9, step.context, step.tokens, skipped, engine)
+        self.metrics.step((end - step.start) / 1e9, step.span, step.tokens, skipped, engine)
 
     @fail_open
     def phase_ended(self, span: trace.Span | None) -> None:
@@ -273,7 +272,7 @@ class StepTracker(Component):
         if step is not None and step.intervals is not None:
             step.intervals.append(kernels.Interval(start, end, trace.set_span_in_context(span, _EMPTY)))
 
-    def comm_issued(self, want_span: bool) -> Context | None:
+    def comm_issued(self, want_span: bool) -> trace.Span | None:
         """Count a collective issued now; the parent for its span, or None (no step open, or over the limit)."""
         step = self._step
         if step is None or self.broken:
@@ -288,7 +287,7 @@ class StepTracker(Component):
             step.phase_comm_dropped += in_phase
             return None
         step.comm_spans += 1
-        return step.phase_context if in_phase else step.context
+        return step.phase if in_phase else step.span
 
     # -- the tree -----------------------------------------------------------------------------
 
@@ -296,7 +295,7 @@ class StepTracker(Component):
         now = time.time_ns()
         start = self._waits[0][0] if self._waits else now
         number = engine.global_steps + 1
-        trace_id, root_span_id = trace_ids.step_ids(self._job_id, number)
+        trace_id, root_span_id = self._step_ids(number)
         root = None
         if self._failed_root is not None:
             failed_number, failed_root = self._failed_root
@@ -305,34 +304,23 @@ class StepTracker(Component):
                 root = failed_root
             else:
                 failed_root.end()
+        if root is None and self._emits_root:
+            root = self._tracer.start_root(semconv.SPAN_GLOBAL_STEP, trace_id, root_span_id, {
+                semconv.TRAINING_STEP: number,
+                semconv.TRAINING_STEP_SAMPLES: self._global_batch_size,
+                semconv.TRAINING_WORLD_SIZE: self._world_size,
+            }, start)
         if root is not None:
-            parent = trace.set_span_in_context(root, _EMPTY)
-        elif self._ids is not None:
-            self._ids.pin(trace_id, root_span_id)
-            try:
-                root = self._tracer.start_span(
-                    semconv.SPAN_GLOBAL_STEP, context=_EMPTY, start_time=start,
-                    attributes={
-                        semconv.TRAINING_STEP: number,
-                        semconv.TRAINING_STEP_SAMPLES: self._global_batch_size,
-                        semconv.TRAINING_WORLD_SIZE: self._world_size,
-                    },
-                )
-            finally:
-                self._ids.unpin()
-            parent = trace.set_span_in_context(root, _EMPTY)
+            parent = root
         else:
-            flags = _SAMPLED if trace_ids.sampled(self._provider, trace_id, semconv.SPAN_GLOBAL_STEP) else _NOT_SAMPLED
-            remote_root = SpanContext(trace_id, root_span_id, is_remote=True, trace_flags=flags)
-            parent = trace.set_span_in_context(NonRecordingSpan(remote_root), _EMPTY)
-        span = self._tracer.start_span(
-            semconv.SPAN_STEP, context=parent, start_time=start,
-            attributes={semconv.TRAINING_STEP: number, **self._static},
-        )
+            sampled = trace_ids.sampled(self._provider, trace_id, semconv.SPAN_GLOBAL_STEP)
+            flags = trace_ids.SAMPLED if sampled else trace_ids.NOT_SAMPLED
+            parent = NonRecordingSpan(SpanContext(trace_id, root_span_id, is_remote=True, trace_flags=flags))
+        span = self._tracer.start_child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: number, **self._static},
+                                        start)
         if self._gpu is not None:
             self._gpu.anchor_if_idle()
-        step = _Step(number, start, span, trace.set_span_in_context(span, _EMPTY), root,
-                     recording=span.is_recording())
+        step = _Step(number, start, span, root, recording=span.is_recording())
         if self._profiler is not None and self._profiler.step_opened(number):
             step.intervals = []
         self._step = step
@@ -351,21 +339,22 @@ class StepTracker(Component):
         step.span.end(end_time=end)
         if step.root is not None:
             step.root.end(end_time=end)
+        spans.hand_over()
+        self.metrics.phases(step.durations)
         return end
 
     def _data_wait_span(self, step: _Step, start: int, end: int) -> None:
+        span = step.span
         if step.recording:
-            span = self._tracer.start_span(
-                semconv.SPAN_DATA_WAIT, context=step.context, start_time=start,
-                attributes={semconv.TRAINING_MICRO_STEP: step.micro_batches},
-            )
+            span = self._tracer.start_child(semconv.SPAN_DATA_WAIT, span,
+                                            {semconv.TRAINING_MICRO_STEP: step.micro_batches}, start)
             span.end(end_time=end)
-        self.metrics.phase(semconv.PHASE_DATA_WAIT, (end - start) / 1e9, step.context)
+        step.durations.append((semconv.PHASE_DATA_WAIT, (end - start) / 1e9, span, end))
 
-    def _gpu_span(self, name: str, parent: Context):
+    def _gpu_span(self, name: str, parent: trace.Span):
         def emit(start: int | None, end: int | None) -> None:
             if start is not None:  # never resolved (dropped, or still running at exit): no GPU times to show
-                self._tracer.start_span(name, context=parent, start_time=start).end(end_time=end)
+                self._tracer.start_child(name, parent, None, start).end(end_time=end)
 
         return emit
 
@@ -375,11 +364,10 @@ class StepTracker(Component):
         start = time.time_ns()
         if step.recording:
             attributes = None if micro_step is None else {semconv.TRAINING_MICRO_STEP: micro_step}
-            span = self._tracer.start_span(name, context=step.context, attributes=attributes, start_time=start)
-            step.phase_context = trace.set_span_in_context(span, _EMPTY)
+            span = self._tracer.start_child(name, step.span, attributes, start)
         else:
             # Its own object: phases are told apart by identity.
-            span, step.phase_context = NonRecordingSpan(step.span.get_span_context()), step.context
+            span = NonRecordingSpan(step.span.get_span_context())
         step.phase, step.phase_name, step.phase_start = span, phase, start
         if self._gpu is not None:
             self._gpu.resolve()
@@ -394,13 +382,12 @@ class StepTracker(Component):
                 span.set_attribute(semconv.COMM_COUNT, step.phase_comm_count)
             if step.phase_comm_dropped:
                 span.set_attribute(semconv.COMM_SPANS_DROPPED, step.phase_comm_dropped)
-            self.metrics.phase(step.phase_name, (end - step.phase_start) / 1e9, step.phase_context)
+            step.durations.append((step.phase_name, (end - step.phase_start) / 1e9, span, end))
             if step.intervals is not None:
-                step.intervals.append(kernels.Interval(step.phase_start, end, step.phase_context))
+                step.intervals.append(kernels.Interval(step.phase_start, end, trace.set_span_in_context(span, _EMPTY)))
             if self._gpu is not None and step.phase_gpu_start is not None:
                 self._gpu.defer(step.phase_gpu_start, self._gpu.event(),
-                                self._gpu_span(semconv.SPAN_PHASE_GPU.format(phase=step.phase_name),
-                                               step.phase_context))
+                                self._gpu_span(semconv.SPAN_PHASE_GPU.format(phase=step.phase_name), span))
                 step.phase_gpu_start = None
-            step.phase = step.phase_context = None
+            step.phase = None
         span.end(end_time=end)

@@ -118,11 +118,13 @@ class TrainingMetrics:
 
         return observing(self._observers, observe)
 
-    def phase(self, name: str, seconds: float, context) -> None:
-        self._deferred.record(self._phase, seconds, self._phase_attributes[name], context)
+    def phases(self, durations) -> None:
+        """(phase, seconds, span, end) each: the span its exemplar points to, and when it ended."""
+        for name, seconds, span, end in durations:
+            self._deferred.record(self._phase, seconds, self._phase_attributes[name], span, end)
 
-    def step(self, seconds: float, context, tokens: int, skipped: bool, engine) -> None:
-        self._deferred.record(self._step, seconds, None, context)
+    def step(self, seconds: float, span, tokens: int, skipped: bool, engine) -> None:
+        self._deferred.record(self._step, seconds, None, span)
         self.skipped += skipped
         if self._flops_per_token and self._peak and tokens:
             self.mfu = tokens * self._flops_per_token / (seconds * self._peak)

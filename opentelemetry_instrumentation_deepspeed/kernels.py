@@ -36,6 +36,7 @@ _logger = logging.getLogger(__name__)
 _EMPTY = Context()
 
 _RECENT_STEPS = 20
+_BASELINE_EVERY = 5  # unprofiled steps between two medians of the recent ones
 
 
 @dataclass
@@ -68,6 +69,8 @@ class StepProfiler(Component):
         self._trigger_seen = self._trigger_mtime()
         self._requested = False
         self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
+        self._slow_above: float | None = None  # seconds: the factor times the recent median
+        self._unprofiled = 0
         self._profile = None
         # Kineto logs every start and stop on stderr; a user's own setting wins.
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")
@@ -123,9 +126,13 @@ class StepProfiler(Component):
         if self._profile is None:
             # A profiled step is slow by construction: only unprofiled ones make the baseline.
             if self._slow_factor and seconds is not None:
-                if len(self._recent) >= 5 and seconds > self._slow_factor * statistics.median(self._recent):
+                if self._slow_above is not None and seconds > self._slow_above:
                     self._requested = True
                 self._recent.append(seconds)
+                self._unprofiled += 1
+                # A median per step costs more inside a step than it is worth: one every few steps.
+                if self._unprofiled % _BASELINE_EVERY == 0:
+                    self._slow_above = self._slow_factor * statistics.median(self._recent)
             return
         events = list(self._stop().profiler.kineto_results.events())
         cpu_ops, device_events = [], []

@@ -96,7 +96,8 @@ class StepTracker(Component):
         # On CUDA, each phase also gets its GPU-side interval (a `.gpu` child span) from CUDA events.
         self._gpu = _gpu_timeline(engine, cuda)
         meter = meter or NoOpMeterProvider().get_meter(__name__)
-        self.metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None)
+        self.metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None,
+                                       engine)
         self._step: _Step | None = None
         self._waits: list[tuple[int, int]] = []
         # Waits kept before a step opens: the ones that fetch its micro-batches, no older.
@@ -181,7 +182,7 @@ class StepTracker(Component):
         if self._profiler is not None:
             self._profiler.step_closed(self._tracer, step.span, step.intervals, (time.time_ns() - step.start) / 1e9)
         end = self._close(step)
-        self.metrics.step((end - step.start) / 1e9, step.span, step.tokens, skipped, engine)
+        self.metrics.step((end - step.start) / 1e9, step.span, step.tokens, skipped)
 
     @fail_open
     def phase_ended(self, span: trace.Span | None) -> None:

@@ -9,7 +9,9 @@ device: a value that lives in a CUDA tensor is not reported.
 
 from __future__ import annotations
 
+import math
 import sys
+import weakref
 
 from opentelemetry.metrics import Observation
 
@@ -68,14 +70,22 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
     shape = getattr(ids, "shape", None)
     if not shape or not hasattr(ids, "is_floating_point"):  # a torch tensor, not an array or a list
         return None, None
-    is_integer = not ids.is_floating_point() and not ids.is_complex()
-    return int(shape[0]), (ids.numel() if is_integer else None)
+    dtype = ids.dtype
+    is_integer = _INTEGER_DTYPES.get(dtype)
+    if is_integer is None:
+        is_integer = _INTEGER_DTYPES[dtype] = not dtype.is_floating_point and not dtype.is_complex
+    return int(shape[0]), (math.prod(shape) if is_integer else None)
+
+
+_INTEGER_DTYPES: dict = {}  # torch dtype -> whether it holds integers: two tensor calls fewer per forward
 
 
 class TrainingMetrics:
-    def __init__(self, meter, flops_per_token: float | None):
+    def __init__(self, meter, flops_per_token: float | None, engine=None):
         self._flops_per_token = flops_per_token
         self._peak = peak_flops()
+        # Loss scale and gradient norm are read from the engine at collection, not at every step.
+        self._engine = weakref.ref(engine) if engine is not None else lambda: None
         self.samples = 0
         self.tokens = 0
         self.skipped = 0
@@ -98,9 +108,10 @@ class TrainingMetrics:
                                         description="Tokens this rank trained on (token ids, padding included)")
         meter.create_observable_counter(semconv.METRIC_SKIPPED_STEPS, [self._total("skipped")], unit="{step}",
                                         description="Optimizer steps skipped (fp16 overflow)")
-        meter.create_observable_gauge(semconv.METRIC_LOSS_SCALE, [self._last("loss_scale")], unit="1",
-                                      description="Dynamic loss scale after the last step (fp16)")
-        meter.create_observable_gauge(semconv.METRIC_GRAD_NORM, [self._last("grad_norm")], unit="1",
+        meter.create_observable_gauge(semconv.METRIC_LOSS_SCALE, [self._from_engine("loss_scale", _loss_scale)],
+                                      unit="1", description="Dynamic loss scale after the last step (fp16)")
+        meter.create_observable_gauge(semconv.METRIC_GRAD_NORM, [self._from_engine("grad_norm", _grad_norm)],
+                                      unit="1",
                                       description="Global gradient norm of the last step, where known without a sync")
         meter.create_observable_gauge(semconv.METRIC_MFU, [self._last("mfu")], unit="1",
                                       description="Model FLOPs utilization of the last step")
@@ -118,19 +129,36 @@ class TrainingMetrics:
 
         return observing(self._observers, observe)
 
+    def _from_engine(self, name, read):
+        """The engine's last value, read at collection; the one read before, once the engine is gone."""
+
+        def observe(_options):
+            engine = self._engine()
+            if engine is not None:
+                setattr(self, name, read(engine))
+            value = getattr(self, name)
+            return [] if value is None else [Observation(value)]
+
+        return observing(self._observers, observe)
+
     def phases(self, durations) -> None:
         """(phase, seconds, span, end) each: the span its exemplar points to, and when it ended."""
         for name, seconds, span, end in durations:
             self._deferred.record(self._phase, seconds, self._phase_attributes[name], span, end)
 
-    def step(self, seconds: float, span, tokens: int, skipped: bool, engine) -> None:
+    def step(self, seconds: float, span, tokens: int, skipped: bool) -> None:
         self._deferred.record(self._step, seconds, None, span)
         self.skipped += skipped
         if self._flops_per_token and self._peak and tokens:
             self.mfu = tokens * self._flops_per_token / (seconds * self._peak)
-        if engine.fp16_enabled():
-            self.loss_scale = _host_number(engine._get_optimizer_loss_scale())
-        self.grad_norm = _host_number(engine.get_global_grad_norm())
+
+
+def _loss_scale(engine) -> float | None:
+    return _host_number(engine._get_optimizer_loss_scale()) if engine.fp16_enabled() else None
+
+
+def _grad_norm(engine) -> float | None:
+    return _host_number(engine.get_global_grad_norm())
 
 
 def flops_per_token(module) -> float:

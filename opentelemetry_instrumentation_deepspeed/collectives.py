@@ -112,6 +112,7 @@ class OpSpec:
     data_name: str | None
     group_index: int
     async_index: int
+    always_async: bool
 
     @classmethod
     def of(cls, name: str, function) -> OpSpec:
@@ -122,20 +123,17 @@ class OpSpec:
         def index(parameter):
             return parameters.index(parameter) if parameter in parameters else -1
 
-        return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"))
+        return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"), name in ALWAYS_ASYNC)
 
-    def _argument(self, args, kwargs, position: int, name: str | None, default=None):
-        if 0 <= position < len(args):
-            return args[position]
-        return kwargs.get(name, default) if name else default
-
-    def data(self, args, kwargs) -> tuple[int, object]:
+    def read(self, args, kwargs) -> tuple[object, int, object, bool]:
+        """(group, bytes of this rank's data, its first tensor, async) of one call, in one pass."""
+        count = len(args)
+        group = args[self.group_index] if 0 <= self.group_index < count else kwargs.get("group")
         if self.data_name is None:
-            return 0, None
-        return _tensor_bytes(self._argument(args, kwargs, self.data_index, self.data_name))
-
-    def group(self, args, kwargs):
-        return self._argument(args, kwargs, self.group_index, "group")
-
-    def is_async(self, args, kwargs) -> bool:
-        return self.name in ALWAYS_ASYNC or bool(self._argument(args, kwargs, self.async_index, "async_op", False))
+            data_bytes, tensor = 0, None
+        else:
+            data = args[self.data_index] if 0 <= self.data_index < count else kwargs.get(self.data_name)
+            data_bytes, tensor = _tensor_bytes(data)
+        is_async = self.always_async or bool(
+            args[self.async_index] if 0 <= self.async_index < count else kwargs.get("async_op", False))
+        return group, data_bytes, tensor, is_async

@@ -125,13 +125,13 @@ class CommObserver(Component):
     def issued(self, spec: OpSpec, args, kwargs) -> _Call | None:
         if self._gpu is not None:
             self._gpu.resolve()
-        group = self._group(spec.group(args, kwargs))
+        group, data_bytes, tensor, is_async = spec.read(args, kwargs)
+        group = self._group(group)
         route = self._routes.get((id(spec), id(group))) or self._route(spec, group)
-        data_bytes, tensor = spec.data(args, kwargs)
         tracker = trackers.active()
         parent = None if tracker is None else tracker.comm_issued(self._spans)
-        call = _Call(route, group.sequence, data_bytes, self._dtype(tensor), spec.is_async(args, kwargs),
-                     time.time_ns(), parent, tracker)
+        call = _Call(route, group.sequence, data_bytes, self._dtype(tensor), is_async, time.time_ns(), parent,
+                     tracker)
         group.sequence += 1
         if tensor is not None and getattr(tensor, "is_cuda", False):
             call.gpu_start = self._timeline(tracker).event()
@@ -342,6 +342,7 @@ class CommInstrumentor(BaseInstrumentor):
         # The SDK starts with the first engine, after the engine's own start-up broadcasts: their
         # durations went nowhere, so their bytes must not count either (bandwidth = bytes / time).
         session.on_start(lambda _identity: observer.restart_totals())
+        session.leave_if_silent(self, kwargs)
         self._observer = observer
         patches = self._patches
 

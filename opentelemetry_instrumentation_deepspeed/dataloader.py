@@ -122,6 +122,7 @@ class DataLoaderInstrumentor(BaseInstrumentor):
                                                  meter_provider))
 
         session.on_start(started)
+        session.leave_if_silent(self, kwargs)
         for module_name, class_name in _TARGETS:
             def patch(module, class_name=class_name):
                 if self._patching:

@@ -148,6 +148,7 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         # Our own flag: the base class sets its own only after _instrument returns, and an
         # import hook registered here may fire after uninstrument().
         self._patching = True
+        session.leave_if_silent(self, kwargs)
 
         def patch(module):
             if self._patching:

@@ -24,8 +24,9 @@ _EXPORTER_VARIABLES = (("traces", "OTEL_TRACES_EXPORTER"), ("metrics", "OTEL_MET
 _deferred_sdk_arguments: dict | None = None
 _identity: JobIdentity | None = None
 _listeners: list = []
-# True once training started with no SDK behind the API (nothing would record): the wrappers
-# then only pass calls through, which is the whole cost of the no-op path.
+# True once training started with no SDK behind the API (nothing would record). Instrumentors
+# given no providers of their own then remove their wrappers (``leave_if_silent``); the others,
+# and a forked child's copies, only pass calls through.
 silent = False
 
 
@@ -35,6 +36,23 @@ def on_start(listener) -> None:
         _notify(listener, _identity)
     else:
         _listeners.append(listener)
+
+
+def leave_if_silent(instrumentor, kwargs: dict) -> None:
+    """Uninstrument ``instrumentor`` when training starts with nothing to record into.
+
+    Pass-through wrappers still cost a few microseconds per call inside a step (~80 us per step
+    on the benchmark machine); gone, they cost nothing. Providers handed to ``instrument()``
+    record whatever the globals hold, so such an instrumentor stays.
+    """
+    if kwargs.get("tracer_provider") is not None or kwargs.get("meter_provider") is not None:
+        return
+
+    def leave(_identity):
+        if silent and instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.uninstrument()
+
+    on_start(leave)
 
 
 def _notify(listener, identity: JobIdentity) -> None:

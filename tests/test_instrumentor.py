@@ -86,3 +86,23 @@ def test_instrument_traces_and_uninstrument_restores_everything(train):
     exporter.clear()
     train(["--steps", "2"])
     assert exporter.get_finished_spans() == ()
+
+
+def test_with_no_sdk_every_wrapper_leaves_when_training_starts(train):
+    import deepspeed  # noqa: F401 - the classes must exist before we look at them
+
+    original = _patched_functions()
+    instrumentors = (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor())
+    for instrumentor in instrumentors:
+        instrumentor.instrument()
+    try:
+        assert [name for name in original if _patched_functions()[name] is original[name]] == []
+        train(["--steps", "2"])
+        assert session.silent, "no tracer or meter provider is set in this process"
+        assert _patched_functions() == original, "nothing records: the steps run the original functions"
+        assert not any(instrumentor.is_instrumented_by_opentelemetry for instrumentor in instrumentors)
+    finally:
+        for instrumentor in instrumentors:
+            if instrumentor.is_instrumented_by_opentelemetry:
+                instrumentor.uninstrument()
+        session.reset()

@@ -46,10 +46,17 @@ class DeferredHistograms:
                                       description="Internal: records queued histogram measurements at collection")
 
     def record(self, histogram, value: float, attributes=None, span=None, taken: int | None = None) -> None:
+        self._append(histogram, (histogram, value, time.time_ns() if taken is None else taken, attributes, span))
+
+    def record_each(self, histogram, measurements: list, attributes_of: dict) -> None:
+        """``measurements``: (key, value, span, taken) tuples, each with ``attributes_of[key]``. One entry for all."""
+        self._append(histogram, (histogram, measurements, attributes_of))
+
+    def _append(self, histogram, entry: tuple) -> None:
         # Before the SDK is set up, a histogram is a proxy with nothing behind it: the API drops the value.
         if self._component.broken or getattr(histogram, "_real_instrument", True) is None:
             return
-        self._queue.append((histogram, value, time.time_ns() if taken is None else taken, attributes, span))
+        self._queue.append(entry)
         if len(self._queue) > LIMIT:
             try:
                 self.flush()
@@ -61,19 +68,29 @@ class DeferredHistograms:
         return []
 
     def flush(self) -> None:
-        from opentelemetry.sdk.metrics._internal.measurement import Measurement
-
         queue = self._queue
         while queue:
             try:
-                histogram, value, taken, attributes, span = queue.popleft()
+                entry = queue.popleft()
             except IndexError:  # another thread emptied it
                 return
-            context = _EMPTY if span is None else trace.set_span_in_context(span, _EMPTY)
-            # A histogram made before the SDK was set up is a proxy for the real one.
-            real = getattr(histogram, "_real_instrument", histogram)
-            consumer = getattr(real, "_measurement_consumer", None)
-            if consumer is None or not real._is_enabled():
-                histogram.record(value, attributes, context=context)
-                continue
-            consumer.consume_measurement(Measurement(value, taken, real, context, attributes))
+            if len(entry) == 3:
+                histogram, measurements, attributes_of = entry
+                for key, value, span, taken in measurements:
+                    _record(histogram, value, taken, attributes_of[key], span)
+            else:
+                histogram, value, taken, attributes, span = entry
+                _record(histogram, value, taken, attributes, span)
+
+
+def _record(histogram, value: float, taken: int, attributes, span) -> None:
+    from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+    context = _EMPTY if span is None else trace.set_span_in_context(span, _EMPTY)
+    # A histogram made before the SDK was set up is a proxy for the real one.
+    real = getattr(histogram, "_real_instrument", histogram)
+    consumer = getattr(real, "_measurement_consumer", None)
+    if consumer is None or not real._is_enabled():
+        histogram.record(value, attributes, context=context)
+        return
+    consumer.consume_measurement(Measurement(value, taken, real, context, attributes))

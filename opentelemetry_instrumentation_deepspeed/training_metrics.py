@@ -143,8 +143,7 @@ class TrainingMetrics:
 
     def phases(self, durations) -> None:
         """(phase, seconds, span, end) each: the span its exemplar points to, and when it ended."""
-        for name, seconds, span, end in durations:
-            self._deferred.record(self._phase, seconds, self._phase_attributes[name], span, end)
+        self._deferred.record_each(self._phase, durations, self._phase_attributes)
 
     def step(self, seconds: float, span, tokens: int, skipped: bool) -> None:
         self._deferred.record(self._step, seconds, None, span)

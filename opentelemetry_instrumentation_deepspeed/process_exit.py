@@ -26,7 +26,7 @@ import signal
 import threading
 
 from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import trackers
+from opentelemetry_instrumentation_deepspeed import spans, trackers
 
 _logger = logging.getLogger(__name__)
 _providers: tuple = ()
@@ -57,6 +57,10 @@ def finish(reason: str) -> None:
         return
     for tracker in trackers.all_trackers():
         tracker.interrupted(reason)
+    try:
+        spans.hand_over()  # spans that ended outside a step's close (a GPU interval resolved late)
+    except Exception:  # the process is exiting: say so and go on
+        _logger.warning("opentelemetry-instrumentation-deepspeed: handing the last spans over failed", exc_info=True)
     for provider in _providers:
         try:
             provider.shutdown()

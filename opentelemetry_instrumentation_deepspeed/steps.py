@@ -262,6 +262,10 @@ class StepTracker(Component):
                     span.end()
                 except Exception:  # noqa: BLE001 - already failing: end what can be ended
                     pass
+        try:
+            spans.hand_over()
+        except Exception:  # noqa: BLE001 - already failing: the processors get what they can
+            pass
 
     def step_number(self) -> int | None:
         step = self._step

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Mapping, Sequence
 
-from opentelemetry.trace import SpanContext, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 
 # Span flags of OTLP 1.x: the parent's is_remote is known, and its value.
 _HAS_IS_REMOTE = 0x100
 _IS_REMOTE = 0x200
 _STATUS_CODES = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
+_KINDS = {kind: kind.value + 1 for kind in SpanKind}  # OTLP counts from SPAN_KIND_UNSPECIFIED
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
 
 
@@ -82,6 +84,8 @@ def _attribute(key: str, value) -> str:
         return f'{{"key":{key_text},"value":{{"boolValue":{"true" if value else "false"}}}}}'
     if type(value) is int:
         return f'{{"key":{key_text},"value":{{"intValue":"{value}"}}}}'
+    if type(value) is float and math.isfinite(value):  # as json writes it: repr
+        return f'{{"key":{key_text},"value":{{"doubleValue":{value!r}}}}}'
     return f'{{"key":{key_text},"value":{_dumps(any_value(value))}}}'
 
 
@@ -97,31 +101,34 @@ def _span(span) -> str:
         parts.append(f',"traceState":{_dumps(context.trace_state.to_header())}')
     if parent is not None:
         parts.append(f',"parentSpanId":"{parent.span_id:016x}"')
-    # The kind is counted from SPAN_KIND_UNSPECIFIED in OTLP.
-    parts.append(f',"flags":{_flags(parent)},"name":{_dumps(span.name)},"kind":{span.kind.value + 1},'
+    parts.append(f',"flags":{_flags(parent)},"name":{_dumps(span.name)},"kind":{_KINDS[span.kind]},'
                  f'"startTimeUnixNano":"{span.start_time}","endTimeUnixNano":"{span.end_time}"')
-    if span.attributes:
-        parts.append(f',"attributes":{_attributes_text(span.attributes)}')
+    span_attributes = span.attributes
+    if span_attributes:
+        parts.append(f',"attributes":{_attributes_text(span_attributes)}')
     if span.dropped_attributes:
         parts.append(f',"droppedAttributesCount":{span.dropped_attributes}')
-    if span.events:
+    events = span.events
+    if events:
         events = [{"timeUnixNano": str(event.timestamp), "name": event.name,
                    **({"attributes": attributes(event.attributes)} if event.attributes else {})}
-                  for event in span.events]
+                  for event in events]
         parts.append(f',"events":{_dumps(events)}')
     if span.dropped_events:
         parts.append(f',"droppedEventsCount":{span.dropped_events}')
-    if span.links:
-        parts.append(f',"links":{_dumps(_links(span.links))}')
+    links = span.links
+    if links:
+        parts.append(f',"links":{_dumps(_links(links))}')
     if span.dropped_links:
         parts.append(f',"droppedLinksCount":{span.dropped_links}')
     status = {}
-    if span.status is not None:
-        code = _STATUS_CODES[span.status.status_code]
+    span_status = span.status
+    if span_status is not None:
+        code = _STATUS_CODES[span_status.status_code]
         if code:
             status["code"] = code
-        if span.status.description:
-            status["message"] = span.status.description
+        if span_status.description:
+            status["message"] = span_status.description
     parts.append(f',"status":{_dumps(status) if status else "{}"}}}')
     return "".join(parts)
 

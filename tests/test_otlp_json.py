@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed.otlp_json import SpanEncoder
-from opentelemetry_instrumentation_deepspeed.spans import Tracer
+from opentelemetry_instrumentation_deepspeed.spans import Tracer, hand_over
 
 
 def _spans():
@@ -35,7 +35,8 @@ def _spans():
         ok.end()
     # This project's light spans, with the same provider.
     light = Tracer(provider.get_tracer("light", "2"))
-    span = light.start_span("training.step", attributes={"training.step": 7})
+    span = light.start_span("training.step", attributes={"training.step": 7, "comm.busbw": 1.2345e9,
+                                                         "tiny": 1e-07})
     span.set_attribute("comm.count", 3)
     try:
         raise RuntimeError("in a step")
@@ -43,6 +44,8 @@ def _spans():
         span.record_exception(error)
     span.set_status(Status(StatusCode.ERROR, "RuntimeError: in a step"))
     span.end()
+    hand_over()
+    assert "training.step" in [span.name for span in exporter.get_finished_spans()]
     return exporter.get_finished_spans()
 
 

@@ -205,8 +205,7 @@ class CommObserver(Component):
         if not on_gpu and call.tracker is not None:  # operators run on the host clock, in the step of the call
             call.tracker.note_interval(start, end, span)
 
-    @staticmethod
-    def _span_attributes(call: _Call, algbw: float, bus: float, on_gpu: bool) -> dict:
+    def _span_attributes(self, call: _Call, algbw: float, bus: float, on_gpu: bool) -> dict:
         # Only what varies per call is built here; every attribute costs ~4 us to encode on export.
         attributes = {
             **call.route.span_attributes,

@@ -25,7 +25,7 @@ STEP_FAULT = f"{PACKAGE}.steps:batch_shape:3"
 # A metric callback that fails at every collection, as one reading /proc in a locked-down container would.
 CALLBACK_FAULT = f"{PACKAGE}.dataloader:WorkerProcesses._children:1+"
 # Only collectives inside a step get span attributes: the 3rd is step 2's first all-reduce.
-COMM_FAULT = f"{PACKAGE}.comm:CommObserver._span_attributes_for:3"
+COMM_FAULT = f"{PACKAGE}.comm:CommObserver._span_attributes:3"
 
 
 def losses(path: Path) -> list[float]:
@@ -141,7 +141,7 @@ def test_a_bug_in_collective_tracing_is_logged_once_and_only_collectives_stop(co
     comm_fault.check()
     assert failure_reports(comm_fault.stderr, "collective tracing") == ["CommObserver.completed"], comm_fault.stderr
     assert comm_fault.stderr.count("Traceback (most recent call last)") == 1
-    assert comm_fault.stderr.count("RuntimeError: injected fault in CommObserver._span_attributes_for, call 3") == 1
+    assert comm_fault.stderr.count("RuntimeError: injected fault in CommObserver._span_attributes, call 3") == 1
     step_of = {span.trace_id: span.attributes["training.step"] for span in comm_fault.spans
                if span.name == "training.step"}
     assert sorted(step_of.values()) == list(range(1, STEPS + 1)), "every step is still traced"

@@ -53,6 +53,9 @@ def setup_sdk(directory: Path, sampled_out: bool = False):
     project's OTLP JSON lines exporters. ``sampled_out``: every step's root is dropped by a
     parent-based sampler, as ``parentbased_traceidratio`` drops most of them."""
     os.environ["OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR"] = str(directory)
+    from opentelemetry_instrumentation_deepspeed.environment_variables import DEFAULT_BSP_SCHEDULE_DELAY
+
+    os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_BSP_SCHEDULE_DELAY)  # as the distro sets it
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader

@@ -14,6 +14,7 @@ are exported as the embedded default exports them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -33,6 +34,7 @@ def parse_args():
     parser.add_argument("--triples", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--mode", choices=("full", "sampled-out"), default="full")
+    parser.add_argument("--dump", type=Path, help="write every step's time per arm to this JSON file")
     parser.add_argument("--endpoint-down", action="store_true",
                         help="traces over OTLP/HTTP to a loopback port nobody listens on")
     return parser.parse_args()
@@ -104,6 +106,8 @@ def main():
     spans, export_cpu = counted.spans - spans_before, counted.cpu_seconds - export_cpu_before
     if engine.global_rank == 0:
         report(args, world, arms, spans, export_cpu)
+        if args.dump:
+            args.dump.write_text(json.dumps(arms))
     tracer_provider.shutdown()
     meter_provider.shutdown()
 

@@ -89,6 +89,8 @@ DEFAULT_JOB_ID_TIMEOUT = 60.0
 DEFAULT_COMM_MODE = "spans"
 COMM_MODES = ("spans", "metrics", "off")
 DEFAULT_COMM_SPAN_LIMIT = 64
+# The SDK's OTEL_BSP_SCHEDULE_DELAY as the distro sets it when unset (milliseconds; the SDK's is 5000).
+DEFAULT_BSP_SCHEDULE_DELAY = "1000"
 DEFAULT_PROFILE_EVERY = 1000
 DEFAULT_PROFILE_TRIGGER = "otel-profile-trigger"
 DEFAULT_PROFILE_TOP = 64

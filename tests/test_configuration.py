@@ -24,7 +24,7 @@ def environ(monkeypatch):
                  "OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP",
                  "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER",
                  "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
-                 "SLURM_JOB_ID", "SLURM_STEP_ID"):
+                 "SLURM_JOB_ID", "SLURM_STEP_ID", "OTEL_BSP_SCHEDULE_DELAY"):
         monkeypatch.delenv(name, raising=False)
     env.reset_cache()
     yield monkeypatch
@@ -38,6 +38,7 @@ def test_distro_defaults_to_local_files(environ):
     assert os.environ["OTEL_TRACES_EXPORTER"] == "deepspeed_file"
     assert os.environ["OTEL_METRICS_EXPORTER"] == "deepspeed_file"
     assert os.environ["OTEL_LOGS_EXPORTER"] == "none"
+    assert os.environ["OTEL_BSP_SCHEDULE_DELAY"] == "1000", "spans leave the queue young"
 
 
 def test_distro_defaults_to_otlp_with_an_endpoint_and_keeps_user_choices(environ):
@@ -45,7 +46,9 @@ def test_distro_defaults_to_otlp_with_an_endpoint_and_keeps_user_choices(environ
 
     environ.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
     environ.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    environ.setenv("OTEL_BSP_SCHEDULE_DELAY", "250")
     DeepSpeedDistro().configure()
+    assert os.environ["OTEL_BSP_SCHEDULE_DELAY"] == "250"
     assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp"
     assert os.environ["OTEL_METRICS_EXPORTER"] == "prometheus"
     assert os.environ["OTEL_LOGS_EXPORTER"] == "otlp"

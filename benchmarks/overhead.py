@@ -163,10 +163,17 @@ def run_block(args, train_module, deepspeed, torch, syncs: SyncCounter | None = 
     return timings
 
 
-def bootstrap(differences: list[float], draws: int = 5000) -> tuple[float, float]:
+def trimmed_mean(values: list[float], cut: float = 0.1) -> float:
+    """The mean of the middle values: steps that a stall elsewhere on the machine hit are left out."""
+    ordered = sorted(values)
+    drop = int(len(ordered) * cut)
+    return statistics.fmean(ordered[drop:len(ordered) - drop])
+
+
+def bootstrap(differences: list[float], draws: int = 5000, estimator=statistics.fmean) -> tuple[float, float]:
     rng = random.Random(0)
-    means = sorted(statistics.fmean(rng.choices(differences, k=len(differences))) for _ in range(draws))
-    return means[int(0.025 * draws)], means[int(0.975 * draws)]
+    estimates = sorted(estimator(rng.choices(differences, k=len(differences))) for _ in range(draws))
+    return estimates[int(0.025 * draws)], estimates[int(0.975 * draws)]
 
 
 def main():

@@ -184,9 +184,10 @@ class CommObserver(Component):
                             lambda start, stop: self._record(call, start or call.start, stop or end, start is not None))
             self._gpu.resolve()
         else:
-            self._record(call, call.start, end, False, error)
+            self._record(call, call.start, end, False, error, in_call=True)
 
-    def _record(self, call: _Call, start: int, end: int, on_gpu: bool, error: BaseException | None = None) -> None:
+    def _record(self, call: _Call, start: int, end: int, on_gpu: bool,  # noqa: PLR0917
+                error: BaseException | None = None, in_call: bool = False) -> None:
         route = call.route
         seconds = max(end - start, 1) / 1e9
         algbw = call.data_bytes * route.size_factor / seconds
@@ -196,8 +197,17 @@ class CommObserver(Component):
         totals[1] += int(call.data_bytes * route.size_factor * route.bus_factor)
         if call.parent is None:
             return
-        span = self._tracer.start_child(route.span_name, call.parent,
-                                        self._span_attributes(call, algbw, route.bus_factor, on_gpu), start)
+        # Right after the call, the span is made when its step closes, with the step's other spans:
+        # here it would cost several times as much, its code evicted from the caches by the call's data.
+        if not (in_call and call.tracker is not None
+                and call.tracker.later(self._emit_span, call, start, end, algbw, on_gpu, error)):
+            self._emit_span(call, start, end, algbw, on_gpu, error)
+
+    @fail_open
+    def _emit_span(self, call: _Call, start: int, end: int, algbw: float, on_gpu: bool,  # noqa: PLR0917
+                   error: BaseException | None) -> None:
+        span = self._tracer.start_child(call.route.span_name, call.parent,
+                                        self._span_attributes(call, algbw, call.route.bus_factor, on_gpu), start)
         if error is not None:
             span.record_exception(error)
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))

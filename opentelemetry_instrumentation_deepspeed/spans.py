@@ -50,7 +50,7 @@ def hand_over() -> None:
             return
         tracer = span._tracer
         tracer.processor.on_end(tracer.readable_span(
-            name=span._name, context=span._context, parent=span._parent, resource=tracer.resource,
+            name=span._name, context=span.get_span_context(), parent=span._parent, resource=tracer.resource,
             attributes=span._attributes, events=span._events or (), kind=_INTERNAL, status=span._status,
             start_time=span._start, end_time=span._end, instrumentation_scope=tracer.scope,
         ))
@@ -128,11 +128,11 @@ class Tracer:
         ids = sdk.id_generator
         if self._by_parent and parent.is_valid:
             # What the sampler would answer: the parent's decision, flags and trace state.
-            span_context = SpanContext(parent.trace_id, ids.generate_span_id(), False, parent.trace_flags,
-                                       parent.trace_state)
             if not parent.trace_flags.sampled:
-                return trace.NonRecordingSpan(span_context)
-            return Span(self, name, span_context, parent, {} if attributes is None else attributes,
+                return trace.NonRecordingSpan(SpanContext(parent.trace_id, ids.generate_span_id(), False,
+                                                          parent.trace_flags, parent.trace_state))
+            # Its own context is built when first asked for (a child, the hand-over), not here.
+            return Span(self, name, None, parent, {} if attributes is None else attributes,
                         time.time_ns() if start_time is None else start_time)
         if context is None:
             context = trace.set_span_in_context(trace.NonRecordingSpan(parent), _EMPTY)
@@ -163,8 +163,8 @@ class Span(trace.Span):
     __slots__ = ("_attributes", "_context", "_end", "_ended", "_events", "_name", "_parent", "_start", "_status",
                  "_tracer")
 
-    def __init__(self, tracer: Tracer, name: str, context: SpanContext, parent: SpanContext | None,  # noqa: PLR0917
-                 attributes: dict, start_time: int):
+    def __init__(self, tracer: Tracer, name: str, context: SpanContext | None,  # noqa: PLR0917
+                 parent: SpanContext | None, attributes: dict, start_time: int):
         self._tracer = tracer
         self._name = name
         self._context = context
@@ -176,7 +176,12 @@ class Span(trace.Span):
         self._ended = False
 
     def get_span_context(self) -> SpanContext:
-        return self._context
+        context = self._context
+        if context is None:  # a child of a parent-based decision: the parent's trace, flags and state
+            parent = self._parent
+            context = self._context = SpanContext(parent.trace_id, self._tracer.sdk.id_generator.generate_span_id(),
+                                                  False, parent.trace_flags, parent.trace_state)
+        return context
 
     def is_recording(self) -> bool:
         return not self._ended

@@ -58,6 +58,8 @@ class _Step:
     phase_gpu_start: object = None
     # (phase, seconds, span, end) of the phases that ended, recorded as metrics when the step closes.
     durations: list = field(default_factory=list)
+    # (function, arguments) of spans to make when the step closes (its collectives').
+    later: list = field(default_factory=list)
     direct_backward: trace.Span | None = None
     skipped_before: int = 0
     # Collectives issued in the step / in the running phase, and those beyond the span limit.
@@ -277,6 +279,15 @@ class StepTracker(Component):
         if step is not None and step.intervals is not None:
             step.intervals.append(kernels.Interval(start, end, trace.set_span_in_context(span, _EMPTY)))
 
+    def later(self, emit, *arguments) -> bool:
+        """Call ``emit(*arguments)`` when the open step closes, with its other spans; False: no step
+        to wait for, or a profiled one (its operators are placed in its spans as they happen)."""
+        step = self._step
+        if step is None or step.intervals is not None:
+            return False
+        step.later.append((emit, arguments))
+        return True
+
     def comm_issued(self, want_span: bool) -> trace.Span | None:
         """Count a collective issued now; the parent for its span, or None (no step open, or over the limit)."""
         step = self._step
@@ -336,6 +347,8 @@ class StepTracker(Component):
 
     def _close(self, step: _Step) -> int:
         self._step = None
+        for emit, arguments in step.later:
+            emit(*arguments)
         if step.comm_count:
             step.span.set_attribute(semconv.COMM_COUNT, step.comm_count)
         if step.comm_dropped:

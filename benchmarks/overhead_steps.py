@@ -19,6 +19,7 @@ stall elsewhere on the machine hit left out) narrows the interval where the mach
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -102,8 +103,11 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     tracker = trackers.tracker_for(engine)
     observer = comm._observer
 
+    collections = CollectorPauses()
+
     def step(active: bool) -> float:
         tracker.broken = observer.broken = not active
+        collections.arm = "B" if active else "A"
         started = time.perf_counter()
         for _ in range(args.grad_accum):
             loss = engine(**next(batches))
@@ -113,6 +117,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
 
     for _ in range(args.warmup):
         step(True)
+    gc.callbacks.append(collections.callback)
     tracer_provider.force_flush()
     spans_before, export_cpu_before, recorder_cpu_before = counted.spans, counted.cpu_seconds, recorder_cpu[0]
     arms: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
@@ -126,12 +131,37 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
         "span exporter": counted.cpu_seconds - export_cpu_before,
         "histogram recording": recorder_cpu[0] - recorder_cpu_before,
     }
+    gc.callbacks.remove(collections.callback)
     if engine.global_rank == 0:
         report(args, world, arms, spans, background)
+        print("  garbage collector pauses per step: " + ", ".join(
+            f"{'active' if arm == 'B' else 'inert'} {seconds / len(arms[arm]) / (2 if arm == 'A' else 1) * 1e6:.1f} us "
+            f"({collections.count[arm]} collections, the longest {collections.longest[arm] * 1e3:.1f} ms)"
+            for arm, seconds in collections.seconds.items()))
         if args.dump:
             args.dump.write_text(json.dumps(arms))
     tracer_provider.shutdown()
     meter_provider.shutdown()
+
+
+class CollectorPauses:
+    """Time the garbage collector stops the training thread, by the arm of the step it stops."""
+
+    def __init__(self):
+        self.arm = "A"
+        self.seconds = {"B": 0.0, "A": 0.0}  # "A": both inert arms
+        self.count = {"B": 0, "A": 0}
+        self.longest = {"B": 0.0, "A": 0.0}
+        self._started = 0.0
+
+    def callback(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        self.seconds[self.arm] += pause
+        self.count[self.arm] += 1
+        self.longest[self.arm] = max(self.longest[self.arm], pause)
 
 
 def report(args, world: int, arms: dict[str, list[float]], spans: int, background: dict[str, float]) -> None:

@@ -38,9 +38,9 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--mode", choices=("full", "sampled-out", "no-sdk"), default="full",
+    parser.add_argument("--mode", choices=("full", "sampled-out"), default="full",
                         help="full: every step recorded (the default settings); sampled-out: the sampler "
-                             "drops every step (metrics still recorded); no-sdk: no SDK behind the API")
+                             "drops every step (metrics still recorded). No SDK: benchmarks/passthrough.py")
     parser.add_argument("--sync-check", action="store_true",
                         help="on CUDA: count synchronizing operations per step in each arm")
     parser.add_argument("--profile-every", type=int, default=None,
@@ -190,10 +190,8 @@ def main():
     if args.profile_every is not None:
         os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY"] = str(args.profile_every)
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-bench-"))
-    providers, counted = {}, None
-    if args.mode != "no-sdk":
-        tracer_provider, meter_provider, counted = setup_sdk(directory, args.mode == "sampled-out")
-        providers = {"tracer_provider": tracer_provider, "meter_provider": meter_provider}
+    tracer_provider, meter_provider, counted = setup_sdk(directory, args.mode == "sampled-out")
+    providers = {"tracer_provider": tracer_provider, "meter_provider": meter_provider}
     instrumentors = (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor())
 
     arms: dict[str, list[float]] = {"A": [], "B": [], "A'": []}
@@ -217,13 +215,11 @@ def main():
             cpu[arm] += [cpu_s for _, cpu_s in timings]
             per_round[arm].append(statistics.median(wall for wall, _ in timings))
             cpu_per_round[arm].append(statistics.median(cpu_s for _, cpu_s in timings))
-    spans = records = 0
-    if providers:
-        providers["tracer_provider"].force_flush()
-        spans = counted.spans
-        providers["tracer_provider"].shutdown()
-        providers["meter_provider"].shutdown()
-        records = histogram_records(directory)
+    tracer_provider.force_flush()
+    spans = counted.spans
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+    records = histogram_records(directory)
 
     if int(os.environ["RANK"]) == 0:
         report(args, arms, cpu, per_round, cpu_per_round, spans_per_step=spans / instrumented_steps,

@@ -98,21 +98,25 @@ class Tracer:
             return self.sdk.start_span(name, context=context, attributes=attributes, start_time=start_time)
         return self.start_child(name, trace.get_current_span(context), attributes, start_time, context)
 
-    def start_root(self, name: str, trace_id: int, span_id: int, attributes: dict,
-                   start_time: int) -> trace.Span | None:
-        """A root span under ids the caller chose, sampled as the SDK samples a root; None if this
-        tracer cannot choose ids (not the SDK's)."""
+    def start_root(self, name: str, trace_id: int, span_id: int, attributes: dict,  # noqa: PLR0917
+                   start_time: int, sampled: bool | None = None) -> trace.Span | None:
+        """A root span under ids the caller chose, sampled as the SDK samples a root (``sampled``:
+        the sampler's answer, known beforehand); None if this tracer cannot choose ids (not the SDK's)."""
         if not self._fast:
             return None
         if self._enabled is not None and not self._enabled():
             return trace.INVALID_SPAN
-        sampling = self.sdk.sampler.should_sample(_EMPTY, trace_id, name, _INTERNAL, attributes, ())
-        flags = trace_ids.SAMPLED if sampling.decision.is_sampled() else trace_ids.NOT_SAMPLED
-        span_context = SpanContext(trace_id, span_id, False, flags, sampling.trace_state)
-        if not sampling.decision.is_recording():
+        trace_state, recording = None, sampled
+        if sampled is None:
+            sampling = self.sdk.sampler.should_sample(_EMPTY, trace_id, name, _INTERNAL, attributes, ())
+            sampled, recording = sampling.decision.is_sampled(), sampling.decision.is_recording()
+            trace_state = sampling.trace_state
+            if sampling.attributes:
+                attributes = {**sampling.attributes, **attributes}
+        span_context = SpanContext(trace_id, span_id, False, trace_ids.SAMPLED if sampled else trace_ids.NOT_SAMPLED,
+                                   trace_state)
+        if not recording:
             return trace.NonRecordingSpan(span_context)
-        if sampling.attributes:
-            attributes = {**sampling.attributes, **attributes}
         return Span(self, name, span_context, None, attributes, start_time)
 
     def start_child(self, name: str, parent: trace.Span, attributes: dict | None = None,

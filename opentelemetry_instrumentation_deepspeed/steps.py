@@ -84,7 +84,7 @@ class StepTracker(Component):
         self._tracer = spans.Tracer(sdk_tracer)
         # Rank 0 emits each step's root span, under the ids every rank derives.
         self._emits_root = identity.rank == 0
-        self._step_ids = trace_ids.StepIds(identity.job_id)
+        self._step_ids = trace_ids.StepIds(identity.job_id, trace_ids.root_decision(getattr(provider, "sampler", None)))
         self._world_size = identity.world_size
         self._micro_batch_size = engine.train_micro_batch_size_per_gpu()
         self._global_batch_size = engine.train_batch_size()
@@ -311,7 +311,7 @@ class StepTracker(Component):
         now = time.time_ns()
         start = self._waits[0][0] if self._waits else now
         number = engine.global_steps + 1
-        trace_id, root_span_id = self._step_ids(number)
+        trace_id, root_span_id, sampled = self._step_ids(number)
         root = None
         if self._failed_root is not None:
             failed_number, failed_root = self._failed_root
@@ -325,11 +325,12 @@ class StepTracker(Component):
                 semconv.TRAINING_STEP: number,
                 semconv.TRAINING_STEP_SAMPLES: self._global_batch_size,
                 semconv.TRAINING_WORLD_SIZE: self._world_size,
-            }, start)
+            }, start, sampled)
         if root is not None:
             parent = root
         else:
-            sampled = trace_ids.sampled(self._provider, trace_id, semconv.SPAN_GLOBAL_STEP)
+            if sampled is None:
+                sampled = trace_ids.sampled(self._provider, trace_id, semconv.SPAN_GLOBAL_STEP)
             flags = trace_ids.SAMPLED if sampled else trace_ids.NOT_SAMPLED
             parent = NonRecordingSpan(SpanContext(trace_id, root_span_id, is_remote=True, trace_flags=flags))
         span = self._tracer.start_child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: number, **self._static},

@@ -28,22 +28,45 @@ def step_ids(job_id: str, step: int) -> tuple[int, int]:
 
 
 class StepIds:
-    """``step_ids`` of one job, derived 64 steps at a time: one hash inside a training step costs
-    10 times its isolated figure, its code evicted from the caches by the step's tensors."""
+    """``step_ids`` of one job and the root sampling decision of each step, derived 64 steps at a
+    time: a hash or a sampler call inside a training step costs several times its isolated figure,
+    its code evicted from the caches by the step's tensors."""
 
     _BLOCK = 64
 
-    def __init__(self, job_id: str):
+    def __init__(self, job_id: str, decide=None):
         self._job_id = job_id
+        self._decide = decide  # from root_decision(); None: the sampler is asked at each step
         self._first = 0
-        self._block: list[tuple[int, int]] = []
+        self._block: list[tuple[int, int, bool | None]] = []
 
-    def __call__(self, step: int) -> tuple[int, int]:
+    def __call__(self, step: int) -> tuple[int, int, bool | None]:
+        """(trace id, root span id, whether the root is sampled, or None: ask the sampler)."""
         index = step - self._first
         if not 0 <= index < len(self._block):
             self._first, index = step, 0
-            self._block = [step_ids(self._job_id, number) for number in range(step, step + self._BLOCK)]
+            decide = self._decide
+            self._block = [(trace_id, span_id, None if decide is None else decide(trace_id))
+                           for trace_id, span_id in (step_ids(self._job_id, number)
+                                                     for number in range(step, step + self._BLOCK))]
         return self._block[index]
+
+
+def root_decision(sampler):
+    """``trace_id -> sampled``, answering as ``sampler`` does for a root span, where that answer
+    depends on the trace id alone: the SDK's static and ratio samplers, bare or as the root of a
+    parent-based one. None for any other sampler, which is then asked at each step."""
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler, TraceIdRatioBased
+
+    if isinstance(sampler, ParentBased):
+        sampler = getattr(sampler, "_root", None)
+    if type(sampler) is StaticSampler and sampler._decision in (Decision.DROP, Decision.RECORD_AND_SAMPLE):
+        sampled = sampler._decision is Decision.RECORD_AND_SAMPLE
+        return lambda _trace_id: sampled
+    if type(sampler) is TraceIdRatioBased:
+        limit, bound = sampler.TRACE_ID_LIMIT, sampler.bound
+        return lambda trace_id: trace_id & limit < bound
+    return None
 
 
 def sampled(provider: trace.TracerProvider, trace_id: int, name: str) -> bool:

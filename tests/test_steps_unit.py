@@ -5,10 +5,19 @@ from __future__ import annotations
 import logging
 
 import pytest
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import StatusCode
 
 from opentelemetry_instrumentation_deepspeed import trace_ids
@@ -110,6 +119,37 @@ def test_sampling_decision_is_the_same_on_every_rank():
 
     assert kept(spans0) == kept(spans1)
     assert 5 < len(kept(spans0)) < 35
+
+
+@pytest.mark.parametrize("sampler", [ParentBased(TraceIdRatioBased(0.3)), TraceIdRatioBased(0.7), ALWAYS_OFF,
+                                     ParentBased(ALWAYS_ON)], ids=repr)
+def test_root_decisions_known_beforehand_are_the_samplers_own(sampler):
+    decide = trace_ids.root_decision(sampler)
+    for step in range(500):
+        trace_id, _ = trace_ids.step_ids("job", step)
+        assert decide(trace_id) == sampler.should_sample(Context(), trace_id, "root").decision.is_sampled()
+
+
+def test_any_other_sampler_is_asked_at_every_step():
+    class EveryOther(Sampler):
+        def __init__(self):
+            self.asked = 0
+
+        def should_sample(self, parent_context, trace_id, name, *args, **kwargs):
+            self.asked += 1
+            return SamplingResult(Decision.RECORD_AND_SAMPLE if self.asked % 2 else Decision.DROP)
+
+        def get_description(self):
+            return "EveryOther"
+
+    assert trace_ids.root_decision(EveryOther()) is None
+    sampler = ParentBased(EveryOther())
+    tracker, engine, exporter = tracker_on(0, sampler)
+    for _ in range(6):
+        train_step(tracker, engine)
+    assert sampler._root.asked == 6
+    assert sorted(s.attributes["training.step"] for s in exporter.get_finished_spans()
+                  if s.name == "training.step") == [1, 3, 5]
 
 
 def test_gradient_accumulation_opens_one_step_per_boundary():

@@ -13,7 +13,7 @@ import sys
 from tests.conftest import REPO, clean_env, free_port
 
 # Recorded with benchmarks/sensitivity.py (ZeRO-2, one process): see benchmarks/README.md.
-RECORDED_CALLS_PER_STEP = 496
+RECORDED_CALLS_PER_STEP = 542
 SPANS_PER_STEP = 8  # training.global_step, training.step, data wait, forward, backward, optimizer step, 2 comm
 RECORDED_RECORDS_PER_STEP = 8.1
 

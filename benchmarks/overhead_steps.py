@@ -104,13 +104,17 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     observer = comm._observer
 
     collections = CollectorPauses()
+    on_cuda = getattr(engine.device, "type", None) == "cuda"
 
     def step(active: bool) -> float:
         tracker.broken = observer.broken = not active
         collections.arm = "B" if active else "A"
         started = time.perf_counter()
         for _ in range(args.grad_accum):
-            loss = engine(**next(batches))
+            batch = next(batches)
+            if on_cuda:
+                batch = {key: value.to(engine.device, non_blocking=True) for key, value in batch.items()}
+            loss = engine(**batch)
             engine.backward(loss)
             engine.step()
         return time.perf_counter() - started

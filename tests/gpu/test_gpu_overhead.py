@@ -28,3 +28,15 @@ def test_instrumented_steps_add_no_synchronization_and_report_the_ratio():
     bare, instrumented, control = map(float, match.groups())
     assert instrumented == bare == control, "the instrumentation added synchronizing operations"
     assert "instrumented - bare (B - A) wall" in completed.stdout
+
+
+def test_the_added_time_per_step_on_a_gpu():
+    """The figure of record (active vs inert steps in one engine), on a real GPU step: printed for the note."""
+    command = [sys.executable, str(REPO / "benchmarks" / "overhead_steps.py"), "--zero-stage", "2",
+               "--triples", "300", "--warmup", "20"]
+    completed = subprocess.run(command, cwd=REPO, env=clean_env(MASTER_PORT=str(free_port())),
+                               capture_output=True, text=True, timeout=180, check=False)
+    print(completed.stdout)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert re.search(r"active - inert \(B - A\): +[-+][\d.]+ us/step", completed.stdout), completed.stdout
+    assert "spans per active step on this rank: 8.0" in completed.stdout

@@ -133,18 +133,56 @@ class SyncCounter:
         self._warnings.__exit__(*exc)
 
 
-def run_block(args, train_module, deepspeed, torch, syncs: SyncCounter | None = None) -> list[tuple[float, float]]:
-    model = train_module.TinyLM(256, args.d_model, args.layers, 32)
+def prepare_process() -> None:
+    """As every benchmark runs: one process unless a launcher set RANK and the rest, torch on one
+    thread, DeepSpeed's shared-memory collective (a compiled op) off."""
+    import deepspeed
+    import torch
+    import train as train_module
+
+    train_module.default_single_process_env()
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def example_engine(zero_stage: int, grad_accum: int = 1, d_model: int = 64, layers: int = 2,
+                   micro_batch: int = 8):
+    """A DeepSpeed engine on the example model (vocabulary 256, sequence 32) with AdamW."""
+    import deepspeed
+    import torch
+    import train as train_module
+
+    model = train_module.TinyLM(256, d_model, layers, 32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": args.grad_accum,
-              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9}
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,
+              "zero_optimization": {"stage": zero_stage}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def example_batches(engine, micro_batches: int, micro_batch: int = 8):
+    """An iterator over ``micro_batches`` batches of synthetic tokens: this rank's share of them."""
+    import torch
+    import train as train_module
+
     world = engine.world_size
-    steps = args.warmup + args.steps
-    dataset = train_module.SyntheticTokens(steps * args.grad_accum * 8 * world, 32, 256, seed=1)
+    dataset = train_module.SyntheticTokens(micro_batches * micro_batch * world, 32, 256, seed=1)
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=engine.global_rank,
                                                   shuffle=False)
-    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler))
+    return iter(torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler))
+
+
+def example_step(engine, batches) -> None:
+    """One optimizer step (one micro-batch) of the example."""
+    loss = engine(**next(batches))
+    engine.backward(loss)
+    engine.step()
+
+
+def run_block(args, torch, syncs: SyncCounter | None = None) -> list[tuple[float, float]]:
+    engine = example_engine(args.zero_stage, args.grad_accum, args.d_model, args.layers)
+    steps = args.warmup + args.steps
+    batches = example_batches(engine, steps * args.grad_accum)
     cuda = engine.device.type == "cuda" if hasattr(engine.device, "type") else False
     timings = []
     for index in range(steps):
@@ -178,15 +216,11 @@ def bootstrap(differences: list[float], draws: int = 5000, estimator=statistics.
 
 def main():
     args = parse_args()
-    import deepspeed
     import torch
-    import train as train_module
 
     from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
 
-    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
-    torch.set_num_threads(1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    prepare_process()
     if args.profile_every is not None:
         os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY"] = str(args.profile_every)
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-bench-"))
@@ -206,7 +240,7 @@ def main():
             if arm == "B":
                 for instrumentor in instrumentors:
                     instrumentor.instrument(**providers)
-            timings = run_block(args, train_module, deepspeed, torch, syncs.get(arm))
+            timings = run_block(args, torch, syncs.get(arm))
             if arm == "B":
                 for instrumentor in instrumentors:
                     instrumentor.uninstrument()

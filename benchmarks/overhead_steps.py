@@ -51,10 +51,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     # Kernel sampling has its own figure (a profiled step): here every step is an ordinary one.
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "0")
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0")
-    import deepspeed
-    import torch
-    import train as train_module
-    from overhead import setup_sdk
+    from overhead import example_batches, example_engine, prepare_process, setup_sdk
 
     from opentelemetry_instrumentation_deepspeed import (
         CommInstrumentor,
@@ -76,9 +73,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
 
     deferred_metrics.DeferredHistograms.flush = timed_flush
 
-    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
-    torch.set_num_threads(1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    prepare_process()
     tracer_provider, meter_provider, counted = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-steps-")),
                                                          args.mode == "sampled-out")
     if args.endpoint_down:
@@ -89,17 +84,9 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), comm):
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
-    model = train_module.TinyLM(256, 64, 2, 32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": args.grad_accum,
-              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = example_engine(args.zero_stage, args.grad_accum)
     world = engine.world_size
-    steps = args.warmup + 3 * args.triples
-    dataset = train_module.SyntheticTokens(steps * args.grad_accum * 8 * world, 32, 256, seed=1)
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=engine.global_rank,
-                                                  shuffle=False)
-    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler))
+    batches = example_batches(engine, (args.warmup + 3 * args.triples) * args.grad_accum)
     tracker = trackers.tracker_for(engine)
     observer = comm._observer
 

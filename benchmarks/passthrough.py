@@ -97,10 +97,8 @@ def wrapt_dispatch_us() -> float:
 
 def main():
     args = parse_args()
-    import deepspeed
-    import torch
-    import train as train_module
     import wrapt
+    from overhead import example_batches, example_engine, example_step, prepare_process
 
     from opentelemetry_instrumentation_deepspeed import (
         CommInstrumentor,
@@ -112,34 +110,23 @@ def main():
     if args.keep_wrappers:
         session.leave_if_silent = lambda _instrumentor, _kwargs: None
 
-    train_module.default_single_process_env()
-    torch.set_num_threads(1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    prepare_process()
     timer = WrapperTimer()
     install = wrapt.wrap_function_wrapper
     wrapt.wrap_function_wrapper = lambda owner, name, wrapper: install(owner, name, timer.around(wrapper))
     for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor()):
         instrumentor.instrument()
 
-    model = train_module.TinyLM(256, 64, 2, 32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": args.zero_stage},
-              "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = example_engine(args.zero_stage)
     assert session.silent, "no SDK is configured: the instrumentation must be silent"
     world = engine.world_size
-    dataset = train_module.SyntheticTokens((args.warmup + args.steps) * 8 * world, 32, 256, seed=1)
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=engine.global_rank,
-                                                  shuffle=False)
-    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler))
+    batches = example_batches(engine, args.warmup + args.steps)
     step_times = []
     for index in range(args.warmup + args.steps):
         timer.counting = index >= args.warmup
         timer.real = index % 2 == 0
         started = time.perf_counter()
-        loss = engine(**next(batches))
-        engine.backward(loss)
-        engine.step()
+        example_step(engine, batches)
         step_times.append(time.perf_counter() - started)
     if engine.global_rank != 0:
         return

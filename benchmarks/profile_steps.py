@@ -87,10 +87,7 @@ def main():
     args = parse_args()
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "0")
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0")
-    import deepspeed
-    import torch
-    import train as train_module
-    from overhead import setup_sdk
+    from overhead import example_batches, example_engine, example_step, prepare_process, setup_sdk
 
     from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
 
@@ -98,33 +95,20 @@ def main():
     timers.install(ENTRY_POINTS)
     if args.inner:
         timers.install(INNER)
-    train_module.default_single_process_env()
-    torch.set_num_threads(1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    prepare_process()
     tracer_provider, meter_provider, _ = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-profile-")),
                                                    args.mode == "sampled-out")
     for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor()):
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
-    model = train_module.TinyLM(256, 64, 2, 32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": args.zero_stage},
-              "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    dataset = train_module.SyntheticTokens((args.warmup + args.steps) * 8, 32, 256, seed=1)
-    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8))
-
-    def train_step():
-        loss = engine(**next(batches))
-        engine.backward(loss)
-        engine.step()
-
+    engine = example_engine(args.zero_stage)
+    batches = example_batches(engine, args.warmup + args.steps)
     for _ in range(args.warmup):
-        train_step()
+        example_step(engine, batches)
     timers.nanoseconds.clear()
     timers.calls.clear()
     started = time.perf_counter()
     for _ in range(args.steps):
-        train_step()
+        example_step(engine, batches)
     step_ms = (time.perf_counter() - started) / args.steps * 1e3
     print(f"ZeRO-{args.zero_stage}, mode {args.mode}, {args.steps} steps of {step_ms:.2f} ms (timers included)")
     entry_labels = {f"{path.split('.')[-1]}.{name}" for path, names in ENTRY_POINTS.items() for name in names}

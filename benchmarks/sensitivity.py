@@ -34,30 +34,20 @@ def main():
     # Profiled steps are counted by their own benchmark; here every step is an ordinary one.
     os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY"] = "0"
     os.environ["OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"] = "0"
-    import deepspeed
     import opentelemetry
-    import torch
-    import train as train_module
-    from overhead import histogram_records, setup_sdk
+    from overhead import example_batches, example_engine, example_step, histogram_records, prepare_process, setup_sdk
 
     import opentelemetry_instrumentation_deepspeed as package
     from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
 
-    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
-    torch.set_num_threads(1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    prepare_process()
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-sensitivity-"))
     tracer_provider, meter_provider, counted = setup_sdk(directory)
     for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor()):
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
-    model = train_module.TinyLM(256, 64, 2, 32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    dataset = train_module.SyntheticTokens((args.warmup + args.steps) * 8, 32, 256, seed=1)
-    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=8))
+    engine = example_engine(args.zero_stage)
+    batches = example_batches(engine, args.warmup + args.steps)
 
     roots = tuple(str(Path(module.__path__[0])) for module in (package, opentelemetry))
     calls = 0
@@ -67,20 +57,15 @@ def main():
         if event == "call" and frame.f_code.co_filename.startswith(roots):
             calls += 1
 
-    def train_step():
-        loss = engine(**next(batches))
-        engine.backward(loss)
-        engine.step()
-
     for _ in range(args.warmup):
-        train_step()
+        example_step(engine, batches)
     tracer_provider.force_flush()
     spans_before = counted.spans
     # The batch processor exports every 5 s; these steps take less, so their spans are encoded by
     # force_flush on this thread, where the encoding is counted with the rest.
     sys.setprofile(count)
     for _ in range(args.steps):
-        train_step()
+        example_step(engine, batches)
     tracer_provider.force_flush()
     sys.setprofile(None)
     spans = counted.spans - spans_before

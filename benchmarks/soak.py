@@ -66,16 +66,13 @@ def provider_with_endpoint_down(meter_provider):
 
 def main():
     args = parse_args()
-    import deepspeed
     import torch
     import train as train_module
-    from overhead import setup_sdk
+    from overhead import example_engine, prepare_process, setup_sdk
 
     from opentelemetry_instrumentation_deepspeed import CommInstrumentor, DataLoaderInstrumentor, DeepSpeedInstrumentor
 
-    train_module.default_single_process_env()  # RANK, WORLD_SIZE, MASTER_*: unless a launcher set them
-    torch.set_num_threads(1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    prepare_process()
     directory = Path(tempfile.mkdtemp(prefix="otel-ds-soak-"))
     tracer_provider, meter_provider, _ = setup_sdk(directory)
     if args.endpoint_down:
@@ -83,11 +80,7 @@ def main():
     for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor()):
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
-    model = train_module.TinyLM(256, 16, 1, 32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = example_engine(args.zero_stage, d_model=16, layers=1, micro_batch=2)
     dataset = train_module.SyntheticTokens(4096, 32, 256, seed=1)
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=False)
 

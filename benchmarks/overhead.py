@@ -53,7 +53,7 @@ def setup_sdk(directory: Path, sampled_out: bool = False):
     project's OTLP JSON lines exporters. ``sampled_out``: every step's root is dropped by a
     parent-based sampler, as ``parentbased_traceidratio`` drops most of them."""
     os.environ["OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR"] = str(directory)
-    from opentelemetry_instrumentation_deepspeed.environment_variables import DEFAULT_BSP_SCHEDULE_DELAY
+    from opentelemetry_instrumentation_deepspeed.runtime.environment_variables import DEFAULT_BSP_SCHEDULE_DELAY
 
     os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_BSP_SCHEDULE_DELAY)  # as the distro sets it
     from opentelemetry import metrics, trace
@@ -63,8 +63,8 @@ def setup_sdk(directory: Path, sampled_out: bool = False):
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
-    from opentelemetry_instrumentation_deepspeed import output
-    from opentelemetry_instrumentation_deepspeed.job import identify
+    from opentelemetry_instrumentation_deepspeed.export import output
+    from opentelemetry_instrumentation_deepspeed.runtime.job import identify
 
     output.use_identity(identify())
     counted = _CountingExporter(output.JsonLinesSpanExporter())

@@ -57,9 +57,9 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
         CommInstrumentor,
         DataLoaderInstrumentor,
         DeepSpeedInstrumentor,
-        deferred_metrics,
-        trackers,
     )
+    from opentelemetry_instrumentation_deepspeed.export import deferred_metrics
+    from opentelemetry_instrumentation_deepspeed.recording import trackers
 
     recorder_cpu = [0.0]  # the histogram thread's CPU time
     flush = deferred_metrics.DeferredHistograms.flush

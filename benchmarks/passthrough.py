@@ -104,8 +104,8 @@ def main():
         CommInstrumentor,
         DataLoaderInstrumentor,
         DeepSpeedInstrumentor,
-        session,
     )
+    from opentelemetry_instrumentation_deepspeed.runtime import session
 
     if args.keep_wrappers:
         session.leave_if_silent = lambda _instrumentor, _kwargs: None

@@ -54,7 +54,7 @@ def provider_with_endpoint_down(meter_provider):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from opentelemetry_instrumentation_deepspeed import delivery
+    from opentelemetry_instrumentation_deepspeed.export import delivery
 
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(BatchSpanProcessor(

@@ -15,10 +15,10 @@ Importing this package imports neither torch nor DeepSpeed: classes are patched 
 their modules are imported.
 """
 
-from opentelemetry_instrumentation_deepspeed.comm import CommInstrumentor
-from opentelemetry_instrumentation_deepspeed.dataloader import DataLoaderInstrumentor
-from opentelemetry_instrumentation_deepspeed.engine import DeepSpeedInstrumentor
-from opentelemetry_instrumentation_deepspeed.gpu_metrics import GpuMetricsInstrumentor
+from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommInstrumentor
+from opentelemetry_instrumentation_deepspeed.instrumentors.dataloader import DataLoaderInstrumentor
+from opentelemetry_instrumentation_deepspeed.instrumentors.engine import DeepSpeedInstrumentor
+from opentelemetry_instrumentation_deepspeed.instrumentors.gpu_metrics import GpuMetricsInstrumentor
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 __all__ = ["CommInstrumentor", "DataLoaderInstrumentor", "DeepSpeedInstrumentor", "GpuMetricsInstrumentor",

@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import job
-from opentelemetry_instrumentation_deepspeed.distro import DeepSpeedDistro
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import job
+from opentelemetry_instrumentation_deepspeed.runtime.distro import DeepSpeedDistro
 from tests.conftest import BIN, clean_env, launch
 
 

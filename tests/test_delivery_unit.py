@@ -10,7 +10,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from opentelemetry_instrumentation_deepspeed import delivery
+from opentelemetry_instrumentation_deepspeed.export import delivery
 
 
 class _Failing(SpanExporter):

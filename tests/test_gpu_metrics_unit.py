@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from opentelemetry_instrumentation_deepspeed import gpu_metrics
+from opentelemetry_instrumentation_deepspeed.instrumentors import gpu_metrics
 
 Utilization = namedtuple("Utilization", "gpu memory")
 Memory = namedtuple("Memory", "total used free")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from opentelemetry.metrics import NoOpMeterProvider
 
-from opentelemetry_instrumentation_deepspeed import spans, trackers
-from opentelemetry_instrumentation_deepspeed.collectives import OpSpec
-from opentelemetry_instrumentation_deepspeed.comm import CommObserver, _Group
+from opentelemetry_instrumentation_deepspeed.export import spans
+from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
+from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
+from opentelemetry_instrumentation_deepspeed.recording import trackers
 from tests.test_steps_unit import tracker_on
 
 
@@ -144,7 +145,7 @@ def test_async_gpu_interval_ends_at_wait_and_flush_never_blocks(setup):
 
 
 def test_pending_gpu_intervals_are_bounded(setup, monkeypatch):
-    from opentelemetry_instrumentation_deepspeed import gpu_timing
+    from opentelemetry_instrumentation_deepspeed.recording import gpu_timing
 
     monkeypatch.setattr(gpu_timing, "MAX_PENDING", 8)
     observer, cuda, tracker, engine, exporter = setup
@@ -162,8 +163,8 @@ def test_phases_get_gpu_intervals_as_children_without_blocking():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from opentelemetry_instrumentation_deepspeed.job import JobIdentity
-    from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+    from opentelemetry_instrumentation_deepspeed.recording.steps import StepTracker
+    from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
     from tests.test_steps_unit import Engine
 
     exporter, provider, cuda = InMemorySpanExporter(), TracerProvider(), FakeCuda()

@@ -13,8 +13,8 @@ from opentelemetry_instrumentation_deepspeed import (
     CommInstrumentor,
     DataLoaderInstrumentor,
     DeepSpeedInstrumentor,
-    session,
 )
+from opentelemetry_instrumentation_deepspeed.runtime import session
 from tests.conftest import REPO, free_port
 
 

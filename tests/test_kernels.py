@@ -11,8 +11,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import kernels
+from opentelemetry_instrumentation_deepspeed.recording import kernels
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
 from tests.otlp_json import read_spans
 from tests.test_steps_unit import tracker_on

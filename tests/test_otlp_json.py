@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from opentelemetry_instrumentation_deepspeed.otlp_json import SpanEncoder
-from opentelemetry_instrumentation_deepspeed.spans import Tracer, hand_over
+from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder
+from opentelemetry_instrumentation_deepspeed.export.spans import Tracer, hand_over
 
 
 def _spans():

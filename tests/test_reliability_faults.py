@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from tests.conftest import launch
 from tests.otlp_json import read_last_points
 from tests.scripts.launching import launch_script

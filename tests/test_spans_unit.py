@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-from opentelemetry_instrumentation_deepspeed import spans
+from opentelemetry_instrumentation_deepspeed.export import spans
 
 
 class CountingSampler(Sampler):

@@ -20,9 +20,9 @@ from opentelemetry.sdk.trace.sampling import (
 )
 from opentelemetry.trace import StatusCode
 
-from opentelemetry_instrumentation_deepspeed import trace_ids
-from opentelemetry_instrumentation_deepspeed.job import JobIdentity
-from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+from opentelemetry_instrumentation_deepspeed.export import trace_ids
+from opentelemetry_instrumentation_deepspeed.recording.steps import StepTracker
+from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
 
 
 class Engine:

@@ -13,7 +13,7 @@ import os
 import sys
 import types
 
-_READER = "opentelemetry_instrumentation_deepspeed.gpu_metrics"
+_READER = "opentelemetry_instrumentation_deepspeed.instrumentors.gpu_metrics"
 
 
 def device_uuid(index: int) -> str:

@@ -18,7 +18,8 @@ import os, sys, time, torch, torch.distributed as dist
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry_instrumentation_deepspeed import CommInstrumentor, trackers
+from opentelemetry_instrumentation_deepspeed import CommInstrumentor
+from opentelemetry_instrumentation_deepspeed.recording import trackers
 sys.path.insert(0, os.environ["REPO"])
 from tests.test_steps_unit import tracker_on
 

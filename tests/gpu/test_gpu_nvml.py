@@ -9,7 +9,7 @@ import torch
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from opentelemetry_instrumentation_deepspeed import gpu_metrics
+from opentelemetry_instrumentation_deepspeed.instrumentors import gpu_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

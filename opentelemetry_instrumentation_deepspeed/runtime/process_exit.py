@@ -25,8 +25,9 @@ import os
 import signal
 import threading
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import spans, trackers
+from opentelemetry_instrumentation_deepspeed.export import spans
+from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
 _logger = logging.getLogger(__name__)
 _providers: tuple = ()
@@ -72,7 +73,7 @@ def finish(reason: str) -> None:
 def _on_sigterm(signum, _frame) -> None:
     try:
         finish("terminated by SIGTERM")
-        from opentelemetry_instrumentation_deepspeed import delivery
+        from opentelemetry_instrumentation_deepspeed.export import delivery
 
         delivery.report()  # the default action below skips the exit handlers that would say it
     finally:
@@ -82,7 +83,7 @@ def _on_sigterm(signum, _frame) -> None:
 
 def _forked() -> None:
     try:
-        from opentelemetry_instrumentation_deepspeed import session
+        from opentelemetry_instrumentation_deepspeed.runtime import session
 
         session.silent = True
         trackers.forget_all()

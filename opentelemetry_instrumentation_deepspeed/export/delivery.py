@@ -23,7 +23,7 @@ import threading
 from collections import Counter
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.safety import Component, observing
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
 _logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from collections.abc import Collection
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
-from opentelemetry_instrumentation_deepspeed import session
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
+from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _logger = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open
 
 _logger = logging.getLogger(__name__)
 _EMPTY = Context()

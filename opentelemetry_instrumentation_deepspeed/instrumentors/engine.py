@@ -16,9 +16,10 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 
-from opentelemetry_instrumentation_deepspeed import session, trackers
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments
-from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
+from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def _init_wrapper(tracer_provider, meter_provider):
             _logger.warning("opentelemetry-instrumentation-deepspeed does not trace PipelineEngine steps yet")
             return result
         try:
-            from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+            from opentelemetry_instrumentation_deepspeed.recording.steps import StepTracker
 
             identity = session.start()
             if session.silent and tracer_provider is None and meter_provider is None:

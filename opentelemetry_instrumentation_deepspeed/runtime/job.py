@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
 _logger = logging.getLogger(__name__)
 

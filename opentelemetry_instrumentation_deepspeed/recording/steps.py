@@ -25,11 +25,17 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import kernels, semconv, spans, trace_ids
-from opentelemetry_instrumentation_deepspeed.job import JobIdentity
-from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open
-from opentelemetry_instrumentation_deepspeed.training_metrics import TrainingMetrics, batch_shape, flops_per_token
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.export import spans, trace_ids
+from opentelemetry_instrumentation_deepspeed.export.training_metrics import (
+    TrainingMetrics,
+    batch_shape,
+    flops_per_token,
+)
+from opentelemetry_instrumentation_deepspeed.recording import kernels
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _EMPTY = Context()
@@ -39,7 +45,7 @@ def _gpu_timeline(engine, cuda):
     device = getattr(engine, "device", None)
     if cuda is None and getattr(device, "type", None) != "cuda":
         return None
-    from opentelemetry_instrumentation_deepspeed.gpu_timing import GpuTimeline
+    from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
 
     return GpuTimeline(cuda or sys.modules["torch"].cuda)
 

@@ -28,18 +28,21 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
-from opentelemetry_instrumentation_deepspeed import deferred_metrics, semconv, session, spans, trackers
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed.collectives import (
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.export import deferred_metrics, spans
+from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import (
     DEEPSPEED_OPS,
     TORCH_OPS,
     OpSpec,
     algorithm_bytes,
     bus_factor,
 )
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import Patches, when_imported
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
-from opentelemetry_instrumentation_deepspeed.patching import Patches, when_imported
-from opentelemetry_instrumentation_deepspeed.safety import Component, fail_open, observing
+from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import session
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -281,7 +284,7 @@ class CommObserver(Component):
         return name
 
     def _timeline(self, tracker):
-        from opentelemetry_instrumentation_deepspeed.gpu_timing import GpuTimeline
+        from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
 
         if self._gpu is None:
             self._gpu = GpuTimeline(self._cuda or sys.modules["torch"].cuda)

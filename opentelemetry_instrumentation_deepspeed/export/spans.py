@@ -30,7 +30,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from opentelemetry_instrumentation_deepspeed import trace_ids
+from opentelemetry_instrumentation_deepspeed.export import trace_ids
 
 _INTERNAL = SpanKind.INTERNAL
 _UNSET = Status(StatusCode.UNSET)

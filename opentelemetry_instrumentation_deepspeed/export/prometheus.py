@@ -13,7 +13,7 @@ import atexit
 import os
 import threading
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
 DEFAULT_PORT = 9464
 

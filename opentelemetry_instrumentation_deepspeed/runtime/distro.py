@@ -11,8 +11,11 @@ import os
 
 from opentelemetry.instrumentation.distro import BaseDistro
 
-from opentelemetry_instrumentation_deepspeed import session
-from opentelemetry_instrumentation_deepspeed.environment_variables import DEFAULT_BSP_SCHEDULE_DELAY, EMBEDDED_EXPORTER
+from opentelemetry_instrumentation_deepspeed.runtime import session
+from opentelemetry_instrumentation_deepspeed.runtime.environment_variables import (
+    DEFAULT_BSP_SCHEDULE_DELAY,
+    EMBEDDED_EXPORTER,
+)
 
 _SIGNALS = (
     ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", EMBEDDED_EXPORTER),

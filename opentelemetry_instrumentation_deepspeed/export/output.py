@@ -26,9 +26,9 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult,
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed.job import JobIdentity
-from opentelemetry_instrumentation_deepspeed.otlp_json import SpanEncoder
+from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
 
 _logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def use_identity(identity: JobIdentity) -> None:
 
 def _fallback_identity() -> JobIdentity:
     # Reached only when these exporters are used without this project's configurator.
-    from opentelemetry_instrumentation_deepspeed.job import job_id_from_environment
+    from opentelemetry_instrumentation_deepspeed.runtime.job import job_id_from_environment
 
     rank = int(os.environ.get("RANK", "0") or 0)
     return JobIdentity(job_id_from_environment() or f"pid{os.getpid()}", rank, rank,

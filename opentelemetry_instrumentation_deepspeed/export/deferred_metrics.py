@@ -26,7 +26,7 @@ from collections import deque
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from opentelemetry_instrumentation_deepspeed.safety import Component, observing
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
 LIMIT = 4096
 FLUSH_SECONDS = 1.0

@@ -19,10 +19,12 @@ from collections.abc import Collection
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
-from opentelemetry_instrumentation_deepspeed import semconv, session, trackers
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
-from opentelemetry_instrumentation_deepspeed.patching import unwrap_methods, when_imported, wrap_methods
-from opentelemetry_instrumentation_deepspeed.safety import Component, observing
+from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.runtime import session
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _TARGETS = (

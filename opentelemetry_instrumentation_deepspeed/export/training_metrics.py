@@ -15,9 +15,10 @@ import weakref
 
 from opentelemetry.metrics import Observation
 
-from opentelemetry_instrumentation_deepspeed import deferred_metrics, semconv
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed.safety import Component, observing
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.export import deferred_metrics
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
 # Seconds, from a millisecond step to a ten-minute one.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,

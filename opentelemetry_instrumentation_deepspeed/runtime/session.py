@@ -13,9 +13,9 @@ import os
 
 from opentelemetry import metrics, trace
 
-from opentelemetry_instrumentation_deepspeed import environment_variables as env
-from opentelemetry_instrumentation_deepspeed import job
-from opentelemetry_instrumentation_deepspeed.job import JobIdentity
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import job
+from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
 
 _logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def start() -> JobIdentity:
     if _identity is None:
         env.check_all()
         identity = job.identify()
-        from opentelemetry_instrumentation_deepspeed import output
+        from opentelemetry_instrumentation_deepspeed.export import output
 
         output.use_identity(identity)
         if _deferred_sdk_arguments is not None:
@@ -111,7 +111,8 @@ def _configure_sdk(identity: JobIdentity) -> None:
         return
     from opentelemetry.sdk._configuration import _initialize_components
 
-    from opentelemetry_instrumentation_deepspeed import delivery, process_exit, prometheus
+    from opentelemetry_instrumentation_deepspeed.export import delivery, prometheus
+    from opentelemetry_instrumentation_deepspeed.runtime import process_exit
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
@@ -128,7 +129,7 @@ def _configure_sdk(identity: JobIdentity) -> None:
         prometheus.wait_for_final_scrape_at_exit()
     embedded = [signal for signal, name in _EXPORTER_VARIABLES if env.EMBEDDED_EXPORTER in os.environ.get(name, "")]
     if embedded:
-        from opentelemetry_instrumentation_deepspeed import output
+        from opentelemetry_instrumentation_deepspeed.export import output
 
         output.announce(embedded)
 
@@ -137,6 +138,6 @@ def reset() -> None:
     """Forget this process's identity (tests build several jobs in one process)."""
     global _identity, silent
     _identity, silent = None, False
-    from opentelemetry_instrumentation_deepspeed import output
+    from opentelemetry_instrumentation_deepspeed.export import output
 
     output.reset()

@@ -9,7 +9,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from opentelemetry_instrumentation_deepspeed.steps import StepTracker
+    from opentelemetry_instrumentation_deepspeed.recording.steps import StepTracker
 
 # Weak: a tracker must never keep an engine, and so its model, alive.
 _trackers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -7,8 +7,8 @@ triples of steps in rotating order: active (B), inert (A) and inert again (A', t
 Inert is each component's off switch (the one a failure throws): the wrappers stay and only pass
 calls through. Spans and metrics are exported as the embedded default exports them.
 
-What B - A measures is the training thread's own added time. Work on other threads (the span
-exporter encoding, the histogram thread recording) lands on whichever step runs beside it, as
+What B - A measures is the training thread's own added time. Work on other threads (the emitter
+making spans and metric points from step records, the span exporter encoding) lands on whichever step runs beside it, as
 does the garbage collector's, so it is spread over all arms; their CPU time per active step is
 measured and reported beside it. The mean is the figure; the 10%-trimmed mean (steps that a
 stall elsewhere on the machine hit left out) narrows the interval where the machine is noisy.
@@ -58,20 +58,20 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
         DataLoaderInstrumentor,
         DeepSpeedInstrumentor,
     )
-    from opentelemetry_instrumentation_deepspeed.export import deferred_metrics
-    from opentelemetry_instrumentation_deepspeed.recording import trackers
+    from opentelemetry_instrumentation_deepspeed.export.emitter import Emitter
+    from opentelemetry_instrumentation_deepspeed.recording import registry
 
-    recorder_cpu = [0.0]  # the histogram thread's CPU time
-    flush = deferred_metrics.DeferredHistograms.flush
+    recorder_cpu = [0.0]  # the CPU time of the emitter's drains, on whichever thread they ran
+    drain = Emitter.drain
 
-    def timed_flush(self, yielding=False):
+    def timed_drain(self, final=False):
         started = time.thread_time()
         try:
-            return flush(self, yielding)
+            return drain(self, final)
         finally:
             recorder_cpu[0] += time.thread_time() - started
 
-    deferred_metrics.DeferredHistograms.flush = timed_flush
+    Emitter.drain = timed_drain
 
     prepare_process()
     tracer_provider, meter_provider, counted = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-steps-")),
@@ -87,7 +87,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     engine = example_engine(args.zero_stage, args.grad_accum)
     world = engine.world_size
     batches = example_batches(engine, (args.warmup + 3 * args.triples) * args.grad_accum)
-    tracker = trackers.tracker_for(engine)
+    tracker = registry.recorder_for(engine)
     observer = comm._observer
 
     collections = CollectorPauses()
@@ -120,7 +120,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     meter_provider.force_flush()
     spans, background = counted.spans - spans_before, {
         "span exporter": counted.cpu_seconds - export_cpu_before,
-        "histogram recording": recorder_cpu[0] - recorder_cpu_before,
+        "emitter (spans and metric points)": recorder_cpu[0] - recorder_cpu_before,
     }
     gc.callbacks.remove(collections.callback)
     if engine.global_rank == 0:

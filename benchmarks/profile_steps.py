@@ -26,19 +26,14 @@ sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 ENTRY_POINTS = {
-    "steps.StepTracker": ("data_waited", "forward_started", "backward_started", "phase_ended",
-                          "optimizer_step_started", "optimizer_step_ended"),
-    "comm.CommObserver": ("issued", "completed"),
+    "recording.recorder.StepRecorder": ("data_waited", "forward_started", "backward_started", "phase_ended",
+                                        "optimizer_step_started", "optimizer_step_ended"),
+    "instrumentors.comm.CommObserver": ("issued", "completed"),
 }
 INNER = {
-    "steps.StepTracker": ("_open", "_close", "_phase_span", "_end_phase", "comm_issued"),
-    "comm.CommObserver": ("_record", "_emit_span", "_group", "_route"),
-    "spans.Tracer": ("start_root", "start_child"),
-    "spans.Span": ("end",),
-    "spans": ("hand_over",),
-    "deferred_metrics.DeferredHistograms": ("record", "record_each"),
-    "training_metrics.TrainingMetrics": ("step", "phases"),
-    "steps": ("batch_shape",),
+    "recording.recorder.StepRecorder": ("_fire", "_open_step", "_start_phase", "_end_phase", "_close_step",
+                                        "comm_issued"),
+    "instrumentors.comm.CommObserver": ("_finish", "_group", "_route"),
 }
 
 
@@ -75,7 +70,9 @@ class Timers:
         import importlib
 
         for path, names in table.items():
-            module_name, _, class_name = path.partition(".")
+            module_name, _, class_name = path.rpartition(".")
+            if class_name[0].islower():  # a module's function, not a class's method
+                module_name, class_name = path, ""
             owner = importlib.import_module(f"opentelemetry_instrumentation_deepspeed.{module_name}")
             if class_name:
                 owner = getattr(owner, class_name)

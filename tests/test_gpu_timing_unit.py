@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from opentelemetry.metrics import NoOpMeterProvider
 
-from opentelemetry_instrumentation_deepspeed.export import spans
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
 from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
-from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.recording import registry
 from tests.test_steps_unit import tracker_on
 
 
@@ -87,17 +87,20 @@ def all_reduce(tensor, op=None, group=None, async_op=False):
 @pytest.fixture
 def setup(monkeypatch):
     tracker, engine, exporter = tracker_on(1)
-    monkeypatch.setattr(trackers, "_active", tracker)
+    monkeypatch.setattr(registry, "_active", tracker)
     cuda = FakeCuda()
     observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=True, cuda=cuda)
-    observer.use_tracer_provider(tracker._provider)
     observer._groups[id(None)] = _Group("0", 2, "nccl")
     return observer, cuda, tracker, engine, exporter
 
 
 def comm_spans(exporter):
-    spans.hand_over()  # ended spans reach the processors when their step closes; these tests look sooner
     return [span for span in exporter.get_finished_spans() if span.name.startswith("comm.")]
+
+
+def span_named(exporter, name):
+    (span,) = [span for span in exporter.get_finished_spans() if span.name == name]
+    return span
 
 
 def test_gpu_times_are_resolved_later_without_blocking(setup):
@@ -107,15 +110,15 @@ def test_gpu_times_are_resolved_later_without_blocking(setup):
     cuda.idle = False  # the GPU is busy with backward kernels
     call = observer.issued(spec, (CudaTensor(),), {})
     observer.completed(call, None)
+    tracker.phase_ended(backward)
+    engine.step(tracker)  # the step closes: its record goes to the emitter
     assert comm_spans(exporter) == [], "the GPU has not run it: nothing to report yet, and no waiting"
 
     cuda.run(milliseconds=4.0)  # the all-reduce runs 4 ms after the previous event
-    observer.issued(spec, (CudaTensor(),), {})  # the next collective resolves what completed
-    tracker.phase_ended(backward)
-    (span,) = comm_spans(exporter)
+    (span,) = comm_spans(exporter)  # a later drain finds it completed
     assert span.attributes["comm.timing"] == "gpu"
     assert span.attributes["comm.bytes"] == 2048 and span.attributes["comm.dtype"] == "bfloat16"
-    assert span.parent.span_id == backward.get_span_context().span_id
+    assert span.parent.span_id == span_named(exporter, "training.backward").context.span_id
     # On the epoch clock through the origin: host time of the origin plus GPU time since it.
     origin_event, origin_host = observer._gpu._origin
     assert span.start_time == origin_host + int((call.gpu_start.at - origin_event.at) * 1e6)
@@ -137,40 +140,36 @@ def test_async_gpu_interval_ends_at_wait_and_flush_never_blocks(setup):
     call = observer.issued(spec, (CudaTensor(),), {"async_op": True})
     observer.completed(call, work)
     observer.waited(work)  # the end event is recorded at wait(), after the stream waits for the collective
+    tracker.interrupted("the process exited during this step")
     assert comm_spans(exporter) == []
-    observer.flush()  # at exit, with the GPU still busy: host times, no waiting
+    emitter().drain(final=True)  # at exit, with the GPU still busy: host times, no waiting
     (span,) = comm_spans(exporter)
     assert "comm.timing" not in span.attributes, "host timing"
     assert span.attributes["comm.async"] is True
 
 
 def test_pending_gpu_intervals_are_bounded(setup, monkeypatch):
-    from opentelemetry_instrumentation_deepspeed.recording import gpu_timing
+    from opentelemetry_instrumentation_deepspeed.export import emitter as emitting
 
-    monkeypatch.setattr(gpu_timing, "MAX_PENDING", 8)
+    monkeypatch.setattr(emitting, "MAX_PENDING", 8)
     observer, cuda, tracker, engine, exporter = setup
     spec = OpSpec.of("all_reduce", all_reduce)
-    tracker.forward_started(engine)
+    forward = tracker.forward_started(engine)
     cuda.idle = False
     for _ in range(20):
         observer.completed(observer.issued(spec, (CudaTensor(),), {}), None)
-    assert len(comm_spans(exporter)) == 12, "the oldest, beyond the bound, are reported with host times"
-    assert observer._gpu.dropped == 12
+    tracker.phase_ended(forward)
+    dropped = emitter().dropped
+    engine.step(tracker)
+    spans = comm_spans(exporter)
+    assert len(spans) == 12, "the oldest, beyond the bound, are reported with host times"
+    assert all("comm.timing" not in span.attributes for span in spans)
+    assert emitter().dropped - dropped == 12
 
 
 def test_phases_get_gpu_intervals_as_children_without_blocking():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from opentelemetry_instrumentation_deepspeed.recording.steps import StepTracker
-    from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
-    from tests.test_steps_unit import Engine
-
-    exporter, provider, cuda = InMemorySpanExporter(), TracerProvider(), FakeCuda()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    engine = Engine()
-    tracker = StepTracker(provider, JobIdentity("j", 1, 1, 2), engine, cuda=cuda)
+    cuda = FakeCuda()
+    tracker, engine, exporter = tracker_on(1, cuda=cuda)
     cuda.idle = False  # kernels queue up behind the host
     forward = tracker.forward_started(engine)
     tracker.phase_ended(forward)
@@ -178,8 +177,8 @@ def test_phases_get_gpu_intervals_as_children_without_blocking():
     tracker.phase_ended(backward)
     assert not [s for s in exporter.get_finished_spans() if s.name.endswith(".gpu")], "nothing has run on the GPU"
     cuda.run(milliseconds=3.0)
-    engine.step(tracker)  # the next phase resolves what completed
+    engine.step(tracker)
     gpu = {s.name: s for s in exporter.get_finished_spans() if s.name.endswith(".gpu")}
     assert set(gpu) == {"training.forward.gpu", "training.backward.gpu"}
-    assert gpu["training.forward.gpu"].parent.span_id == forward.get_span_context().span_id
+    assert gpu["training.forward.gpu"].parent.span_id == span_named(exporter, "training.forward").context.span_id
     assert gpu["training.backward.gpu"].end_time - gpu["training.backward.gpu"].start_time == 3_000_000

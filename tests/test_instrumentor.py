@@ -72,6 +72,7 @@ def test_instrument_traces_and_uninstrument_restores_everything(train):
         assert all(patched[name].__wrapped__ is original[name] for name in original)
 
         train(["--steps", "3", "--grad-accum", "2"])
+        provider.force_flush()  # steps are emitted off the training thread, as a batch processor exports
         names = [span.name for span in exporter.get_finished_spans()]
         assert names.count("training.step") == 3
         assert names.count("training.global_step") == 3

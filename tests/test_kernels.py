@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from opentelemetry_instrumentation_deepspeed.recording import kernels
+from opentelemetry_instrumentation_deepspeed.recording import profiler
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
 from tests.otlp_json import read_spans
@@ -105,8 +105,8 @@ def test_the_trigger_file_profiles_one_coming_step_of_a_running_job_the_same_on_
     assert sorted(profiled) == ["traces-rank0.jsonl", "traces-rank1.jsonl"]
     (first,), (second,) = profiled.values()
     assert first > asked_at and second > asked_at
-    assert first % kernels.TRIGGER_EVERY == 0 and second % kernels.TRIGGER_EVERY == 0, "steps where ranks look"
-    assert abs(first - second) in (0, kernels.TRIGGER_EVERY), "the same step, unless the touch fell between ranks"
+    assert first % profiler.TRIGGER_EVERY == 0 and second % profiler.TRIGGER_EVERY == 0, "steps where ranks look"
+    assert abs(first - second) in (0, profiler.TRIGGER_EVERY), "the same step, unless the touch fell between ranks"
 
 
 def _spans_of(line: str):

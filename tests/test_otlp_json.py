@@ -11,8 +11,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
+from opentelemetry_instrumentation_deepspeed.export.emitter import _exception
 from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder
-from opentelemetry_instrumentation_deepspeed.export.spans import Tracer, hand_over
+from opentelemetry_instrumentation_deepspeed.export.spans import SpanWriter
+from opentelemetry_instrumentation_deepspeed.recording.record import Failure
 
 
 def _spans():
@@ -33,18 +35,18 @@ def _spans():
         ok = tracer.start_span("ok")
         ok.set_status(Status(StatusCode.OK))
         ok.end()
-    # This project's light spans, with the same provider.
-    light = Tracer(provider.get_tracer("light", "2"))
-    span = light.start_span("training.step", attributes={"training.step": 7, "comm.busbw": 1.2345e9,
-                                                         "tiny": 1e-07})
-    span.set_attribute("comm.count", 3)
+    # This project's spans, written after the fact by the emitter, with the same provider.
+    writer = SpanWriter(provider)
+    root = writer.root("training.global_step", 0xABC, 0xDEF, {"training.step": 7}, 1, True)
+    step = writer.child("training.step", root.context, {"training.step": 7, "comm.busbw": 1.2345e9, "tiny": 1e-07},
+                        2)
     try:
         raise RuntimeError("in a step")
     except RuntimeError as error:
-        span.record_exception(error)
-    span.set_status(Status(StatusCode.ERROR, "RuntimeError: in a step"))
-    span.end()
-    hand_over()
+        failure = Failure.of(error)
+    writer.end(step, 2, 3, {"comm.count": 3}, Status(StatusCode.ERROR, failure.description), _exception(failure))
+    writer.end(root, 1, 4)
+    writer.flush()
     assert "training.step" in [span.name for span in exporter.get_finished_spans()]
     return exporter.get_finished_spans()
 

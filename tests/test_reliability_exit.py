@@ -28,9 +28,13 @@ def _steps(spans) -> dict[int, list]:
 
 
 def _terminated_mid_run(workdir, **env) -> tuple[int, str]:
-    """A long 1-process run, sent SIGTERM once its first spans are on disk: (return code, output)."""
+    """A long 1-process run, sent SIGTERM once its first spans are on disk: (return code, output).
+
+    Each forward sleeps 100 ms (the example's straggler option), so the signal lands inside a step,
+    not in the fraction of a millisecond between two, whatever the machine's load."""
     process = subprocess.Popen([str(BIN / "opentelemetry-instrument"), str(BIN / "python"), str(TRAIN),
-                                "--steps", "100000"], cwd=workdir, env=clean_env(MASTER_PORT=str(free_port()), **env),
+                                "--steps", "100000", "--slow-rank", "0", "--slow-ms", "100"],
+                               cwd=workdir, env=clean_env(MASTER_PORT=str(free_port()), **env),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # Training is under way once the first spans are written (after the batch delay, 5 s).

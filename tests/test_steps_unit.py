@@ -1,4 +1,4 @@
-"""The step tracker's rules at the boundary with the engine, where a run cannot easily reach them."""
+"""The step recorder and the emitter at the boundary with the engine, where a run cannot easily reach them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import logging
 
 import pytest
 from opentelemetry.context import Context
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -21,7 +22,8 @@ from opentelemetry.sdk.trace.sampling import (
 from opentelemetry.trace import StatusCode
 
 from opentelemetry_instrumentation_deepspeed.export import trace_ids
-from opentelemetry_instrumentation_deepspeed.recording.steps import StepTracker
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.instrumentors.engine import recorder_for
 from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
 
 
@@ -69,12 +71,26 @@ class Engine:
         tracker.optimizer_step_ended(self, span)
 
 
-def tracker_on(rank: int, sampler=None, job="job-1", grad_accum=1):
+class Emitted:
+    """The exporter, read once the emitter has drained: spans are made off the training thread."""
+
+    def __init__(self, exporter: InMemorySpanExporter):
+        self.exporter = exporter
+
+    def get_finished_spans(self):
+        emitter().drain()
+        return self.exporter.get_finished_spans()
+
+
+def tracker_on(rank: int, sampler=None, job="job-1", grad_accum=1, *, cuda=None, provider=None):
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    if provider is None:
+        provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
     engine = Engine(grad_accum)
-    return StepTracker(provider, JobIdentity(job, rank, rank, 2), engine), engine, exporter
+    recorder = recorder_for(engine, JobIdentity(job, rank, rank, 2), provider,
+                            NoOpMeterProvider().get_meter("test"), cuda=cuda)
+    return recorder, engine, Emitted(exporter)
 
 
 def train_step(tracker, engine, grad_accum=1):
@@ -147,9 +163,9 @@ def test_any_other_sampler_is_asked_at_every_step():
     tracker, engine, exporter = tracker_on(0, sampler)
     for _ in range(6):
         train_step(tracker, engine)
-    assert sampler._root.asked == 6
-    assert sorted(s.attributes["training.step"] for s in exporter.get_finished_spans()
-                  if s.name == "training.step") == [1, 3, 5]
+    kept = sorted(s.attributes["training.step"] for s in exporter.get_finished_spans() if s.name == "training.step")
+    assert sampler._root.asked == 6, "once per step, by the emitter"
+    assert kept == [1, 3, 5]
 
 
 def test_gradient_accumulation_opens_one_step_per_boundary():
@@ -221,7 +237,6 @@ def test_a_bug_in_the_tracker_is_logged_once_and_disables_it(caplog):
             pass
 
     broken = Broken()
-    tracker._step = None
     with caplog.at_level(logging.ERROR):
         for _ in range(5):
             assert tracker.forward_started(broken) is None
@@ -238,8 +253,8 @@ def test_a_bug_in_the_tracker_is_logged_once_and_disables_it(caplog):
 def test_no_sdk_means_no_spans_and_no_errors(rank, caplog):
     from opentelemetry.trace import NoOpTracerProvider
 
-    tracker = StepTracker(NoOpTracerProvider(), JobIdentity("j", rank, rank, 2), Engine())
-    engine = Engine()
+    tracker, engine, _ = tracker_on(rank, provider=NoOpTracerProvider())
     with caplog.at_level(logging.ERROR):
         train_step(tracker, engine)
+        emitter().drain()
     assert not caplog.records

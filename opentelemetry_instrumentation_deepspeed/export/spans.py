@@ -1,228 +1,188 @@
-"""Spans for the training thread's hot path, handed straight to the SDK's span processors.
+"""Finished spans from recorded facts, made by the emitter's thread.
 
-The SDK's ``Tracer.start_span`` costs 40-90 us per span on the benchmark machine (a lock per
-span, attribute validation and limits, ``on_start`` callbacks); a step emits 8 or more. The
-spans of this instrumentation are built from values it controls (names, ints, floats, bools,
-strings), are never made current, and end once, so this tracer keeps only what the SDK's
-output depends on: the provider's sampler is asked exactly as the SDK asks it, ids come from
-the tracer's id generator, and a ``ReadableSpan`` (what every processor and exporter
-receives) goes to the provider's span processors. About 7 us per span.
-
-Inside a training step each trip through this code and the SDK's finds it evicted from the
-CPU caches by the step's tensors, and costs several times its isolated figure. So the work is
-gathered: under a parent-based sampler with its default delegates (the SDK's default, and
-``parentbased_traceidratio``) a span with a valid parent takes its parent's decision without a
-call to the sampler, and ended spans wait in ``_ended`` until ``hand_over()`` (at the close of
-each step, and at exit) gives them to the processors in one loop.
-
-Span processors' ``on_start`` is not called for these spans; the tracer falls back to the SDK
-path when the provider is not the SDK's.
+The emitter knows a span's name, parent, attributes, times and outcome all at once, after the
+fact. Where the SDK's internals may be used (``sdk.span_pipeline``), a ``ReadableSpan`` (what
+every processor and exporter receives) is built directly, sampled exactly as the SDK samples:
+the provider's sampler is asked as ``start_span`` asks it, except that under a parent-based
+sampler with its default delegates (the SDK's default, and ``parentbased_traceidratio``) a span
+with a valid parent takes its parent's decision without a call. The spans of one drain reach the
+processors together (``flush``). Processors' ``on_start`` is not called for them. Elsewhere (any
+other SDK version, a provider that is not the SDK's) spans go through the public
+``start_span`` / ``end``, with the recorded times.
 """
 
 from __future__ import annotations
 
-import os
-import time
-import traceback
-from collections import deque
+import weakref
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from opentelemetry_instrumentation_deepspeed.export import trace_ids
+from opentelemetry_instrumentation_deepspeed.export import sdk
+from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _INTERNAL = SpanKind.INTERNAL
 _UNSET = Status(StatusCode.UNSET)
-_EMPTY = Context()
-# Ended spans not yet handed to their processors. Past this many they are handed over at once.
-_ended: deque = deque()
-_HAND_OVER_AT = 256
+EMPTY_CONTEXT = Context()
+_SCOPE = "opentelemetry_instrumentation_deepspeed"
 
 
-def hand_over() -> None:
-    """Give every ended span to its tracer's span processors."""
-    ended = _ended
-    while ended:
-        try:
-            span = ended.popleft()
-        except IndexError:  # another thread emptied it
-            return
-        tracer = span._tracer
-        tracer.processor.on_end(tracer.readable_span(
-            name=span._name, context=span.get_span_context(), parent=span._parent, resource=tracer.resource,
-            attributes=span._attributes, events=span._events or (), kind=_INTERNAL, status=span._status,
-            start_time=span._start, end_time=span._end, instrumentation_scope=tracer.scope,
-        ))
+class Started:
+    """A span whose context is known (children can name it) and whose end is not written yet."""
+
+    __slots__ = ("attributes", "context", "name", "parent", "recording", "sdk_span")
+
+    def __init__(self, name, context: SpanContext, parent: SpanContext | None, attributes: dict | None,  # noqa: PLR0917
+                 recording: bool, sdk_span=None):
+        self.name = name
+        self.context = context
+        self.parent = parent
+        self.attributes = attributes
+        self.recording = recording
+        self.sdk_span = sdk_span  # the public API's span, where that path is taken
 
 
-if hasattr(os, "register_at_fork"):
-    # A forked child must not hand over (and export twice) what its parent had ended.
-    os.register_at_fork(after_in_child=_ended.clear)
+class SpanWriter:
+    """Spans of one tracer provider, written after the fact."""
 
+    def __init__(self, provider: trace.TracerProvider):
+        self.provider = provider
+        self._tracer = provider.get_tracer(_SCOPE, __version__)
+        pipeline = sdk.span_pipeline(self._tracer)
+        self.fast = pipeline is not None
+        self._batch: list = []
+        if hasattr(provider, "add_span_processor"):
+            _flush_emitter_first(provider)
+        if self.fast:
+            self._processor, self._resource, self._scope, self._readable, self._event, self._enabled = pipeline
+            self._ids = self._tracer.id_generator
+            self._sampler = self._tracer.sampler
+            self._by_parent = sdk.decides_by_parent(self._sampler)
 
-def _decides_by_parent(sampler) -> bool:
-    """Whether ``sampler`` only copies a valid parent's decision: a ParentBased with its default delegates."""
-    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+    @property
+    def sampler(self):
+        return getattr(self._tracer, "sampler", None) or getattr(self.provider, "sampler", None)
 
-    return (isinstance(sampler, ParentBased)
-            and getattr(sampler, "_remote_parent_sampled", None) is ALWAYS_ON
-            and getattr(sampler, "_local_parent_sampled", None) is ALWAYS_ON
-            and getattr(sampler, "_remote_parent_not_sampled", None) is ALWAYS_OFF
-            and getattr(sampler, "_local_parent_not_sampled", None) is ALWAYS_OFF)
+    def _off(self) -> bool:
+        return self._enabled is not None and not self._enabled()
 
-
-class Tracer:
-    """``start_span`` with the subset of the SDK tracer's signature this project uses.
-
-    A recording span keeps the ``attributes`` dict it is given: callers pass a new one.
-    """
-
-    def __init__(self, sdk_tracer):
-        self.sdk = sdk_tracer
-        self._fast = all(hasattr(sdk_tracer, name) for name in ("sampler", "span_processor", "resource",
-                                                                "id_generator", "_instrumentation_scope"))
-        if self._fast:
-            from opentelemetry.sdk.trace import Event, ReadableSpan
-
-            self.readable_span, self.event = ReadableSpan, Event
-            # Fixed for the tracer's life: looked up once, not per span.
-            self._enabled = getattr(sdk_tracer, "_is_enabled", None)
-            self.processor, self.resource = sdk_tracer.span_processor, sdk_tracer.resource
-            self.scope = sdk_tracer._instrumentation_scope
-            self._by_parent = _decides_by_parent(sdk_tracer.sampler)
-
-    def start_span(self, name: str, context=None, attributes: dict | None = None,
-                   start_time: int | None = None) -> trace.Span:
-        if not self._fast:
-            return self.sdk.start_span(name, context=context, attributes=attributes, start_time=start_time)
-        return self.start_child(name, trace.get_current_span(context), attributes, start_time, context)
-
-    def start_root(self, name: str, trace_id: int, span_id: int, attributes: dict,  # noqa: PLR0917
-                   start_time: int, sampled: bool | None = None) -> trace.Span | None:
-        """A root span under ids the caller chose, sampled as the SDK samples a root (``sampled``:
-        the sampler's answer, known beforehand); None if this tracer cannot choose ids (not the SDK's)."""
-        if not self._fast:
+    def root(self, name: str, trace_id: int, span_id: int, attributes: dict, start: int,  # noqa: PLR0917
+             sampled: bool | None = None) -> Started | None:
+        """A root span under ids the caller chose, sampled as the SDK samples a root (``sampled``: the
+        sampler's answer, known beforehand). None where ids cannot be chosen (the public API's path)."""
+        if not self.fast:
             return None
-        if self._enabled is not None and not self._enabled():
-            return trace.INVALID_SPAN
+        if self._off():
+            return Started(name, SpanContext(trace_id, span_id, False, TraceFlags.DEFAULT), None, None, False)
         trace_state, recording = None, sampled
         if sampled is None:
-            sampling = self.sdk.sampler.should_sample(_EMPTY, trace_id, name, _INTERNAL, attributes, ())
+            sampling = self._sampler.should_sample(EMPTY_CONTEXT, trace_id, name, _INTERNAL, attributes, ())
             sampled, recording = sampling.decision.is_sampled(), sampling.decision.is_recording()
             trace_state = sampling.trace_state
             if sampling.attributes:
                 attributes = {**sampling.attributes, **attributes}
-        span_context = SpanContext(trace_id, span_id, False, trace_ids.SAMPLED if sampled else trace_ids.NOT_SAMPLED,
-                                   trace_state)
-        if not recording:
-            return trace.NonRecordingSpan(span_context)
-        return Span(self, name, span_context, None, attributes, start_time)
+        from opentelemetry_instrumentation_deepspeed.export.trace_ids import NOT_SAMPLED, SAMPLED
 
-    def start_child(self, name: str, parent: trace.Span, attributes: dict | None = None,
-                    start_time: int | None = None, context=None) -> trace.Span:
-        """``start_span`` under ``parent`` (a span, not a context: no context object is built)."""
-        sdk = self.sdk
-        if not self._fast:
-            return sdk.start_span(name, context=trace.set_span_in_context(parent, _EMPTY), attributes=attributes,
-                                  start_time=start_time)
-        parent = parent.get_span_context()
-        if self._enabled is not None and not self._enabled():
-            return trace.NonRecordingSpan(parent)
-        ids = sdk.id_generator
+        context = SpanContext(trace_id, span_id, False, SAMPLED if sampled else NOT_SAMPLED, trace_state)
+        return Started(name, context, None, attributes, recording)
+
+    def child(self, name: str, parent: SpanContext, attributes: dict | None, start: int) -> Started:
+        """A span under ``parent``; ``start`` matters only to the public API's path."""
+        if not self.fast:
+            span = self._tracer.start_span(name, context=trace.set_span_in_context(NonRecordingSpan(parent),
+                                                                                   EMPTY_CONTEXT),
+                                           attributes=attributes, start_time=start)
+            return Started(name, span.get_span_context(), parent, None, span.is_recording(), span)
+        ids = self._ids
+        if self._off():
+            return Started(name, SpanContext(parent.trace_id, ids.generate_span_id(), False, TraceFlags.DEFAULT),
+                           parent, None, False)
         if self._by_parent and parent.is_valid:
             # What the sampler would answer: the parent's decision, flags and trace state.
-            if not parent.trace_flags.sampled:
-                return trace.NonRecordingSpan(SpanContext(parent.trace_id, ids.generate_span_id(), False,
-                                                          parent.trace_flags, parent.trace_state))
-            # Its own context is built when first asked for (a child, the hand-over), not here.
-            return Span(self, name, None, parent, {} if attributes is None else attributes,
-                        time.time_ns() if start_time is None else start_time)
-        if context is None:
-            context = trace.set_span_in_context(trace.NonRecordingSpan(parent), _EMPTY)
-        if parent is None or not parent.is_valid:
-            parent = None
-            trace_id = ids.generate_trace_id()
-            random_trace_id = ids.is_trace_id_random()
+            context = SpanContext(parent.trace_id, ids.generate_span_id(), False, parent.trace_flags,
+                                  parent.trace_state)
+            return Started(name, context, parent, {} if attributes is None else attributes,
+                           parent.trace_flags.sampled)
+        if parent.is_valid:
+            trace_id, random_trace_id = parent.trace_id, parent.trace_flags.random_trace_id
+            sampling_parent = trace.set_span_in_context(NonRecordingSpan(parent), EMPTY_CONTEXT)
         else:
-            trace_id = parent.trace_id
-            random_trace_id = parent.trace_flags.random_trace_id
-        sampling = sdk.sampler.should_sample(context, trace_id, name, _INTERNAL, attributes, ())
+            trace_id, random_trace_id = ids.generate_trace_id(), ids.is_trace_id_random()
+            sampling_parent, parent = EMPTY_CONTEXT, None
+        sampling = self._sampler.should_sample(sampling_parent, trace_id, name, _INTERNAL, attributes, ())
         flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
         if random_trace_id:
             flags |= TraceFlags.RANDOM_TRACE_ID
-        span_context = SpanContext(trace_id, ids.generate_span_id(), is_remote=False,
-                                   trace_flags=TraceFlags(flags), trace_state=sampling.trace_state)
-        if not sampling.decision.is_recording():
-            return trace.NonRecordingSpan(span_context)
+        context = SpanContext(trace_id, ids.generate_span_id(), False, TraceFlags(flags), sampling.trace_state)
         merged = dict(sampling.attributes) if sampling.attributes else {}
         if attributes:
             merged.update(attributes)
-        return Span(self, name, span_context, parent, merged, time.time_ns() if start_time is None else start_time)
+        return Started(name, context, parent, merged, sampling.decision.is_recording())
 
-
-class Span(trace.Span):
-    """A recording span of this project's: mutable until ``end()``, then handed on once."""
-
-    __slots__ = ("_attributes", "_context", "_end", "_ended", "_events", "_name", "_parent", "_start", "_status",
-                 "_tracer")
-
-    def __init__(self, tracer: Tracer, name: str, context: SpanContext | None,  # noqa: PLR0917
-                 parent: SpanContext | None, attributes: dict, start_time: int):
-        self._tracer = tracer
-        self._name = name
-        self._context = context
-        self._parent = parent
-        self._attributes = attributes
-        self._start = start_time
-        self._status = _UNSET
-        self._events: list | None = None
-        self._ended = False
-
-    def get_span_context(self) -> SpanContext:
-        context = self._context
-        if context is None:  # a child of a parent-based decision: the parent's trace, flags and state
-            parent = self._parent
-            context = self._context = SpanContext(parent.trace_id, self._tracer.sdk.id_generator.generate_span_id(),
-                                                  False, parent.trace_flags, parent.trace_state)
-        return context
-
-    def is_recording(self) -> bool:
-        return not self._ended
-
-    def set_attribute(self, key: str, value) -> None:
-        self._attributes[key] = value
-
-    def set_attributes(self, attributes) -> None:
-        self._attributes.update(attributes)
-
-    def update_name(self, name: str) -> None:
-        self._name = name
-
-    def set_status(self, status, description: str | None = None) -> None:
-        self._status = status if isinstance(status, Status) else Status(status, description)
-
-    def add_event(self, name: str, attributes=None, timestamp: int | None = None) -> None:
-        if self._events is None:
-            self._events = []
-        when = time.time_ns() if timestamp is None else timestamp
-        self._events.append(self._tracer.event(name, attributes or {}, when))
-
-    def record_exception(self, exception: BaseException, attributes=None, timestamp: int | None = None,
-                         escaped: bool = False) -> None:
-        self.add_event("exception", {
-            "exception.type": type(exception).__qualname__,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
-            "exception.escaped": str(escaped),
-            **(attributes or {}),
-        }, timestamp)
-
-    def end(self, end_time: int | None = None) -> None:
-        if self._ended:
+    def end(self, started: Started, start: int, end: int, more: dict | None = None,  # noqa: PLR0917
+            status: Status | None = None, exception: dict | None = None) -> None:
+        """Write ``started`` as it ended: ``more`` attributes, a status, an ``exception`` event's attributes."""
+        if not started.recording:
             return
-        self._ended = True
-        self._end = time.time_ns() if end_time is None else end_time
-        _ended.append(self)
-        if len(_ended) >= _HAND_OVER_AT:
-            hand_over()
+        span = started.sdk_span
+        if span is not None:
+            if more:
+                span.set_attributes(more)
+            if exception is not None:
+                span.add_event("exception", exception, timestamp=end)
+            if status is not None:
+                span.set_status(status)
+            span.end(end_time=end)
+            return
+        attributes = started.attributes
+        if more:
+            attributes.update(more)
+        events = (self._event("exception", exception, end),) if exception is not None else ()
+        self._batch.append(self._readable(
+            name=started.name, context=started.context, parent=started.parent, resource=self._resource,
+            attributes=attributes, events=events, kind=_INTERNAL, status=status or _UNSET,
+            start_time=start, end_time=end, instrumentation_scope=self._scope,
+        ))
+
+    def flush(self) -> None:
+        """Hand the spans written so far to the processors, in one loop."""
+        batch, self._batch = self._batch, []
+        on_end = self._processor.on_end if batch else None
+        for span in batch:
+            on_end(span)
+
+
+_flushed_first: weakref.WeakSet = weakref.WeakSet()
+
+
+def _flush_emitter_first(provider) -> None:
+    """The provider's ``force_flush`` and ``shutdown`` first emit what the emitter holds, so a flush (and
+    the SDK's own exit handler, where this project's lifecycle does not run) exports every step."""
+    if provider in _flushed_first:
+        return
+    _flushed_first.add(provider)
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+    class EmitFirst(SpanProcessor):
+        def force_flush(self, timeout_millis: int = 30_000) -> bool:
+            emitter().drain()
+            return True
+
+        def shutdown(self) -> None:
+            emitter().drain(final=True)
+
+    sdk.add_span_processor_first(provider, EmitFirst())
+
+
+def remote_parent(trace_id: int, span_id: int, sampled: bool) -> SpanContext:
+    from opentelemetry_instrumentation_deepspeed.export.trace_ids import NOT_SAMPLED, SAMPLED
+
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=SAMPLED if sampled else NOT_SAMPLED)
+
+
+def in_context(context: SpanContext) -> Context:
+    """A context holding ``context`` as its span: what exemplars and the public API's parents read."""
+    return trace.set_span_in_context(NonRecordingSpan(context), EMPTY_CONTEXT)

@@ -1,22 +1,21 @@
 """Training metrics: step and phase durations (with exemplars), samples, tokens, skipped steps,
 loss scale, gradient norm and MFU.
 
-Durations are histograms recorded in the context of their span, so each bucket keeps the trace
-of a step that fell in it. Totals and last values are kept here and observed at collection
-time: an observable costs the training thread nothing. Nothing read here synchronizes a
-device: a value that lives in a CUDA tensor is not reported.
+Everything here runs on the emitter's thread, from closed step records: durations are histograms
+recorded in the context of their span, so each bucket keeps the trace of a step that fell in it;
+totals and last values are kept here and observed at collection. Nothing read here synchronizes
+a device: a value that lives in a CUDA tensor is not reported.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import weakref
 
 from opentelemetry.metrics import Observation
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import deferred_metrics
+from opentelemetry_instrumentation_deepspeed.export.histograms import TimedHistogram
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
@@ -57,30 +56,6 @@ def count_parameters(module) -> int:
     return sum(getattr(p, "ds_numel", None) or p.numel() for p in module.parameters())
 
 
-def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
-    """(samples, tokens) of a forward's batch, from its token ids if it has any.
-
-    Token ids: the ``input_ids`` keyword, an ``input_ids`` entry of a dict argument, or else the
-    first positional tensor of an integer dtype. Tokens are its element count, padding included
-    (counting a mask would need the device); samples its first dimension.
-    """
-    ids = kwargs.get("input_ids")
-    if ids is None and args:
-        first = args[0]
-        ids = first.get("input_ids") if isinstance(first, dict) else first
-    shape = getattr(ids, "shape", None)
-    if not shape or not hasattr(ids, "is_floating_point"):  # a torch tensor, not an array or a list
-        return None, None
-    dtype = ids.dtype
-    is_integer = _INTEGER_DTYPES.get(dtype)
-    if is_integer is None:
-        is_integer = _INTEGER_DTYPES[dtype] = not dtype.is_floating_point and not dtype.is_complex
-    return int(shape[0]), (math.prod(shape) if is_integer else None)
-
-
-_INTEGER_DTYPES: dict = {}  # torch dtype -> whether it holds integers: two tensor calls fewer per forward
-
-
 class TrainingMetrics:
     def __init__(self, meter, flops_per_token: float | None, engine=None):
         self._flops_per_token = flops_per_token
@@ -93,15 +68,14 @@ class TrainingMetrics:
         self.loss_scale: float | None = None
         self.grad_norm: float | None = None
         self.mfu: float | None = None
-        self._step = meter.create_histogram(
+        self._step = TimedHistogram(meter.create_histogram(
             semconv.METRIC_STEP_DURATION, unit="s", description="Duration of an optimizer step on this rank",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
-        self._phase = meter.create_histogram(
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS))
+        self._phase = TimedHistogram(meter.create_histogram(
             semconv.METRIC_PHASE_DURATION, unit="s",
             description="Duration of a phase of a step (data wait, forward, backward, optimizer step)",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS))
         self._phase_attributes = {name: {semconv.TRAINING_PHASE: name} for name in semconv.PHASES}
-        self._deferred = deferred_metrics.for_meter(meter)
         self._observers = Component("training metrics")
         meter.create_observable_counter(semconv.METRIC_SAMPLES, [self._total("samples")], unit="{sample}",
                                         description="Samples this rank trained on")
@@ -142,12 +116,18 @@ class TrainingMetrics:
 
         return observing(self._observers, observe)
 
-    def phases(self, durations) -> None:
-        """(phase, seconds, span, end) each: the span its exemplar points to, and when it ended."""
-        self._deferred.record_each(self._phase, durations, self._phase_attributes)
+    def phase(self, phase: str, start: int, end: int, span_context) -> None:
+        """A phase (or data wait) that ended at ``end``; ``span_context``: its span, for the exemplar."""
+        self._phase.record((end - start) / 1e9, end, span_context, self._phase_attributes[phase])
 
-    def step(self, seconds: float, span, tokens: int, skipped: bool) -> None:
-        self._deferred.record(self._step, seconds, None, span)
+    def batches(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+
+    def step(self, start: int, end: int, span_context, tokens: int, skipped: bool) -> None:
+        """A step that closed normally (a failed one counts its phases and batches, not itself)."""
+        seconds = (end - start) / 1e9
+        self._step.record(seconds, end, span_context)
         self.skipped += skipped
         if self._flops_per_token and self._peak and tokens:
             self.mfu = tokens * self._flops_per_token / (seconds * self._peak)

@@ -7,15 +7,15 @@ that passes through ``deepspeed.comm``, ``TorchBackend`` and two ``torch.distrib
 counts once. The same function objects re-exported elsewhere (``deepspeed.comm``,
 ``torch.distributed``, modules that imported them by name) are rebound to the same wrapper.
 
-A collective's span is a child of the phase that issued it (or of the step between phases).
-Synchronous calls are timed on the host; ``async_op=True`` calls run from issue to ``wait()``
-on their work handle. On CUDA tensors, CUDA events recorded around the call (and at ``wait()``)
-give the GPU-side interval instead, resolved later without blocking (``gpu_timing``).
+Each call becomes a ``Collective`` record: of the open step, under the phase that issued it (or
+the step between phases), or on its own outside steps (metrics only). Synchronous calls are timed
+on the host; ``async_op=True`` calls run from issue to ``wait()`` on their work handle. On CUDA
+tensors, CUDA events recorded around the call (and at ``wait()``) give the GPU-side interval
+instead, read by the emitter once they completed (``gpu_timing``).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import sys
 import threading
@@ -24,12 +24,12 @@ import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import deferred_metrics, spans
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.export.histograms import TimedHistogram
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import (
     DEEPSPEED_OPS,
     TORCH_OPS,
@@ -39,7 +39,8 @@ from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import (
 )
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import Patches, when_imported
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
-from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
@@ -73,31 +74,17 @@ class _Route:
     size_factor: int  # algorithm bytes per byte of this rank's data
     bus_factor: float
     totals: list  # [bytes, bus bytes], observed as counters
-
-
-@dataclass(slots=True)
-class _Call:
-    route: _Route
-    sequence: int
-    data_bytes: int
-    dtype: str
-    is_async: bool
-    start: int
-    parent: trace.Span | None  # the span's parent; None: metrics only
-    tracker: object
-    gpu_start: object = None
-    remaining: int = 1
+    duration: TimedHistogram
 
 
 class CommObserver(Component):
-    """Turns collective calls into spans and metrics."""
+    """Turns collective calls into ``Collective`` records: of the open step, or on their own outside steps."""
 
     def __init__(self, meter, spans: bool, cuda=None):
         super().__init__("collective tracing")
         self._spans = spans
         self.explicit = False  # set by the instrumentor: providers were handed to instrument()
         self._cuda = cuda  # torch.cuda, looked up at the first CUDA tensor; a fake in tests
-        self._tracer = None
         self._groups: dict[int, _Group] = {}
         self._group_objects: list = []  # ids above stay valid while the groups live
         self._dtypes: dict[object, str] = {}
@@ -106,12 +93,13 @@ class CommObserver(Component):
         self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._gpu = None
         self._gpu_step: object = -1  # the step whose start was last considered for an anchor
-        self._duration = meter.create_histogram(
+        self._emitter = emitter()
+        self._emitter.watch_collections(meter)
+        self._duration = TimedHistogram(meter.create_histogram(
             semconv.METRIC_COMM_DURATION, unit="s", description="Duration of collective operations",
             explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
-        )
-        self._deferred = deferred_metrics.for_meter(meter)
-        # Byte totals are summed here and observed at collection: two counter adds per call cost more.
+        ))
+        # Byte totals are summed by the emitter and observed at collection.
         self._totals: dict[tuple, list] = {}  # (op, backend, group size) -> [bytes, bus bytes, attributes]
         meter.create_observable_counter(
             semconv.METRIC_COMM_SIZE, callbacks=[self._observe_sizes(0)], unit="By",
@@ -125,23 +113,24 @@ class CommObserver(Component):
     # -- wrapper entry points ------------------------------------------------------------------
 
     @fail_open
-    def issued(self, spec: OpSpec, args, kwargs) -> _Call | None:
-        if self._gpu is not None:
-            self._gpu.resolve()
+    def issued(self, spec: OpSpec, args, kwargs) -> Collective | None:
         group, data_bytes, tensor, is_async = spec.read(args, kwargs)
         group = self._group(group)
         route = self._routes.get((id(spec), id(group))) or self._route(spec, group)
-        tracker = trackers.active()
-        parent = None if tracker is None else tracker.comm_issued(self._spans)
-        call = _Call(route, group.sequence, data_bytes, self._dtype(tensor), is_async, time.time_ns(), parent,
-                     tracker)
+        call = Collective(route, group.sequence, data_bytes, self._dtype(tensor), is_async, time.time_ns())
         group.sequence += 1
+        recorder = registry.active()
+        if recorder is not None:
+            recorder.comm_issued(call, self._spans)
         if tensor is not None and getattr(tensor, "is_cuda", False):
-            call.gpu_start = self._timeline(tracker).event()
+            call.timeline = self._timeline(recorder)
+            call.gpu_start = call.timeline.event()
+        if call.step is None:  # outside any step: its metrics only, once it completes
+            self._emitter.submit(call)
         return call
 
     @fail_open
-    def completed(self, call: _Call | None, result) -> None:
+    def completed(self, call: Collective | None, result) -> None:
         if call is None:
             return
         if not call.is_async:
@@ -151,18 +140,19 @@ class CommObserver(Component):
         if not works:
             self._finish(call)
             return
-        call.remaining = len(works)
         for work in works:
             try:
                 self._pending_async[work] = call
             except TypeError:  # a handle type without weak references: it cannot be followed to wait()
                 self._finish(call)
                 return
+        call.remaining = len(works)
 
     @fail_open
-    def failed(self, call: _Call | None, error: BaseException) -> None:
+    def failed(self, call: Collective | None, error: BaseException) -> None:
         if call is not None:
-            self._finish(call, error=error)
+            call.failure = Failure.of(error)
+            call.end = time.time_ns()
 
     @fail_open
     def waited(self, work) -> None:
@@ -172,66 +162,13 @@ class CommObserver(Component):
             if call.remaining == 0:
                 self._finish(call)
 
-    @fail_open
-    def flush(self) -> None:
-        """At exit: intervals still on the GPU get host times; nothing waits for them."""
-        if self._gpu is not None:
-            self._gpu.resolve(final=True)
+    def _finish(self, call: Collective) -> None:
+        if call.gpu_start is not None:
+            # Recorded after the call (or its wait()): the current stream waits for the collective there.
+            call.gpu_end = call.timeline.event()
+        call.end = time.time_ns()  # last: the emitter takes a set end as complete
 
-    # -- recording -----------------------------------------------------------------------------
-
-    def _finish(self, call: _Call, error: BaseException | None = None) -> None:
-        end = time.time_ns()
-        if call.gpu_start is not None and error is None:
-            self._gpu.defer(call.gpu_start, self._gpu.event(),
-                            lambda start, stop: self._record(call, start or call.start, stop or end, start is not None))
-            self._gpu.resolve()
-        else:
-            self._record(call, call.start, end, False, error, in_call=True)
-
-    def _record(self, call: _Call, start: int, end: int, on_gpu: bool,  # noqa: PLR0917
-                error: BaseException | None = None, in_call: bool = False) -> None:
-        route = call.route
-        seconds = max(end - start, 1) / 1e9
-        algbw = call.data_bytes * route.size_factor / seconds
-        self._deferred.record(self._duration, seconds, route.metric_attributes)
-        totals = route.totals
-        totals[0] += call.data_bytes
-        totals[1] += int(call.data_bytes * route.size_factor * route.bus_factor)
-        if call.parent is None:
-            return
-        # Right after the call, the span is made when its step closes, with the step's other spans:
-        # here it would cost several times as much, its code evicted from the caches by the call's data.
-        if not (in_call and call.tracker is not None
-                and call.tracker.later(self._emit_span, call, start, end, algbw, on_gpu, error)):
-            self._emit_span(call, start, end, algbw, on_gpu, error)
-
-    @fail_open
-    def _emit_span(self, call: _Call, start: int, end: int, algbw: float, on_gpu: bool,  # noqa: PLR0917
-                   error: BaseException | None) -> None:
-        span = self._tracer.start_child(call.route.span_name, call.parent,
-                                        self._span_attributes(call, algbw, call.route.bus_factor, on_gpu), start)
-        if error is not None:
-            span.record_exception(error)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-        span.end(end_time=end)
-        if not on_gpu and call.tracker is not None:  # operators run on the host clock, in the step of the call
-            call.tracker.note_interval(start, end, span)
-
-    def _span_attributes(self, call: _Call, algbw: float, bus: float, on_gpu: bool) -> dict:
-        # Only what varies per call is built here; every attribute costs ~4 us to encode on export.
-        attributes = {
-            **call.route.span_attributes,
-            semconv.COMM_BYTES: call.data_bytes,
-            semconv.COMM_DTYPE: call.dtype,
-            semconv.COMM_ASYNC: call.is_async,
-            semconv.COMM_SEQUENCE: call.sequence,
-            semconv.COMM_ALGBW: algbw,
-            semconv.COMM_BUSBW: algbw * bus,
-        }
-        if on_gpu:
-            attributes[semconv.COMM_TIMING] = "gpu"
-        return attributes
+    # -- what never changes per (op, group) ------------------------------------------------------
 
     def _route(self, spec: OpSpec, group: _Group) -> _Route:
         metric_attributes = {semconv.COMM_OP: spec.name, semconv.COMM_BACKEND: group.backend,
@@ -244,7 +181,8 @@ class CommObserver(Component):
         if totals is None:
             totals = self._totals[key] = [0, 0, metric_attributes]
         route = _Route(f"comm.{spec.name}", metric_attributes, span_attributes,
-                       algorithm_bytes(spec.kind, 1, group.size), bus_factor(spec.kind, group.size), totals)
+                       algorithm_bytes(spec.kind, 1, group.size), bus_factor(spec.kind, group.size), totals,
+                       self._duration)
         self._routes[(id(spec), id(group))] = route
         return route
 
@@ -283,22 +221,16 @@ class CommObserver(Component):
             name = self._dtypes[dtype] = str(dtype).removeprefix("torch.")
         return name
 
-    def _timeline(self, tracker):
+    def _timeline(self, recorder):
         from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
 
         if self._gpu is None:
             self._gpu = GpuTimeline(self._cuda or sys.modules["torch"].cuda)
-            # After the SDK's own exit handler has been registered, so that this one runs first.
-            session.on_start(lambda _identity: atexit.register(self.flush))
-        step = None if tracker is None else tracker.step_number()
-        if step != self._gpu_step:
+        step = None if recorder is None else recorder.step_number()
+        if step != self._gpu_step:  # the first CUDA collective of a step renews the origin if it can
             self._gpu_step = step
             self._gpu.anchor_if_idle()
         return self._gpu
-
-    def use_tracer_provider(self, provider) -> None:
-        self._tracer = spans.Tracer((provider or trace.get_tracer_provider()).get_tracer(
-            "opentelemetry_instrumentation_deepspeed", __version__))
 
 
 def _collective_wrapper(observer: CommObserver, spec: OpSpec):
@@ -348,7 +280,6 @@ class CommInstrumentor(BaseInstrumentor):
             return
         meter = get_meter(__name__, __version__, kwargs.get("meter_provider"))
         observer = CommObserver(meter, spans=mode == "spans")
-        observer.use_tracer_provider(kwargs.get("tracer_provider"))
         # Providers handed to instrument() record even when the API's globals have no SDK behind them.
         observer.explicit = kwargs.get("tracer_provider") is not None or kwargs.get("meter_provider") is not None
         # The SDK starts with the first engine, after the engine's own start-up broadcasts: their

@@ -22,7 +22,7 @@ from opentelemetry.metrics import Observation, get_meter
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
-from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
@@ -37,8 +37,8 @@ _nesting = threading.local()
 
 
 def _next(wrapped, instance, args, kwargs):
-    tracker = trackers.active()
-    if tracker is None or getattr(_nesting, "inside", False):
+    recorder = registry.active()
+    if recorder is None or getattr(_nesting, "inside", False):
         return wrapped(*args, **kwargs)
     _nesting.inside = True
     start = time.time_ns()
@@ -46,7 +46,7 @@ def _next(wrapped, instance, args, kwargs):
         batch = wrapped(*args, **kwargs)
     finally:
         _nesting.inside = False
-    tracker.data_waited(start, time.time_ns())
+    recorder.data_waited(start, time.time_ns())
     return batch
 
 

@@ -18,7 +18,7 @@ from opentelemetry.metrics import get_meter
 
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments
-from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
@@ -35,14 +35,12 @@ def _init_wrapper(tracer_provider, meter_provider):
             _logger.warning("opentelemetry-instrumentation-deepspeed does not trace PipelineEngine steps yet")
             return result
         try:
-            from opentelemetry_instrumentation_deepspeed.recording.steps import StepTracker
-
             identity = session.start()
             if session.silent and tracer_provider is None and meter_provider is None:
                 return result
             provider = tracer_provider or trace.get_tracer_provider()
             meter = get_meter("opentelemetry_instrumentation_deepspeed", __version__, meter_provider)
-            trackers.track(instance, StepTracker(provider, identity, instance, meter))
+            registry.track(instance, recorder_for(instance, identity, provider, meter))
         except Exception:
             _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                               "training is not affected")
@@ -51,77 +49,104 @@ def _init_wrapper(tracer_provider, meter_provider):
     return wrapper
 
 
+def recorder_for(engine, identity, tracer_provider, meter, cuda=None):
+    """The recorder of ``engine``'s steps, and the facts the emitter needs to turn its records into telemetry."""
+    from opentelemetry_instrumentation_deepspeed.export.emitter import StepFacts, emitter
+    from opentelemetry_instrumentation_deepspeed.export.spans import SpanWriter
+    from opentelemetry_instrumentation_deepspeed.export.training_metrics import TrainingMetrics, flops_per_token
+    from opentelemetry_instrumentation_deepspeed.recording import profiler
+    from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
+    from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+
+    sink = emitter()
+    sink.watch_collections(meter)
+    metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None, engine)
+    step_profiler = profiler.from_environment()
+    facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
+                      step_profiler.top if step_profiler is not None else 0)
+    return StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(engine, cuda), env.comm_span_limit())
+
+
+def _gpu_timeline(engine, cuda):
+    device = getattr(engine, "device", None)
+    if cuda is None and getattr(device, "type", None) != "cuda":
+        return None
+    from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
+
+    return GpuTimeline(cuda or sys.modules["torch"].cuda)
+
+
 def _forward(wrapped, instance, args, kwargs):
-    tracker = trackers.tracker_for(instance)
-    if tracker is None:
+    recorder = registry.recorder_for(instance)
+    if recorder is None:
         return wrapped(*args, **kwargs)
     if not (instance.training and sys.modules["torch"].is_grad_enabled()):
-        tracker.not_training()
+        recorder.not_training()
         return wrapped(*args, **kwargs)
-    span = tracker.forward_started(instance, args, kwargs)
+    phase = recorder.forward_started(instance, args, kwargs)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
-        tracker.phase_failed(span, error)
+        recorder.phase_failed(phase, error)
         raise
-    tracker.phase_ended(span)
+    recorder.phase_ended(phase)
     return result
 
 
 def _backward(wrapped, instance, args, kwargs):
-    tracker = trackers.tracker_for(instance)
-    if tracker is None:
+    recorder = registry.recorder_for(instance)
+    if recorder is None:
         return wrapped(*args, **kwargs)
-    span = tracker.backward_started(instance)
+    phase = recorder.backward_started(instance)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
-        tracker.phase_failed(span, error)
+        recorder.phase_failed(phase, error)
         raise
-    tracker.phase_ended(span)
+    recorder.phase_ended(phase)
     return result
 
 
 def _backward_prologue(wrapped, instance, args, kwargs):
-    # Inside engine.backward() the span is already open; this catches a direct loss.backward().
-    tracker = None
+    # Inside engine.backward() the phase is already open; this catches a direct loss.backward().
+    recorder = None
     if not getattr(instance, "_running_engine_backward", True):
-        tracker = trackers.tracker_for(instance)
-        if tracker is not None:
-            tracker.backward_started(instance, direct=True)
+        recorder = registry.recorder_for(instance)
+        if recorder is not None:
+            recorder.backward_started(instance, direct=True)
     try:
         return wrapped(*args, **kwargs)
     except BaseException as error:
-        if tracker is not None:
-            tracker.direct_backward_failed(error)
+        if recorder is not None:
+            recorder.direct_backward_failed(error)
         raise
 
 
 def _backward_epilogue(wrapped, instance, args, kwargs):
-    tracker = trackers.tracker_for(instance)
+    recorder = registry.recorder_for(instance)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
-        # Inside engine.backward(), its own wrapper ends the span; here only a direct backward's.
-        if tracker is not None:
-            tracker.direct_backward_failed(error)
+        # Inside engine.backward(), its own wrapper ends the phase; here only a direct backward's.
+        if recorder is not None:
+            recorder.direct_backward_failed(error)
         raise
-    if tracker is not None:
-        tracker.direct_backward_ended()
+    if recorder is not None:
+        recorder.direct_backward_ended()
     return result
 
 
 def _step(wrapped, instance, args, kwargs):
-    tracker = trackers.tracker_for(instance)
-    span = None if tracker is None else tracker.optimizer_step_started(instance)
-    if span is None:
+    recorder = registry.recorder_for(instance)
+    phase = None if recorder is None else recorder.optimizer_step_started(instance)
+    if phase is None:
         return wrapped(*args, **kwargs)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
-        tracker.phase_failed(span, error)
+        recorder.phase_failed(phase, error)
         raise
-    tracker.optimizer_step_ended(instance, span)
+    recorder.optimizer_step_ended(instance, phase)
     return result
 
 
@@ -161,4 +186,4 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         self._patching = False
         module = sys.modules.get(_ENGINE_MODULE)
         unwrap_methods(getattr(module, "DeepSpeedEngine", None), ["__init__", *_PHASES])
-        trackers.forget_all()
+        registry.forget_all()

@@ -25,8 +25,8 @@ import os
 import signal
 import threading
 
-from opentelemetry_instrumentation_deepspeed.export import spans
-from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
 _logger = logging.getLogger(__name__)
@@ -56,12 +56,11 @@ def finish(reason: str) -> None:
     """Close open steps with ``reason``, then flush traces, then metrics. Runs once, in the rank only."""
     if os.getpid() != _pid or not _finished.acquire(blocking=False):
         return
-    for tracker in trackers.all_trackers():
-        tracker.interrupted(reason)
-    try:
-        spans.hand_over()  # spans that ended outside a step's close (a GPU interval resolved late)
-    except Exception:  # the process is exiting: say so and go on
-        _logger.warning("opentelemetry-instrumentation-deepspeed: handing the last spans over failed", exc_info=True)
+    for recorder in registry.all_recorders():
+        if recorder.profiler is not None:
+            recorder.profiler.abandon()
+        recorder.interrupted(reason)
+    emitter().drain(final=True)
     for provider in _providers:
         try:
             provider.shutdown()
@@ -86,7 +85,8 @@ def _forked() -> None:
         from opentelemetry_instrumentation_deepspeed.runtime import session
 
         session.silent = True
-        trackers.forget_all()
+        registry.forget_all()
+        emitter().forget()
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         tracer_provider, meter_provider = _providers

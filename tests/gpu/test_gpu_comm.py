@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry_instrumentation_deepspeed import CommInstrumentor
-from opentelemetry_instrumentation_deepspeed.recording import trackers
+from opentelemetry_instrumentation_deepspeed.recording import registry
 sys.path.insert(0, os.environ["REPO"])
 from tests.test_steps_unit import tracker_on
 
@@ -29,8 +29,8 @@ for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize
     setattr(owner, name, lambda *a, _o=original, _n=name, **k: (syncs.append(_n), _o(*a, **k))[1])
 
 tracker, engine, exporter = tracker_on(1)
-CommInstrumentor().instrument(tracer_provider=tracker._provider)
-trackers._active = tracker
+CommInstrumentor().instrument(tracer_provider=tracker.facts.writer.provider)
+registry._active = tracker
 dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{os.environ['PORT']}")
 x = torch.randn(8192, 8192, device="cuda")
 data = torch.ones(64 * 1024 * 1024 // 4, device="cuda")
@@ -44,11 +44,11 @@ work = dist.all_reduce(data, async_op=True)
 work.wait()
 host_done = time.time_ns()
 tracker.phase_ended(forward)
+tracker.phase_ended(tracker.backward_started(engine))
+engine.step(tracker)  # the step closes: its record goes to the emitter
 torch.cuda.synchronize()  # the test's own, after the fact: let every event complete
 syncs.remove("synchronize")
-dist.all_reduce(torch.ones(1, device="cuda"))  # the next collective resolves what completed
-torch.cuda.synchronize(); syncs.remove("synchronize")
-spans = [s for s in exporter.get_finished_spans() if s.name == "comm.all_reduce"]
+spans = [s for s in exporter.get_finished_spans() if s.name == "comm.all_reduce"]  # a drain reads the events
 for s in spans:
     print("SPAN", s.attributes.get("comm.timing", "host"), s.attributes["comm.async"], s.start_time - issued,
           s.end_time - s.start_time, s.attributes["comm.busbw"])

@@ -1,0 +1,380 @@
+"""The one emitter: closed step records become spans and metric points, on a thread of its own.
+
+The training thread only appends to a queue (``submit``): a closed ``StepRecord``, or a collective
+issued outside any step. Every ``DRAIN_SECONDS`` (and when a metric reader collects, so a collection
+sees everything recorded before it; and at exit, through the lifecycle) ``drain`` turns them into:
+
+- the step's span tree (root on rank 0, ``training.step``, data waits, phases, collectives, the
+  operators and kernels of a profiled step), written finished, with the recorded times;
+- histogram points that keep the time they were taken and their span (exemplars), and totals;
+- GPU intervals and async collectives that had not completed by then wait in ``_pending`` and are
+  emitted by a later drain once their CUDA events completed or their ``wait()`` returned (the final
+  drain gives collectives host times and drops what never completed).
+
+Why a thread and not the training thread: a span costs ~20 us and a histogram point ~5-100 us inside
+a step, whose tensors keep evicting this code from the CPU's caches; here a drain handles a batch of
+records in a warm loop. Why every half second and not at once: one wake-up per step would cost a
+thread switch per step, and objects that live for seconds reach the garbage collector's oldest
+generation, whose collections pause training (``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from opentelemetry.trace import Status, StatusCode
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.export import kernels, trace_ids
+from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
+from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, Phase, StepRecord
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
+
+_logger = logging.getLogger(__name__)
+
+DRAIN_SECONDS = 0.5
+LIMIT = 1024  # items waiting past which the submitting thread drains (the emitter's thread could not run)
+MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
+_COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.deferred"
+
+_PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,
+                semconv.PHASE_OPTIMIZER_STEP: semconv.SPAN_OPTIMIZER_STEP}
+
+
+class StepFacts:
+    """What never changes for one engine's steps, and where their telemetry goes."""
+
+    def __init__(self, writer, metrics, identity, engine, profile_top: int = 0):
+        self.writer = writer
+        self.metrics = metrics
+        self.emits_root = identity.rank == 0  # rank 0 emits each step's root, under the ids every rank derives
+        self.step_ids = trace_ids.StepIds(identity.job_id, trace_ids.root_decision(writer.sampler))
+        self.root_attributes = {semconv.TRAINING_STEP_SAMPLES: engine.train_batch_size(),
+                                semconv.TRAINING_WORLD_SIZE: identity.world_size}
+        self.static = {
+            semconv.TRAINING_GRADIENT_ACCUMULATION_STEPS: engine.gradient_accumulation_steps(),
+            semconv.TRAINING_ZERO_STAGE: int(engine.zero_optimization_stage()),
+            semconv.TRAINING_MICRO_BATCH_SIZE: engine.train_micro_batch_size_per_gpu(),
+        }
+        self.micro_batch_size = engine.train_micro_batch_size_per_gpu()
+        self.profile_top = profile_top
+        # The root of a step that raised, kept open for its retry (same number) until the next step.
+        self.held_root: _HeldRoot | None = None
+
+
+class _HeldRoot:
+    __slots__ = ("description", "end", "number", "start", "started")
+
+    def __init__(self, number: int, started, start: int, end: int, description: str):
+        self.number, self.started, self.start, self.end, self.description = number, started, start, end, description
+
+
+_NEVER = (0, 0, False)  # an async collective never waited for: no span, not in the metrics
+
+
+def _completed(collective: Collective, final: bool) -> tuple[int, int, bool] | None:
+    """(start, end, on the GPU) of a collective that completed; None while it runs; ``final``: host
+    times for a GPU interval that did not complete, ``_NEVER`` for a call never waited for."""
+    end = collective.end
+    if collective.failure is not None:
+        return collective.start, end, False
+    if end is None:
+        return _NEVER if final else None
+    if collective.gpu_start is not None and collective.gpu_end is not None:
+        times = collective.timeline.times(collective.gpu_start, collective.gpu_end)
+        if times is not None:
+            return times[0], times[1], True
+        if not final:
+            return None
+    return collective.start, end, False
+
+
+def _status(failure) -> Status | None:
+    return None if failure is None else Status(StatusCode.ERROR, failure.description)
+
+
+def _exception(failure) -> dict | None:
+    if not isinstance(failure, Failure):
+        return None
+    return {"exception.type": failure.type, "exception.message": failure.message,
+            "exception.stacktrace": failure.stacktrace, "exception.escaped": "False"}
+
+
+class Emitter(Component):
+    def __init__(self):
+        super().__init__("telemetry emission")
+        self._queue: deque = deque()
+        self._pending: deque = deque()  # emit(writers, final) -> done, of intervals still running
+        self._lock = threading.RLock()  # one drain at a time (a collection may drain while the thread does)
+        self._thread: threading.Thread | None = None
+        self._meters: list = []
+        self._held: set[StepFacts] = set()  # engines whose last step raised: its root waits for a retry
+        self.dropped = 0  # incomplete intervals given up beyond MAX_PENDING
+
+    # -- any thread -----------------------------------------------------------------------------
+
+    def submit(self, item: StepRecord | Collective) -> None:
+        if self.broken:
+            return
+        self._queue.append(item)
+        if self._thread is None:
+            self._start()
+        if len(self._queue) > LIMIT:
+            self.drain()
+
+    def watch_collections(self, meter) -> None:
+        """Drain whenever ``meter``'s reader collects: its totals and histograms then include every record."""
+        if any(known is meter for known in self._meters):
+            return
+        self._meters.append(meter)
+        # Its callback returns no observation, so no stream of it is ever exported.
+        meter.create_observable_gauge(_COLLECTION_INSTRUMENT, [observing(self, self._drain_at_collection)], unit="1",
+                                      description="Internal: emits the queued step records at collection")
+
+    def forget(self) -> None:
+        """In a forked child: the parent's records are not the child's to emit, and its thread is not there."""
+        self._queue.clear()
+        self._pending.clear()
+        self._thread = None
+        self._lock = threading.RLock()
+
+    @fail_open
+    def drain(self, final: bool = False) -> None:
+        """Emit everything submitted so far; ``final``: also what never completed (host times, or nothing)."""
+        with self._lock:
+            writers: set = set()
+            queue, yielding = self._queue, threading.current_thread() is self._thread
+            while queue:
+                try:
+                    item = queue.popleft()
+                except IndexError:
+                    break
+                if type(item) is StepRecord:
+                    self._step(item, writers)
+                else:
+                    self._collective(item, None, None, None, writers)
+                if yielding:
+                    time.sleep(0)  # lets the training thread take the GIL back between records
+            self._resolve(final, writers)
+            if final:
+                for facts in list(self._held):
+                    self._end_root(facts, writers)
+            for writer in writers:
+                writer.flush()
+
+    # -- the emitter's thread ---------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="otel-deepspeed-emitter")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.broken:
+            time.sleep(DRAIN_SECONDS)
+            self.drain()
+
+    def _drain_at_collection(self, _options):
+        self.drain()
+        return []
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    def _step(self, record: StepRecord, writers: set) -> None:
+        facts, writer = record.facts, record.facts.writer
+        writers.add(writer)
+        root, held, parent = self._root(record, writers)
+        step = writer.child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: record.number, **facts.static},
+                            record.start)
+        intervals: list | None = [] if record.profile is not None and step.recording else None
+        phases = self._phases(record, step, intervals, writers)
+        for collective in list(record.collectives):
+            spanned = step.recording and collective.spanned
+            parent_context = phases.get(collective.parent, step.context) if spanned else None
+            self._collective(collective, writer if parent_context is not None else None, parent_context, intervals,
+                             writers)
+
+        facts.metrics.batches(record.samples, record.tokens)
+        more = {}
+        if record.failure is None:
+            more = {semconv.TRAINING_STEP_SAMPLES: record.micro_batches * facts.micro_batch_size,
+                    semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
+                    semconv.TRAINING_STEP_SKIPPED: record.skipped}
+            facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)
+        if record.comm_count:
+            more[semconv.COMM_COUNT] = record.comm_count
+        if record.comm_dropped:
+            more[semconv.COMM_SPANS_DROPPED] = record.comm_dropped
+        if intervals is not None:
+            more.update(kernels.emit(writer, record.profile, intervals, step.context, facts.profile_top))
+        record.profile = None  # the profiler's events are large: not kept any longer than this
+        writer.end(step, record.start, record.end, more, _status(record.failure))
+        if root is not None:
+            self._end_or_hold_root(record, root, held)
+
+    def _root(self, record: StepRecord, writers: set):
+        """(root started here or held from a failed try of this step, the held one, the step's parent context)."""
+        facts, writer, number = record.facts, record.facts.writer, record.number
+        trace_id, root_span_id, sampled = facts.step_ids(number)
+        held = facts.held_root
+        if held is not None and held.number != number:
+            self._end_root(facts, writers)
+            held = None
+        root = held.started if held is not None else None
+        if root is None and facts.emits_root:
+            root = writer.root(semconv.SPAN_GLOBAL_STEP, trace_id, root_span_id,
+                               {semconv.TRAINING_STEP: number, **facts.root_attributes}, record.start, sampled)
+        if root is not None:
+            return root, held, root.context
+        if sampled is None:
+            sampled = trace_ids.sampled(writer.provider, trace_id, semconv.SPAN_GLOBAL_STEP)
+        return None, None, remote_parent(trace_id, root_span_id, sampled)
+
+    def _phases(self, record: StepRecord, step, intervals: list | None, writers: set) -> dict:
+        """Data wait and phase spans and durations; each phase's span context (the step's, when not sampled)."""
+        writer, metrics, recording = record.facts.writer, record.facts.metrics, step.recording
+        for wait_start, wait_end, micro_step in record.waits:
+            wait_context = step.context
+            if recording:
+                started = writer.child(semconv.SPAN_DATA_WAIT, step.context,
+                                       {semconv.TRAINING_MICRO_STEP: micro_step}, wait_start)
+                writer.end(started, wait_start, wait_end)
+                wait_context = started.context
+            metrics.phase(semconv.PHASE_DATA_WAIT, wait_start, wait_end, wait_context)
+        contexts: dict[Phase, object] = {}
+        for phase in list(record.phases):
+            context, end = step.context, phase.end or record.end
+            if recording:
+                context = self._phase_span(record, phase, step.context, end, intervals, writers)
+                contexts[phase] = context
+            metrics.phase(phase.name, phase.start, end, context)
+        return contexts
+
+    def _phase_span(self, record: StepRecord, phase: Phase, parent, end: int,  # noqa: PLR0917
+                    intervals: list | None, writers: set):
+        writer = record.facts.writer
+        attributes = {} if phase.micro_step is None else {semconv.TRAINING_MICRO_STEP: phase.micro_step}
+        if phase.direct:
+            attributes[semconv.TRAINING_BACKWARD_DIRECT] = True
+        started = writer.child(_PHASE_SPANS[phase.name], parent, attributes, phase.start)
+        more = {}
+        if phase.comm_count:
+            more[semconv.COMM_COUNT] = phase.comm_count
+        if phase.comm_dropped:
+            more[semconv.COMM_SPANS_DROPPED] = phase.comm_dropped
+        writer.end(started, phase.start, end, more, _status(phase.failure), _exception(phase.failure))
+        if intervals is not None:
+            intervals.append(kernels.Interval(phase.start, end, started.context))
+        if phase.gpu_start is not None and phase.gpu_end is not None:
+            self._gpu_phase(record.gpu, writer, phase, started.context, writers)
+        return started.context
+
+    def _end_or_hold_root(self, record: StepRecord, root, held: _HeldRoot | None) -> None:
+        facts = record.facts
+        start = held.start if held is not None else record.start
+        if isinstance(record.failure, Failure):  # a retry of the same step would join this root
+            facts.held_root = _HeldRoot(record.number, root, start, record.end, record.failure.description)
+            self._held.add(facts)
+            return
+        facts.held_root = None
+        self._held.discard(facts)
+        status = _status(record.failure)
+        if status is None and held is not None:  # the retry succeeded: the step had failed all the same
+            status = Status(StatusCode.ERROR, held.description)
+        facts.writer.end(root, start, record.end, None, status)
+
+    def _end_root(self, facts: StepFacts, writers: set) -> None:
+        held, facts.held_root = facts.held_root, None
+        self._held.discard(facts)
+        writers.add(facts.writer)
+        facts.writer.end(held.started, held.start, held.end, None, Status(StatusCode.ERROR, held.description))
+
+    # -- collectives and GPU intervals --------------------------------------------------------------
+
+    def _collective(self, collective: Collective, writer, parent, intervals, writers: set) -> None:
+        """Emit ``collective`` if it completed, else keep it pending until it does."""
+        times = _completed(collective, final=False)
+        if times is None:
+            def emit(writers, final):
+                times = _completed(collective, final)
+                if times is None:
+                    return False
+                if times is not _NEVER:
+                    self._emit_collective(collective, times, writer, parent, None, writers)
+                return True
+
+            self._add_pending(emit, writers)
+        else:
+            self._emit_collective(collective, times, writer, parent, intervals, writers)
+
+    def _emit_collective(self, collective: Collective, times, writer, parent, intervals,  # noqa: PLR0917
+                         writers: set) -> None:
+        start, end, on_gpu = times
+        route = collective.route
+        seconds = max(end - start, 1) / 1e9
+        route.duration.record(seconds, end, None, route.metric_attributes)
+        totals = route.totals
+        totals[0] += collective.bytes
+        totals[1] += int(collective.bytes * route.size_factor * route.bus_factor)
+        if writer is None:
+            return
+        writers.add(writer)
+        algbw = collective.bytes * route.size_factor / seconds
+        attributes = {
+            **route.span_attributes,
+            semconv.COMM_BYTES: collective.bytes,
+            semconv.COMM_DTYPE: collective.dtype,
+            semconv.COMM_ASYNC: collective.is_async,
+            semconv.COMM_SEQUENCE: collective.sequence,
+            semconv.COMM_ALGBW: algbw,
+            semconv.COMM_BUSBW: algbw * route.bus_factor,
+        }
+        if on_gpu:
+            attributes[semconv.COMM_TIMING] = "gpu"
+        started = writer.child(route.span_name, parent, attributes, start)
+        writer.end(started, start, end, None, _status(collective.failure), _exception(collective.failure))
+        if intervals is not None and not on_gpu:  # operators run on the host clock, in the step of the call
+            intervals.append(kernels.Interval(start, end, started.context))
+
+    def _gpu_phase(self, timeline, writer, phase: Phase, parent, writers: set) -> None:
+        name = semconv.SPAN_PHASE_GPU.format(phase=phase.name)
+        start_event, end_event = phase.gpu_start, phase.gpu_end
+
+        def emit(writers, final):
+            times = timeline.times(start_event, end_event)
+            if times is None:
+                return final  # never resolved (dropped, or still running at exit): no GPU times to show
+            started = writer.child(name, parent, None, times[0])
+            writer.end(started, times[0], times[1])
+            writers.add(writer)
+            return True
+
+        if not emit(writers, False):
+            self._add_pending(emit, writers)
+
+    def _add_pending(self, emit, writers: set) -> None:
+        pending = self._pending
+        if len(pending) >= MAX_PENDING:
+            self.dropped += 1
+            pending.popleft()(writers, True)
+        pending.append(emit)
+
+    def _resolve(self, final: bool, writers: set) -> None:
+        pending = self._pending
+        for _ in range(len(pending)):
+            emit = pending.popleft()
+            if not emit(writers, final):
+                pending.append(emit)
+
+
+_emitter: Emitter | None = None
+
+
+def emitter() -> Emitter:
+    """The process's emitter (one for every engine and collective)."""
+    global _emitter  # noqa: PLW0603 - one per process
+    if _emitter is None:
+        _emitter = Emitter()
+    return _emitter

@@ -1,0 +1,109 @@
+"""When to run ``torch.profiler`` (Kineto) over a step: started and stopped on the training thread.
+
+A step is profiled when its number is a multiple of ``OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY``, when
+someone touches the trigger file (``OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER``: each rank looks at
+its modification time at every ``TRIGGER_EVERY``-th step), or when the previous step took more
+than ``OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR`` times the median of the recent unprofiled ones
+(the next step is profiled, to catch a recurring cause). The profiler runs from the step's first
+event to its close, and is stopped whatever happens: step close, step failure, process exit. The
+stopped profiler goes with the step's record; ``export.kernels`` turns its events into spans.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from collections import deque
+
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open
+
+_RECENT_STEPS = 20
+_BASELINE_EVERY = 5  # unprofiled steps between two medians of the recent ones
+# Steps between two looks at the trigger file: a system call inside a step costs ~25 us. Multiples
+# of the step number, so that every rank looks at the same steps and profiles the same one.
+TRIGGER_EVERY = 8
+
+
+class StepProfiler(Component):
+    def __init__(self, every: int, trigger: str | None, top: int, slow_factor: float):
+        super().__init__("kernel profiling")
+        self._every, self._trigger, self.top, self._slow_factor = every, trigger, top, slow_factor
+        self._trigger_seen = self._trigger_mtime()
+        self._requested = False
+        self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
+        self._slow_above: float | None = None  # seconds: the factor times the recent median
+        self._unprofiled = 0
+        self._profile = None
+        # Kineto logs every start and stop on stderr; a user's own setting wins.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+
+    def _trigger_mtime(self) -> float | None:
+        # A stat of a missing file raises: an exception on top of the system call.
+        if not self._trigger or not os.access(self._trigger, os.F_OK):
+            return None
+        try:
+            return os.stat(self._trigger).st_mtime_ns
+        except OSError:
+            return None
+
+    def _triggered(self) -> bool:
+        if not self._trigger:
+            return False
+        mtime = self._trigger_mtime()
+        if mtime is not None and mtime != self._trigger_seen:
+            self._trigger_seen = mtime
+            return True
+        return False
+
+    @fail_open
+    def step_opened(self, number: int) -> bool:
+        """Start the profiler if step ``number`` is to be profiled."""
+        wanted = ((self._every and number % self._every == 0) or self._requested
+                  or (number % TRIGGER_EVERY == 0 and self._triggered()))
+        if not wanted or self._profile is not None:
+            return False
+        self._requested = False
+        torch = sys.modules["torch"]
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profile = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
+        profile.start()
+        self._profile = profile
+        return True
+
+    def _stop(self):
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            profile.stop()
+        return profile
+
+    @fail_open
+    def abandon(self, _reason: str = "") -> None:
+        """The step failed, or the process exits: stop the profiler, emit nothing."""
+        self._stop()
+
+    @fail_open
+    def step_closed(self, seconds: float):
+        """The stopped profiler of a profiled step (its events are read off the training thread), else None."""
+        if self._profile is not None:
+            return self._stop()
+        # A profiled step is slow by construction: only unprofiled ones make the baseline.
+        if self._slow_factor:
+            if self._slow_above is not None and seconds > self._slow_above:
+                self._requested = True
+            self._recent.append(seconds)
+            self._unprofiled += 1
+            # A median per step costs more inside a step than it is worth: one every few steps.
+            if self._unprofiled % _BASELINE_EVERY == 0:
+                self._slow_above = self._slow_factor * statistics.median(self._recent)
+        return None
+
+
+def from_environment() -> StepProfiler | None:
+    every, trigger, slow_factor = env.profile_every(), env.profile_trigger(), env.profile_slow_factor()
+    if not every and not trigger and not slow_factor:
+        return None
+    return StepProfiler(every, trigger, env.profile_top(), slow_factor)

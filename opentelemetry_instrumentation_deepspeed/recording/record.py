@@ -1,0 +1,110 @@
+"""A step as plain data: what the training thread records, and all the emitter needs.
+
+The wrappers append to the open ``StepRecord`` of their rank and touch no OpenTelemetry object.
+Other threads may read an open record (the emitter once it is closed; a watchdog while it is
+open): every field is either set once or only appended to, so a reader that copies a list
+(``list(record.phases)``) sees a consistent prefix of it. Records hold numbers, strings and CUDA
+events, never a tensor or an exception object (whose traceback would keep a step's frames, and so
+its tensors, alive): an error is kept as ``Failure``, its type, message and formatted stack.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An exception raised inside a phase or a collective, as the span's status and exception event show it."""
+
+    type: str
+    message: str
+    stacktrace: str
+    description: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        return cls(type(error).__qualname__, str(error), "".join(traceback.format_exception(error)),
+                   f"{type(error).__name__}: {error}")
+
+
+@dataclass(frozen=True, slots=True)
+class Interrupted:
+    """The step or phase stopped without an exception: the process exits, or a direct backward never finished."""
+
+    description: str
+
+
+class Phase:
+    """One forward, backward or optimizer step of the open step."""
+
+    __slots__ = ("comm_count", "comm_dropped", "direct", "end", "failure", "gpu_end", "gpu_start", "micro_step",
+                 "name", "start")
+
+    def __init__(self, name: str, micro_step: int | None, start: int, gpu_start=None, direct: bool = False):
+        self.name = name  # semconv.PHASE_*
+        self.micro_step = micro_step
+        self.start = start
+        self.end: int | None = None
+        self.direct = direct  # a backward the user started with loss.backward()
+        self.failure: Failure | Interrupted | None = None
+        self.comm_count = 0
+        self.comm_dropped = 0
+        self.gpu_start = gpu_start  # CUDA events bracketing the phase's GPU work, or None
+        self.gpu_end = None
+
+
+class Collective:
+    """One collective call. ``end`` is set when it completed on the host (a synchronous call's return,
+    an async one's ``wait()``); the GPU events, when there are any, give the times it ran there."""
+
+    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "is_async", "parent", "remaining",
+                 "route", "sequence", "spanned", "start", "step", "timeline")
+
+    def __init__(self, route, sequence: int, data_bytes: int, dtype: str, is_async: bool,  # noqa: PLR0917
+                 start: int):
+        self.route = route  # what never changes for its (op, group): names, attributes, factors, instruments
+        self.sequence = sequence
+        self.bytes = data_bytes
+        self.dtype = dtype
+        self.is_async = is_async
+        self.start = start
+        self.end: int | None = None
+        self.failure: Failure | None = None
+        self.step: StepRecord | None = None  # the step it was issued in, if any
+        self.parent: Phase | None = None  # the phase it was issued in; None: the step (or no step)
+        self.spanned = False  # it gets a span (within the step's span limit)
+        self.gpu_start = None
+        self.gpu_end = None
+        self.timeline = None  # the GpuTimeline of its events
+        self.remaining = 1  # async work handles not waited for yet
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One optimizer step of one engine on this rank, open from its first event to its close."""
+
+    facts: object  # what never changes for the engine: static attributes, sinks (export.emitter.StepFacts)
+    number: int
+    start: int
+    waits: list  # (start, end, micro_step) of each data wait
+    phases: list  # Phase, in the order they started
+    collectives: list  # Collective, in the order they were issued
+    micro_batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    skipped: bool = False
+    end: int | None = None
+    failure: Failure | Interrupted | None = None
+    comm_count: int = 0
+    comm_spans: int = 0
+    comm_dropped: int = 0
+    phase: Phase | None = None  # the phase running now
+    profile: object = None  # the stopped torch.profiler of a profiled step, for the emitter to read
+    profiled: bool = False
+    gpu: object = None  # the GpuTimeline of its phases' events, on CUDA
+
+    @property
+    def closed(self) -> bool:
+        return self.end is not None

@@ -1,0 +1,45 @@
+"""Which step recorder belongs to which engine: light enough to import in every process."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
+
+# Weak: a recorder must never keep an engine, and so its model, alive.
+_recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_active: StepRecorder | None = None
+
+
+def recorder_for(engine) -> StepRecorder | None:
+    return _recorders.get(engine)
+
+
+def active() -> StepRecorder | None:
+    """The recorder of the engine that trains now: the one with an open step, else the one built last.
+
+    Several engines in a process (an RL actor and its reference model) are not several trainings.
+    """
+    if len(_recorders) > 1:
+        for recorder in list(_recorders.values()):
+            if recorder.open is not None:
+                return recorder
+    return _active
+
+
+def all_recorders() -> list[StepRecorder]:
+    return list(_recorders.values())
+
+
+def track(engine, recorder: StepRecorder) -> None:
+    global _active  # noqa: PLW0603 - the process's current training engine
+    _recorders[engine] = recorder
+    _active = recorder
+
+
+def forget_all() -> None:
+    global _active  # noqa: PLW0603
+    _recorders.clear()
+    _active = None

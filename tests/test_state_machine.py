@@ -1,0 +1,222 @@
+"""The step state machine and its records, without any OpenTelemetry SDK: events in, plain records out."""
+
+from __future__ import annotations
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.recording import state
+from opentelemetry_instrumentation_deepspeed.recording.record import Failure, Interrupted
+from opentelemetry_instrumentation_deepspeed.recording.recorder import TRACING_FAILED, StepRecorder
+from opentelemetry_instrumentation_deepspeed.recording.state import Event, State
+from tests.test_steps_unit import Engine
+
+
+class Profiler:
+    """recording.profiler.StepProfiler as the recorder drives it: profiles the steps it is told to."""
+
+    def __init__(self, profile=()):
+        self.profile = set(profile)
+        self.running = None
+        self.abandoned = 0
+        self.top = 8
+
+    def step_opened(self, number):
+        if number in self.profile:
+            self.running = number
+            return True
+        return False
+
+    def step_closed(self, _seconds):
+        running, self.running = self.running, None
+        return None if running is None else f"profile of step {running}"
+
+    def abandon(self, _reason=""):
+        self.running = None
+        self.abandoned += 1
+
+
+class Input:
+    """A batch of token ids: what the recorder reads of it (shape and dtype), nothing else."""
+
+    class Dtype:
+        is_floating_point = False
+        is_complex = False
+
+    shape = (4, 16)
+    dtype = Dtype()
+
+    def is_floating_point(self):
+        return False
+
+
+def recorder(grad_accum=1, profiler=None, limit=64):
+    records = []
+    engine = Engine(grad_accum)
+    return StepRecorder(engine, "facts", records.append, profiler, None, limit), engine, records
+
+
+def micro_batch(rec, engine, direct=False):
+    rec.data_waited(10, 20)
+    rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+    if direct:
+        rec.backward_started(engine, direct=True)
+        rec.direct_backward_ended()
+    else:
+        rec.phase_ended(rec.backward_started(engine))
+    engine.step(rec)
+
+
+def test_every_state_and_event_has_a_row():
+    assert set(state.TRANSITIONS) == {(s, e) for s in State for e in Event}
+    actions = {name for _, names in state.TRANSITIONS.values() for name in names}
+    rec, _, _ = recorder()
+    assert actions <= set(rec._actions), "every action named in the table is implemented"
+
+
+def test_a_step_spans_its_micro_batches_and_closes_on_the_boundary():
+    rec, engine, records = recorder(grad_accum=3)
+    for _ in range(2):
+        micro_batch(rec, engine)
+    assert records == [] and rec.state is State.OPEN and rec.open.micro_batches == 2
+    micro_batch(rec, engine)
+    (record,) = records
+    assert rec.state is State.IDLE and rec.open is None
+    assert [p.name for p in record.phases] == ["forward", "backward"] * 3 + ["optimizer.step"]
+    assert [p.micro_step for p in record.phases] == [0, 0, 1, 1, 2, 2, None]
+    assert [w[2] for w in record.waits] == [0, 1, 2], "each wait is the micro-batch it fetched"
+    assert record.start == 10, "the step opens at its first data wait"
+    assert record.samples == 12 and record.tokens == 3 * 64
+    assert all(p.end is not None and p.failure is None for p in record.phases)
+    assert record.end is not None and record.failure is None and not record.skipped
+    assert record.number == 1
+    micro_batch(rec, engine)  # grad_accum=3: the next step is open, not closed
+    assert records[-1] is record and rec.open.number == 2
+
+
+def test_a_direct_loss_backward_is_the_backward_phase():
+    rec, engine, records = recorder()
+    micro_batch(rec, engine, direct=True)
+    backward = records[0].phases[1]
+    assert backward.name == semconv.PHASE_BACKWARD and backward.direct and backward.failure is None
+
+
+def test_a_direct_backward_that_never_completed_is_interrupted_by_the_next_phase():
+    rec, engine, records = recorder()
+    rec.phase_ended(rec.forward_started(engine))
+    rec.backward_started(engine, direct=True)  # raised inside autograd, caught by the user: no epilogue
+    rec.phase_ended(rec.forward_started(engine))
+    engine.step(rec)
+    _, backward, forward_again, _ = records[0].phases
+    assert backward.failure == Interrupted("backward did not complete") and backward.end <= forward_again.start
+
+
+def test_a_skipped_step_is_marked():
+    rec, engine, records = recorder()
+    micro_batch(rec, engine)
+    engine.skipped_steps += 1  # DeepSpeed counts an fp16 overflow inside step()
+    rec.phase_ended(rec.forward_started(engine))
+    rec.phase_ended(rec.backward_started(engine))
+    phase = rec.optimizer_step_started(engine)
+    engine.skipped_steps += 1
+    rec.optimizer_step_ended(engine, phase)
+    assert [r.skipped for r in records] == [False, True]
+
+
+def test_a_step_that_raises_ends_with_its_phase_and_the_retry_keeps_the_number():
+    rec, engine, records = recorder()
+    phase = rec.forward_started(engine)
+    try:
+        raise RuntimeError("CUDA out of memory")
+    except RuntimeError as error:
+        rec.phase_failed(phase, error)
+    assert rec.state is State.IDLE
+    (failed,) = records
+    assert isinstance(failed.failure, Failure) and failed.failure.description == "RuntimeError: CUDA out of memory"
+    assert failed.phases[0].failure == failed.failure and "Traceback" in failed.failure.stacktrace
+    rec.phase_ended(phase)  # a stale end does nothing
+    micro_batch(rec, engine)
+    assert [r.number for r in records] == [1, 1] and records[1].failure is None
+
+
+def test_nested_phases_are_not_phases_of_their_own():
+    rec, engine, records = recorder()
+    outer = rec.forward_started(engine)
+    assert rec.forward_started(engine) is None
+    assert rec.optimizer_step_started(engine) is None
+    rec.phase_ended(outer)
+    rec.phase_ended(rec.backward_started(engine))
+    engine.step(rec)
+    assert [p.name for p in records[0].phases] == ["forward", "backward", "optimizer.step"]
+
+
+def test_interrupt_closes_the_open_step_and_its_phase():
+    rec, engine, records = recorder()
+    rec.backward_started(engine)
+    rec.interrupted("terminated by SIGTERM")
+    (record,) = records
+    assert record.failure == Interrupted("terminated by SIGTERM") == record.phases[0].failure
+    rec.interrupted("again")  # nothing open: nothing to do
+    assert len(records) == 1
+
+
+def test_evaluation_forwards_drop_the_waits_kept_for_the_next_step():
+    rec, engine, records = recorder()
+    rec.data_waited(1, 2)
+    rec.not_training()
+    micro_batch(rec, engine)
+    assert records[0].waits == [(10, 20, 0)]
+
+
+@pytest.mark.parametrize("profiled", [set(), {2}])
+def test_the_profiler_runs_over_the_steps_it_chose_and_stops_whatever_happens(profiled):
+    profiler = Profiler(profiled)
+    rec, engine, records = recorder(profiler=profiler)
+    for _ in range(3):
+        micro_batch(rec, engine)
+    assert [r.profile for r in records] == [None, "profile of step 2" if profiled else None, None]
+    assert [r.profiled for r in records] == [False, bool(profiled), False]
+    profiler.profile.add(4)
+    phase = rec.forward_started(engine)
+    assert profiler.running == 4
+    rec.phase_failed(phase, ValueError("x"))
+    assert profiler.running is None and profiler.abandoned == 1 and records[-1].profile is None
+
+
+def test_collectives_join_the_running_phase_up_to_the_span_limit():
+    class Call:
+        step = parent = None
+        spanned = False
+
+    rec, engine, records = recorder(limit=2)
+    outside = Call()
+    rec.comm_issued(outside, True)
+    assert outside.step is None, "no open step: the collective stays on its own"
+    forward = rec.forward_started(engine)
+    calls = [Call() for _ in range(3)]
+    for call in calls:
+        rec.comm_issued(call, True)
+    rec.phase_ended(forward)
+    between = Call()
+    rec.comm_issued(between, True)
+    rec.phase_ended(rec.backward_started(engine))
+    engine.step(rec)
+    record = records[0]
+    assert [c.spanned for c in [*calls, between]] == [True, True, False, False]
+    assert all(c.parent is forward for c in calls) and between.parent is None
+    assert (record.comm_count, record.comm_dropped, forward.comm_count, forward.comm_dropped) == (4, 2, 3, 1)
+
+
+def test_a_bug_in_an_action_disables_the_recorder_and_ends_the_open_step(caplog):
+    rec, engine, records = recorder()
+    rec.forward_started(engine)
+
+    def broken(_event, _data):
+        raise KeyError("a future DeepSpeed")
+
+    rec._actions[state.END_PHASE] = broken
+    rec.phase_ended(rec.open.phase)
+    assert rec.broken and rec.open is None
+    assert records[0].failure == Interrupted(TRACING_FAILED)
+    assert rec.forward_started(engine) is None and len(records) == 1
+    assert "step tracing failed" in caplog.text

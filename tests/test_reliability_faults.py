@@ -20,12 +20,13 @@ from tests.scripts.launching import launch_script
 
 STEPS = 20
 PACKAGE = "opentelemetry_instrumentation_deepspeed"
-# The 3rd forward: steps 1 and 2 are traced whole, the bug hits at the start of step 3.
-STEP_FAULT = f"{PACKAGE}.steps:batch_shape:3"
+# Forward, backward and optimizer step start a phase each: the 7th is step 3's forward. Steps 1
+# and 2 are traced whole, the bug hits at the start of step 3.
+STEP_FAULT = f"{PACKAGE}.recording.recorder:StepRecorder._start_phase:7"
 # A metric callback that fails at every collection, as one reading /proc in a locked-down container would.
-CALLBACK_FAULT = f"{PACKAGE}.dataloader:WorkerProcesses._children:1+"
+CALLBACK_FAULT = f"{PACKAGE}.instrumentors.dataloader:WorkerProcesses._children:1+"
 # Only collectives inside a step get span attributes: the 3rd is step 2's first all-reduce.
-COMM_FAULT = f"{PACKAGE}.comm:CommObserver._span_attributes:3"
+COMM_FAULT = f"{PACKAGE}.export.emitter:span_attributes:3"
 
 
 def losses(path: Path) -> list[float]:
@@ -85,11 +86,11 @@ def test_a_bug_in_step_tracing_leaves_training_bit_identical(step_fault, baselin
 
 
 def test_a_bug_in_step_tracing_is_logged_once_with_component_and_traceback(step_fault):
-    assert failure_reports(step_fault.stderr, "step tracing") == ["StepTracker.forward_started"], step_fault.stderr
+    assert failure_reports(step_fault.stderr, "step tracing") == ["StepRecorder.forward_started"], step_fault.stderr
     report = step_fault.stderr[step_fault.stderr.index("step tracing failed"):]
-    traceback = report[:report.index("RuntimeError: injected fault in batch_shape, call 3")]
-    assert "Traceback (most recent call last)" in traceback and "steps.py" in traceback
-    assert step_fault.stderr.count("injected fault in batch_shape") == 1
+    traceback = report[:report.index("RuntimeError: injected fault in StepRecorder._start_phase, call 7")]
+    assert "Traceback (most recent call last)" in traceback and "recorder.py" in traceback
+    assert step_fault.stderr.count("injected fault in StepRecorder._start_phase") == 1
 
 
 def test_step_tracing_stays_off_after_its_bug_while_collectives_and_metrics_go_on(step_fault):
@@ -139,9 +140,9 @@ def test_a_bug_in_collective_tracing_leaves_training_bit_identical(comm_fault, b
 
 def test_a_bug_in_collective_tracing_is_logged_once_and_only_collectives_stop(comm_fault):
     comm_fault.check()
-    assert failure_reports(comm_fault.stderr, "collective tracing") == ["CommObserver._emit_span"], comm_fault.stderr
+    assert failure_reports(comm_fault.stderr, "collective tracing") == ["Emitter._emit_collective"], comm_fault.stderr
     assert comm_fault.stderr.count("Traceback (most recent call last)") == 1
-    assert comm_fault.stderr.count("RuntimeError: injected fault in CommObserver._span_attributes, call 3") == 1
+    assert comm_fault.stderr.count("RuntimeError: injected fault in span_attributes, call 3") == 1
     step_of = {span.trace_id: span.attributes["training.step"] for span in comm_fault.spans
                if span.name == "training.step"}
     assert sorted(step_of.values()) == list(range(1, STEPS + 1)), "every step is still traced"
@@ -150,10 +151,10 @@ def test_a_bug_in_collective_tracing_is_logged_once_and_only_collectives_stop(co
         assert len([s for s in comm_fault.spans if s.name == name]) == STEPS, name
     collectives = [step_of[span.trace_id] for span in comm_fault.spans if span.name.startswith("comm.")]
     assert collectives == [1, 1], "step 1's two all-reduces; none from the bug on"
-    # Step 2's durations were recorded as its collectives ran; their spans are made when the step
-    # closes, where the bug hit: no duration after.
+    # The emitter records a collective's duration, then makes its span, where the bug hit step 2's
+    # first: step 1's two durations and that one, none after.
     (duration,) = last_points(comm_fault, "training.comm.duration")
-    assert duration.value == 4
+    assert duration.value == 3
     (step_duration,) = last_points(comm_fault, "training.step.duration")
     assert step_duration.value == STEPS
 

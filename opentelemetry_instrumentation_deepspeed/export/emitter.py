@@ -92,6 +92,24 @@ def _completed(collective: Collective, final: bool) -> tuple[int, int, bool] | N
     return collective.start, end, False
 
 
+def span_attributes(collective: Collective, seconds: float, on_gpu: bool) -> dict:
+    """A collective's span attributes: what never changes for its (op, group), and what this call measured."""
+    route = collective.route
+    algbw = collective.bytes * route.size_factor / seconds
+    attributes = {
+        **route.span_attributes,
+        semconv.COMM_BYTES: collective.bytes,
+        semconv.COMM_DTYPE: collective.dtype,
+        semconv.COMM_ASYNC: collective.is_async,
+        semconv.COMM_SEQUENCE: collective.sequence,
+        semconv.COMM_ALGBW: algbw,
+        semconv.COMM_BUSBW: algbw * route.bus_factor,
+    }
+    if on_gpu:
+        attributes[semconv.COMM_TIMING] = "gpu"
+    return attributes
+
+
 def _status(failure) -> Status | None:
     return None if failure is None else Status(StatusCode.ERROR, failure.description)
 
@@ -112,6 +130,7 @@ class Emitter(Component):
         self._thread: threading.Thread | None = None
         self._meters: list = []
         self._held: set[StepFacts] = set()  # engines whose last step raised: its root waits for a retry
+        self._collectives = Component("collective tracing")  # a bug in their spans stops only them
         self.dropped = 0  # incomplete intervals given up beyond MAX_PENDING
 
     # -- any thread -----------------------------------------------------------------------------
@@ -311,32 +330,27 @@ class Emitter(Component):
 
     def _emit_collective(self, collective: Collective, times, writer, parent, intervals,  # noqa: PLR0917
                          writers: set) -> None:
-        start, end, on_gpu = times
-        route = collective.route
-        seconds = max(end - start, 1) / 1e9
-        route.duration.record(seconds, end, None, route.metric_attributes)
-        totals = route.totals
-        totals[0] += collective.bytes
-        totals[1] += int(collective.bytes * route.size_factor * route.bus_factor)
-        if writer is None:
+        """Its metrics and, with a ``writer``, its span; a bug here turns collectives off, not steps."""
+        guard = self._collectives
+        if guard.broken:
             return
-        writers.add(writer)
-        algbw = collective.bytes * route.size_factor / seconds
-        attributes = {
-            **route.span_attributes,
-            semconv.COMM_BYTES: collective.bytes,
-            semconv.COMM_DTYPE: collective.dtype,
-            semconv.COMM_ASYNC: collective.is_async,
-            semconv.COMM_SEQUENCE: collective.sequence,
-            semconv.COMM_ALGBW: algbw,
-            semconv.COMM_BUSBW: algbw * route.bus_factor,
-        }
-        if on_gpu:
-            attributes[semconv.COMM_TIMING] = "gpu"
-        started = writer.child(route.span_name, parent, attributes, start)
-        writer.end(started, start, end, None, _status(collective.failure), _exception(collective.failure))
-        if intervals is not None and not on_gpu:  # operators run on the host clock, in the step of the call
-            intervals.append(kernels.Interval(start, end, started.context))
+        try:
+            start, end, on_gpu = times
+            route = collective.route
+            seconds = max(end - start, 1) / 1e9
+            route.duration.record(seconds, end, None, route.metric_attributes)
+            totals = route.totals
+            totals[0] += collective.bytes
+            totals[1] += int(collective.bytes * route.size_factor * route.bus_factor)
+            if writer is None:
+                return
+            writers.add(writer)
+            started = writer.child(route.span_name, parent, span_attributes(collective, seconds, on_gpu), start)
+            writer.end(started, start, end, None, _status(collective.failure), _exception(collective.failure))
+            if intervals is not None and not on_gpu:  # operators run on the host clock, in the step of the call
+                intervals.append(kernels.Interval(start, end, started.context))
+        except Exception:  # noqa: BLE001 - ours: logged once, and collectives stop, steps go on
+            guard.fail("Emitter._emit_collective")
 
     def _gpu_phase(self, timeline, writer, phase: Phase, parent, writers: set) -> None:
         name = semconv.SPAN_PHASE_GPU.format(phase=phase.name)

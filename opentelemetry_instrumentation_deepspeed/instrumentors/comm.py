@@ -28,6 +28,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.export import sdk
 from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 from opentelemetry_instrumentation_deepspeed.export.histograms import TimedHistogram
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import (
@@ -125,7 +126,9 @@ class CommObserver(Component):
         if tensor is not None and getattr(tensor, "is_cuda", False):
             call.timeline = self._timeline(recorder)
             call.gpu_start = call.timeline.event()
-        if call.step is None:  # outside any step: its metrics only, once it completes
+        # Outside any step: its metrics only, once it completes; none before the SDK is set up (the
+        # engine's own start-up broadcasts), as the API would drop them.
+        if call.step is None and not sdk.instrument_is_unset(self._duration.histogram):
             self._emitter.submit(call)
         return call
 

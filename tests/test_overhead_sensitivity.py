@@ -10,7 +10,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, clean_env, free_port
+
+pytestmark = pytest.mark.slow  # runs benchmarks/sensitivity.py: real DeepSpeed steps
 
 # Recorded with benchmarks/sensitivity.py (ZeRO-2, one process): see benchmarks/README.md.
 RECORDED_CALLS_PER_STEP = 542

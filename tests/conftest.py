@@ -1,4 +1,8 @@
-"""Runs of the real example through the real launchers, under ``opentelemetry-instrument``."""
+"""Runs of the real example through the real launchers, under ``opentelemetry-instrument``.
+
+Tests that start real DeepSpeed are marked ``slow``; ``pytest -m "not slow"`` is the fast unit lane.
+``launch()`` refuses to run in a test that is not marked ``slow``, so the fast lane cannot rot.
+"""
 
 from __future__ import annotations
 
@@ -70,9 +74,21 @@ class Run:
         return int(match.group(1)), int(match.group(2))
 
 
+# Whether the running test, and the fixtures set up for it, may start DeepSpeed: set before each test's set-up.
+_running = {"slow": True}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _running["slow"] = item.get_closest_marker("slow") is not None
+
+
 def launch(cwd: Path, launcher: str, *train_args: str, instrument: bool = True, env: dict | None = None,
            timeout: float = 300, script: Path = TRAIN) -> Run:
     """Run examples/train.py (or ``script``) as a user would: ``python``, ``deepspeed`` or ``torchrun`` (2 ranks)."""
+    if not _running["slow"]:
+        pytest.fail("launch() starts real DeepSpeed: mark this test (or its module) with pytest.mark.slow",
+                    pytrace=False)
     port = str(free_port())
     if launcher == "python":
         command = [sys.executable, str(script)]

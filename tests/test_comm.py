@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import launch
 from tests.otlp_json import read_last_points
 
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
 STEPS = 3
 
 # Where each stage's collectives come from, as DeepSpeed 0.19 issues them.

@@ -139,6 +139,7 @@ def test_user_resource_attributes_win(environ):
     assert attributes["training.rank"] == 1 and attributes["service.instance.id"] == "j-rank1"
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_falls_back_to_the_default(workdir):
     blocker = workdir / "a-file"
     blocker.write_text("not a directory")
@@ -151,6 +152,7 @@ def test_unwritable_output_dir_falls_back_to_the_default(workdir):
     assert len([s for s in run.spans if s.name == "training.step"]) == 2, "the default directory got them"
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_and_default_still_trains(workdir):
     blocker = workdir / "telemetry"
     blocker.write_text("the default is taken by a file")
@@ -161,6 +163,7 @@ def test_unwritable_output_dir_and_default_still_trains(workdir):
     assert (workdir / "losses.json").exists()
 
 
+@pytest.mark.slow
 def test_garbage_in_our_variable_is_reported_once_and_the_run_completes(workdir):
     run = launch(workdir, "python", "--steps", "2", env={"OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT": "soon"}).check()
     assert run.trained() == (2, 0)
@@ -168,6 +171,7 @@ def test_garbage_in_our_variable_is_reported_once_and_the_run_completes(workdir)
     assert len([s for s in run.spans if s.name == "training.step"]) == 2
 
 
+@pytest.mark.slow
 def test_processes_that_do_not_train_write_nothing_and_start_no_thread(workdir):
     """Launchers and helpers inherit opentelemetry-instrument: it must cost them nothing."""
     probe = ("import sys, threading, deepspeed, torch.utils.data; "

@@ -225,6 +225,7 @@ def _variables(job: Job, runs: Runs) -> dict[str, str]:
             "__interval": "2s", "__range": f"{max(1, round(job.end - job.start))}s"}
 
 
+@pytest.mark.slow
 def test_template_variables_list_the_runs_values(runs):
     healthy = runs.jobs["healthy"]
     values = _variables(healthy, runs)
@@ -240,6 +241,7 @@ def test_template_variables_list_the_runs_values(runs):
     assert found["rank"] == ["0", "1"]
 
 
+@pytest.mark.slow
 def test_every_panel_query_returns_data_for_the_healthy_run(runs):
     healthy = runs.jobs["healthy"]
     values = _variables(healthy, runs)
@@ -266,6 +268,7 @@ def _rules(runs: Runs) -> dict[str, dict]:
     return {rule["name"]: rule for group in groups for rule in group["rules"]}
 
 
+@pytest.mark.slow
 def test_every_rule_loads_and_evaluates_cleanly(runs):
     rules = _rules(runs)
     assert sorted(rules) == sorted(ALERTS)
@@ -287,6 +290,7 @@ def _ranks(series: list[dict]) -> set[str]:
     return {s["metric"]["training_rank"] for s in series}
 
 
+@pytest.mark.slow
 def test_data_wait_alert_fires_for_the_stalling_loader_only(runs):
     (stall,) = _alert(runs, "TrainingDataWaitHigh", runs.jobs["stall"])
     assert stall["value"] > 0.25
@@ -294,6 +298,7 @@ def test_data_wait_alert_fires_for_the_stalling_loader_only(runs):
         assert _alert(runs, "TrainingDataWaitHigh", runs.jobs[name]) == [], name
 
 
+@pytest.mark.slow
 def test_straggler_alert_names_the_slow_rank(runs):
     straggler = _alert(runs, "TrainingStragglerRank", runs.jobs["straggler"])
     assert _ranks(straggler) == {"1"}
@@ -302,6 +307,7 @@ def test_straggler_alert_names_the_slow_rank(runs):
         assert _alert(runs, "TrainingStragglerRank", runs.jobs[name]) == [], name
 
 
+@pytest.mark.slow
 def test_dropped_telemetry_alert_fires_for_the_dead_endpoint(runs):
     dropped = _alert(runs, "TrainingTelemetryDropped", runs.jobs["stall"])
     assert _ranks(dropped) == {"0", "1"}, dropped
@@ -310,6 +316,7 @@ def test_dropped_telemetry_alert_fires_for_the_dead_endpoint(runs):
         assert _alert(runs, "TrainingTelemetryDropped", runs.jobs[name]) == [], name
 
 
+@pytest.mark.slow
 def test_gpu_alerts_fire_for_the_sick_gpu_only(runs):
     sick = runs.jobs["straggler"]
     assert _ranks(_alert(runs, "TrainingGpuIdle", sick)) == {"1"}
@@ -324,6 +331,7 @@ def test_gpu_alerts_fire_for_the_sick_gpu_only(runs):
             assert _alert(runs, alert, runs.jobs[name]) == [], (name, alert)
 
 
+@pytest.mark.slow
 def test_baseline_alerts_stay_quiet_on_steady_runs(runs):
     """A run shorter than the windows has no baseline to regress from: these fire in rules.test.yaml."""
     for job in runs.jobs.values():
@@ -340,6 +348,7 @@ def test_baseline_alerts_stay_quiet_on_steady_runs(runs):
     assert all(s["value"] > 0 and math.isfinite(s["value"]) for s in ratio), ratio
 
 
+@pytest.mark.slow
 def test_the_rule_manager_raised_the_alerts_while_the_runs_trained(runs):
     """Prometheus's own evaluations, every second of the runs: pending, or firing for a rule without for:.
 
@@ -370,6 +379,7 @@ def test_the_rule_manager_raised_the_alerts_while_the_runs_trained(runs):
         assert not blips, (alert, blips)
 
 
+@pytest.mark.slow
 def test_an_expression_error_is_reported_not_swallowed(runs):
     """The helpers fail on a broken query: an empty answer above means no series, not an error."""
     with pytest.raises(PrometheusError):

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import BIN, launch
 
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
 
 def diagnose(workdir, *args: str) -> tuple[int, dict | str]:
     completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", *args], cwd=workdir,

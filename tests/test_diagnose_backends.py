@@ -75,6 +75,7 @@ def diagnose(*args):
     return completed
 
 
+@pytest.mark.slow
 def test_tempo(run_traces):
     job, traces = run_traces
     asked = []
@@ -97,6 +98,7 @@ def test_tempo(run_traces):
     assert len(asked) == 1 + len(traces)
 
 
+@pytest.mark.slow
 def test_jaeger_v2(run_traces):
     job, traces = run_traces
 

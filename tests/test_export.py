@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import launch
 from tests.otlp_receiver import OtlpReceiver
 from tests.test_step_spans import check_step_tree
+
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
 
 
 def test_otlp_endpoint_gets_everything_and_no_files_are_written(workdir):

@@ -17,6 +17,8 @@ from opentelemetry_instrumentation_deepspeed import (
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from tests.conftest import REPO, free_port
 
+pytestmark = pytest.mark.slow  # trains the example with real DeepSpeed, in this process
+
 
 @pytest.fixture(scope="module")
 def train(tmp_path_factory):

@@ -35,6 +35,7 @@ def self_times(ops, by_parent):
     return {op.span_id: (op.end - op.start) - sum(c.end - c.start for c in by_parent[op.span_id]) for op in ops}
 
 
+@pytest.mark.slow
 def test_every_nth_step_is_profiled_and_its_operators_sit_in_their_phase(workdir):
     run = launch(workdir, "torchrun", "--steps", "7", "--zero-stage", "2",
                  env={"OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY": "3", "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP": "40",
@@ -73,6 +74,7 @@ def test_every_nth_step_is_profiled_and_its_operators_sit_in_their_phase(workdir
                        {steps[n].trace_id for n in profiled})
 
 
+@pytest.mark.slow
 def test_the_trigger_file_profiles_one_coming_step_of_a_running_job_the_same_on_every_rank(workdir):
     trigger = workdir / "profile-now"
     env_vars = clean_env(OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY="0", OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER=str(trigger),

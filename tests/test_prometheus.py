@@ -16,8 +16,9 @@ from tests.conftest import free_port, launch
 
 STEPS, GRAD_ACCUM, MICRO_BATCH = 8, 2, 4
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="needs Prometheus (apt-get install prometheus; scripts/test.sh does)")
+pytestmark = [pytest.mark.slow,  # a Prometheus server scraping a real DeepSpeed job
+              pytest.mark.skipif(shutil.which("prometheus") is None,
+                                 reason="needs Prometheus (apt-get install prometheus; scripts/test.sh does)")]
 
 
 def free_port_pair(avoid: int) -> int:

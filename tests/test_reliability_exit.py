@@ -7,8 +7,12 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
 from tests.otlp_json import read_spans
+
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
 
 
 def _whole_lines(directory, files: str = "*.jsonl") -> None:

@@ -18,6 +18,8 @@ from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
 from tests.otlp_json import read_last_points
 from tests.otlp_receiver import OtlpReceiver
 
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
 STEPS = 30
 # The standard variable bounds each export; the exit bound documented in docs/reliability.md
 # is the batch processor's shutdown (30 s) plus one export timeout, far above what these runs take.

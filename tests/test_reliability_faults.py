@@ -79,12 +79,14 @@ def comm_fault(runs_dir):
 # -- (6) a bug inside step tracing ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_bug_in_step_tracing_leaves_training_bit_identical(step_fault, baseline):
     step_fault.check()
     assert step_fault.trained() == (STEPS, 0)
     assert losses(step_fault.cwd / "losses.json") == baseline
 
 
+@pytest.mark.slow
 def test_a_bug_in_step_tracing_is_logged_once_with_component_and_traceback(step_fault):
     assert failure_reports(step_fault.stderr, "step tracing") == ["StepRecorder.forward_started"], step_fault.stderr
     report = step_fault.stderr[step_fault.stderr.index("step tracing failed"):]
@@ -93,6 +95,7 @@ def test_a_bug_in_step_tracing_is_logged_once_with_component_and_traceback(step_
     assert step_fault.stderr.count("injected fault in StepRecorder._start_phase") == 1
 
 
+@pytest.mark.slow
 def test_step_tracing_stays_off_after_its_bug_while_collectives_and_metrics_go_on(step_fault):
     step_fault.check()
     traced = sorted(s.attributes["training.step"] for s in step_fault.spans if s.name == "training.step")
@@ -113,6 +116,7 @@ def test_step_tracing_stays_off_after_its_bug_while_collectives_and_metrics_go_o
     assert measured["all_reduce"] >= 2 * STEPS
 
 
+@pytest.mark.slow
 def test_after_a_step_tracing_bug_no_collective_lands_in_a_dead_step(step_fault):
     exported = {span.span_id for span in step_fault.spans}
     steps = {span.trace_id: span for span in step_fault.spans if span.name == "training.step"}
@@ -123,6 +127,7 @@ def test_after_a_step_tracing_bug_no_collective_lands_in_a_dead_step(step_fault)
     assert orphans == [], f"spans whose parent was never exported: {orphans}"
 
 
+@pytest.mark.slow
 def test_a_bug_in_a_metric_callback_is_logged_once(step_fault):
     step_fault.check()
     reports = step_fault.stderr.count("injected fault in WorkerProcesses._children")
@@ -132,12 +137,14 @@ def test_a_bug_in_a_metric_callback_is_logged_once(step_fault):
 # -- (6) a bug inside collective tracing ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_bug_in_collective_tracing_leaves_training_bit_identical(comm_fault, baseline):
     comm_fault.check()
     assert comm_fault.trained() == (STEPS, 0)
     assert losses(comm_fault.cwd / "losses.json") == baseline
 
 
+@pytest.mark.slow
 def test_a_bug_in_collective_tracing_is_logged_once_and_only_collectives_stop(comm_fault):
     comm_fault.check()
     assert failure_reports(comm_fault.stderr, "collective tracing") == ["Emitter._emit_collective"], comm_fault.stderr
@@ -297,6 +304,7 @@ GARBAGE_AT_ONCE = {
 }
 
 
+@pytest.mark.slow
 def test_every_variable_garbage_at_once_trains_and_traces(runs_dir):
     assert set(GARBAGE_AT_ONCE) == set(VARIABLES)
     workdir = runs_dir / "garbage"
@@ -326,12 +334,14 @@ def long_job_id(runs_dir):
     return launch(workdir, "python", "--steps", "3", env={"OTEL_PYTHON_DEEPSPEED_JOB_ID": "j" * 10_000})
 
 
+@pytest.mark.slow
 def test_a_job_id_longer_than_a_file_name_still_trains(long_job_id):
     long_job_id.check()
     assert long_job_id.trained() == (3, 0)
     assert "Traceback" not in long_job_id.stderr
 
 
+@pytest.mark.slow
 def test_a_job_id_longer_than_a_file_name_still_writes_telemetry(long_job_id):
     long_job_id.check()
     assert len([s for s in long_job_id.spans if s.name == "training.step"]) == 3

@@ -301,6 +301,7 @@ def zero3_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_every_attribute_value_is_a_small_scalar_and_never_tensor_data(zero3_run):
     assert [path.name for path in zero3_run.files] == ["metrics-rank0.jsonl", "metrics-rank1.jsonl",
                                                        "traces-rank0.jsonl", "traces-rank1.jsonl"]
@@ -321,6 +322,7 @@ def test_every_attribute_value_is_a_small_scalar_and_never_tensor_data(zero3_run
     assert checked > 1000
 
 
+@pytest.mark.slow
 def test_the_attributes_and_metrics_seen_are_the_documented_ones(zero3_run):
     names, prefixes = _documented()
     ours = zero3_run.seen.keys(lambda where, scope, metric: where == "resource" or scope.startswith(OUR_SCOPE))
@@ -356,6 +358,7 @@ def _listening(pid: int, port: int) -> list[str]:
     return addresses
 
 
+@pytest.mark.slow
 def test_prometheus_endpoint_answers_on_loopback_only(tmp_path):
     port = free_port()
     env = clean_env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
@@ -444,6 +447,7 @@ def _otlp_run(workdir: Path, receiver: RecordingReceiver, **env: str):
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", **env})
 
 
+@pytest.mark.slow
 def test_otlp_headers_reach_the_collector_on_every_request(workdir):
     with RecordingReceiver() as receiver:
         run = _otlp_run(workdir, receiver, OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer abc,x-tenant=t1").check()
@@ -485,6 +489,7 @@ def _tls_run(tmp_path: Path, certificate, **env: str):
     return run, receiver
 
 
+@pytest.mark.slow
 def test_otlp_over_tls_with_a_private_certificate(tmp_path, certificate):
     run, receiver = _tls_run(tmp_path, certificate, **_NO_CA_BUNDLE)
     traces = receiver.of("/v1/traces")
@@ -500,6 +505,7 @@ def tls_with_ca_bundle(tmp_path_factory, certificate):
                     CURL_CA_BUNDLE="", OTEL_EXPORTER_OTLP_TIMEOUT="2")
 
 
+@pytest.mark.slow
 def test_a_tls_failure_is_reported_once_and_training_goes_on(tls_with_ca_bundle):
     run, _ = tls_with_ca_bundle
     assert run.trained() == (STEPS, 0)
@@ -507,6 +513,7 @@ def test_a_tls_failure_is_reported_once_and_training_goes_on(tls_with_ca_bundle)
     assert 1 <= run.stderr.count("CERTIFICATE_VERIFY_FAILED") <= 2, "one warning per exporter, the rest counted"
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "upstream bug (opentelemetry-exporter-otlp-proto-http, not this package): RequestsHTTPTransport sets "
     "session.verify = OTEL_EXPORTER_OTLP_CERTIFICATE, and requests replaces a session's verify with "

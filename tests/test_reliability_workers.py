@@ -15,6 +15,8 @@ import pytest
 
 from tests.scripts.launching import launch_script
 
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
 STEPS, GRAD_ACCUM, MICRO_BATCH, WORKERS, EPOCHS = 8, 2, 4, 2, 2
 SLOW_MS = 600
 SLOW_BATCH = 5  # rank 0's 6th micro-batch of each epoch: step 3, micro-batch 1, and step 7 in the second epoch

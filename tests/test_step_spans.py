@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import launch
 from tests.otlp_json import Span
 
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
 PHASES = ("training.data.wait", "training.forward", "training.backward", "training.optimizer.step")
 
 # (launcher, zero stage, gradient accumulation, backward, loader): every stage, both accumulations,

@@ -7,6 +7,8 @@ import pytest
 from tests.conftest import launch
 from tests.otlp_json import read_all_points, read_last_points
 
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
 STEPS, GRAD_ACCUM, MICRO_BATCH, SEQ_LEN = 5, 2, 4, 32
 
 

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import BIN, REPO, clean_env, free_port
 from tests.otlp_json import read_spans
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_profiled_step_has_kernels_under_their_operators_on_the_epoch_clock(tmp_path):

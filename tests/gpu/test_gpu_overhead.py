@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import REPO, clean_env, free_port
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_instrumented_steps_add_no_synchronization_and_report_the_ratio():

@@ -38,7 +38,9 @@ def self_times(ops, by_parent):
 @pytest.mark.slow
 def test_every_nth_step_is_profiled_and_its_operators_sit_in_their_phase(workdir):
     run = launch(workdir, "torchrun", "--steps", "7", "--zero-stage", "2",
-                 env={"OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY": "3", "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP": "40",
+                 # Enough operators that every phase has some among them, whatever the machine's load does
+                 # to their self times (with 40, the optimizer step's were sometimes all left out).
+                 env={"OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY": "3", "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP": "400",
                       "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR": "0"}).check()
     for rank, spans in run.by_rank().items():
         by_id = {span.span_id: span for span in spans}
@@ -53,7 +55,7 @@ def test_every_nth_step_is_profiled_and_its_operators_sit_in_their_phase(workdir
         assert profiled == [3, 6], f"rank {rank}: only sampled steps carry operator spans"
         for number in profiled:
             step, ops = steps[number], ops_by_trace[steps[number].trace_id]
-            assert len(ops) == step.attributes["profile.ops.emitted"] <= 40 < step.attributes["profile.ops"]
+            assert len(ops) == step.attributes["profile.ops.emitted"] <= 400 < step.attributes["profile.ops"]
             for op in ops:
                 parent = by_id[op.parent_id]
                 assert parent.name.startswith(("training.", "comm.")) or "profile.kind" in parent.attributes

@@ -73,11 +73,13 @@ class StepRecorder(Component):
 
     @fail_open
     def direct_backward_ended(self) -> None:
-        self._fire(Event.DIRECT_BACKWARD_END)
+        # Called at every backward's epilogue; only a direct one has anything to end.
+        if self.state == State.DIRECT_BACKWARD:
+            self._fire(Event.DIRECT_BACKWARD_END)
 
     @fail_open
     def direct_backward_failed(self, error: BaseException) -> None:
-        if self.state is State.DIRECT_BACKWARD:
+        if self.state == State.DIRECT_BACKWARD:
             self._fire(Event.DIRECT_BACKWARD_FAILED, Failure.of(error))
 
     @fail_open
@@ -92,12 +94,14 @@ class StepRecorder(Component):
 
     @fail_open
     def optimizer_step_ended(self, engine, phase: Phase | None) -> None:
-        if phase is not None and phase is self._current_phase():
+        record = self.open
+        if phase is not None and record is not None and phase is record.phase:
             self._fire(Event.OPTIMIZER_END, engine)
 
     @fail_open
     def phase_ended(self, phase: Phase | None) -> None:
-        if phase is not None and phase is self._current_phase():
+        record = self.open
+        if phase is not None and record is not None and phase is record.phase:
             self._fire(Event.PHASE_END)
 
     @fail_open
@@ -197,19 +201,19 @@ class StepRecorder(Component):
     def _start_phase(self, event: Event, data) -> None:
         record = self.open
         now = time.time_ns()
-        if event is Event.FORWARD:
+        if event == Event.FORWARD:
             micro_step = record.micro_batches
             record.micro_batches += 1
             samples, tokens = batch_shape(data[1], data[2])
             record.samples += samples or self._micro_batch_size
             if tokens:
                 record.tokens += tokens
-        elif event is Event.OPTIMIZER:
+        elif event == Event.OPTIMIZER:
             micro_step = None
         else:
             micro_step = max(record.micro_batches - 1, 0)
         phase = Phase(_PHASE_NAMES[event], micro_step, now, None if self._gpu is None else self._gpu.event(),
-                      event is Event.DIRECT_BACKWARD)
+                      event == Event.DIRECT_BACKWARD)
         record.phases.append(phase)
         record.phase = phase
 
@@ -227,7 +231,7 @@ class StepRecorder(Component):
 
     def _interrupt_phase(self, event: Event, description) -> None:
         if self.open.phase is not None:
-            reason = description if event is Event.INTERRUPT else _BACKWARD_NOT_COMPLETED
+            reason = description if event == Event.INTERRUPT else _BACKWARD_NOT_COMPLETED
             self.open.phase.failure = Interrupted(reason)
             self._end_phase(None, None)
 
@@ -241,7 +245,7 @@ class StepRecorder(Component):
 
     def _fail_step(self, event: Event, failure) -> None:
         record, self.open = self.open, None
-        record.failure = Interrupted(failure) if event is Event.INTERRUPT else failure
+        record.failure = Interrupted(failure) if event == Event.INTERRUPT else failure
         record.end = time.time_ns()
         if self.profiler is not None:
             self.profiler.abandon()

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 # Weak: a recorder must never keep an engine, and so its model, alive.
 _recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _active: StepRecorder | None = None
+_several = False  # more than one engine was built: the active one is looked for at each call
 
 
 def recorder_for(engine) -> StepRecorder | None:
@@ -22,7 +23,7 @@ def active() -> StepRecorder | None:
 
     Several engines in a process (an RL actor and its reference model) are not several trainings.
     """
-    if len(_recorders) > 1:
+    if _several:
         for recorder in list(_recorders.values()):
             if recorder.open is not None:
                 return recorder
@@ -34,12 +35,13 @@ def all_recorders() -> list[StepRecorder]:
 
 
 def track(engine, recorder: StepRecorder) -> None:
-    global _active  # noqa: PLW0603 - the process's current training engine
+    global _active, _several  # noqa: PLW0603 - the process's current training engine
     _recorders[engine] = recorder
     _active = recorder
+    _several = len(_recorders) > 1
 
 
 def forget_all() -> None:
-    global _active  # noqa: PLW0603
+    global _active, _several
     _recorders.clear()
-    _active = None
+    _active, _several = None, False

@@ -13,10 +13,10 @@ no open step) do nothing.
 
 from __future__ import annotations
 
-from enum import Enum
 
-
-class State(Enum):
+# Plain strings, not enum members: a transition is a dict lookup on the training thread, and a
+# string's hash is cached where an Enum member's is computed in Python at every lookup.
+class State:
     IDLE = "idle"  # no open step: data waits are kept for the next one
     OPEN = "open"  # a step is open, between phases
     FORWARD = "forward"
@@ -25,7 +25,7 @@ class State(Enum):
     OPTIMIZER = "optimizer"
 
 
-class Event(Enum):
+class Event:
     DATA_WAIT = "data wait"
     EVALUATION = "evaluation forward"  # the waits kept so far fed it, not a step
     FORWARD = "forward"
@@ -52,6 +52,9 @@ INTERRUPT_PHASE = "interrupt_phase"  # the running phase ends as interrupted
 CLOSE_STEP = "close_step"
 FAIL_STEP = "fail_step"
 
+STATES = tuple(value for name, value in vars(State).items() if not name.startswith("_"))
+EVENTS = tuple(value for name, value in vars(Event).items() if not name.startswith("_"))
+
 _PHASE_OF = {Event.FORWARD: State.FORWARD, Event.BACKWARD: State.BACKWARD,
              Event.DIRECT_BACKWARD: State.DIRECT_BACKWARD, Event.OPTIMIZER: State.OPTIMIZER}
 _STARTS = tuple(_PHASE_OF)
@@ -61,12 +64,12 @@ _PHASES = (State.FORWARD, State.BACKWARD, State.DIRECT_BACKWARD, State.OPTIMIZER
 def _table() -> dict[tuple[State, Event], tuple[State | None, tuple[str, ...]]]:
     """(state, event) -> (next state, actions). A next state of None: the state does not change."""
     table: dict = {}
-    for state in State:
-        for event in Event:
+    for state in STATES:
+        for event in EVENTS:
             table[state, event] = (None, ())  # nothing to act on
 
     table[State.IDLE, Event.DATA_WAIT] = (None, (KEEP_WAIT,))
-    for state in State:
+    for state in STATES:
         table[state, Event.EVALUATION] = (None, (DROP_WAITS,))
     for event in _STARTS:
         table[State.IDLE, event] = (_PHASE_OF[event], (OPEN_STEP, START_PHASE))

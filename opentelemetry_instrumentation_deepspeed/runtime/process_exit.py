@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 
-from opentelemetry_instrumentation_deepspeed.export import spans
+from opentelemetry_instrumentation_deepspeed.export import sdk, spans
 from opentelemetry_instrumentation_deepspeed.recording import trackers
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
@@ -39,10 +39,7 @@ def install(tracer_provider, meter_provider) -> None:
     """Right after the SDK is set up: take its exit handlers over, to run them in order."""
     global _providers, _pid  # one SDK per process
     _providers, _pid = (tracer_provider, meter_provider), os.getpid()
-    for provider in _providers:
-        handler = getattr(provider, "_atexit_handler", None)
-        if handler is not None:
-            atexit.unregister(handler)
+    sdk.take_over_exit_handlers(*_providers)
     atexit.register(finish, "the process exited during this step")
     if hasattr(os, "register_at_fork"):
         # After the SDK's own hooks, which run first: they registered when its objects were built.
@@ -89,41 +86,8 @@ def _forked() -> None:
         trackers.forget_all()
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        tracer_provider, meter_provider = _providers
-        threads = []
-        for processor in getattr(getattr(tracer_provider, "_active_span_processor", None), "_span_processors", ()):
-            batch = getattr(processor, "_batch_processor", None)
-            if batch is not None:
-                batch._shutdown = True
-                batch._worker_awaken.set()
-                threads.append(getattr(batch, "_worker_thread", None))
-        for reader in getattr(meter_provider, "_metric_readers", None) or ():
-            stop = getattr(reader, "_shutdown_event", None)
-            if stop is not None:
-                # Its last collection would take locks a parent's thread may have held at fork.
-                reader.collect = _nothing
-                stop.set()
-                threads.append(getattr(reader, "_daemon_thread", None))
-        # They end at once: their last export is dropped (wrong pid).
-        for thread in threads:
-            if thread is not None and thread.is_alive():
-                thread.join(timeout=1.0)
-        _reset_global_providers()
+        sdk.stop_threads_in_child(*_providers)
+        sdk.reset_global_providers()
     except Exception:  # a child must start whatever happens here
         _logger.debug("opentelemetry-instrumentation-deepspeed: quieting a forked child failed", exc_info=True)
 
-
-def _nothing(*_args, **_kwargs) -> None:
-    return None
-
-
-def _reset_global_providers() -> None:
-    """The API's globals back to their unset state: the child's spans and measurements are no-ops."""
-    from opentelemetry import trace
-    from opentelemetry.metrics import _internal as metrics_api
-    from opentelemetry.util._once import Once
-
-    trace._TRACER_PROVIDER = None
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    metrics_api._METER_PROVIDER = None
-    metrics_api._METER_PROVIDER_SET_ONCE = Once()

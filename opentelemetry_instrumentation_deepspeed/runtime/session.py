@@ -85,20 +85,12 @@ def start() -> JobIdentity:
         if _deferred_sdk_arguments is not None:
             _configure_sdk(identity)
         _identity = identity
-        silent = _api_only()
+        from opentelemetry_instrumentation_deepspeed.export import sdk
+
+        silent = sdk.api_only()
         while _listeners:
             _notify(_listeners.pop(0), identity)
     return _identity
-
-
-def _api_only() -> bool:
-    """No tracer or meter provider was set: every span and measurement would be a no-op."""
-    from opentelemetry.metrics import NoOpMeterProvider
-    from opentelemetry.metrics._internal import _ProxyMeterProvider
-
-    tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
-    return (isinstance(tracer_provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
-            and isinstance(meter_provider, (_ProxyMeterProvider, NoOpMeterProvider)))
 
 
 def _configure_sdk(identity: JobIdentity) -> None:
@@ -109,15 +101,13 @@ def _configure_sdk(identity: JobIdentity) -> None:
     if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         _logger.debug("A tracer provider is already set; the SDK is left as the application configured it.")
         return
-    from opentelemetry.sdk._configuration import _initialize_components
-
-    from opentelemetry_instrumentation_deepspeed.export import delivery, prometheus
+    from opentelemetry_instrumentation_deepspeed.export import delivery, prometheus, sdk
     from opentelemetry_instrumentation_deepspeed.runtime import process_exit
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
     delivery.install()
-    _initialize_components(**arguments, resource_attributes=identity.resource_attributes())
+    sdk.initialize(arguments, identity.resource_attributes())
     tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
     try:
         delivery.watch(tracer_provider, meter_provider)

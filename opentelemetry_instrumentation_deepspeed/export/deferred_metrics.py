@@ -18,7 +18,6 @@ could not run), the training thread records them itself.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -26,6 +25,7 @@ from collections import deque
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
 LIMIT = 4096
@@ -51,9 +51,8 @@ class DeferredHistograms:
         self._queue: deque = deque()
         self._component = Component("histogram recording")
         self._flusher: threading.Thread | None = None
-        if hasattr(os, "register_at_fork"):
-            # A forked child does not have the thread; it records nothing anyway (it does not train).
-            os.register_at_fork(after_in_child=self._queue.clear)
+        # A forked child does not have the thread; it records nothing anyway (it does not train).
+        lifecycle.in_forked_child(lifecycle.FORGET, self._queue.clear)
         # Its callback returns no observation, so no stream of it is ever exported.
         meter.create_observable_gauge(_FLUSH_INSTRUMENT, [observing(self._component, self._flush_at_collection)],
                                       unit="1",

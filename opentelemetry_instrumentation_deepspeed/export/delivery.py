@@ -16,7 +16,6 @@ reports the same names itself, and only the log summary is done here.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -25,6 +24,7 @@ from collections import Counter
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.export import sdk
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
 _logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _error_type(result_or_error) -> str:
 
 class _CountingExporter:
     """Wraps an exporter: every other attribute is the wrapped one's, so readers and processors see no change.
-    It exports only from the process that set it up (see process_exit: forked children)."""
+    It exports only from the process that set it up (see lifecycle: forked children)."""
 
     def __init__(self, inner, component: str, table: Counter, count_items, success):
         self._pid = os.getpid()
@@ -227,7 +227,7 @@ _reported = threading.Event()
 
 
 def report() -> None:
-    """The summary line, once per process: at exit, or at SIGTERM (which skips exit handlers)."""
+    """The summary line, once per process: at exit, or at SIGTERM."""
     if _reported.is_set():
         return
     _reported.set()
@@ -237,6 +237,10 @@ def report() -> None:
 
 
 def install() -> None:
-    """Before the SDK is set up: the exit report runs after the SDK's own exit handlers (atexit is LIFO)."""
+    """When this project sets the SDK up: quiet the exporters' repeated warnings, and report at exit."""
     quiet_repeated_warnings()
-    atexit.register(report)
+    lifecycle.at_exit(lifecycle.REPORT, _report_at_exit)
+
+
+def _report_at_exit(_reason: str) -> None:
+    report()

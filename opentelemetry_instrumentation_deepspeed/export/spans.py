@@ -21,7 +21,6 @@ path when the provider is not the SDK's.
 
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from collections import deque
@@ -31,6 +30,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from opentelemetry_instrumentation_deepspeed.export import trace_ids
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 
 _INTERNAL = SpanKind.INTERNAL
 _UNSET = Status(StatusCode.UNSET)
@@ -56,9 +56,8 @@ def hand_over() -> None:
         ))
 
 
-if hasattr(os, "register_at_fork"):
-    # A forked child must not hand over (and export twice) what its parent had ended.
-    os.register_at_fork(after_in_child=_ended.clear)
+# A forked child must not hand over (and export twice) what its parent had ended.
+lifecycle.in_forked_child(lifecycle.FORGET, _ended.clear)
 
 
 def _decides_by_parent(sampler) -> bool:

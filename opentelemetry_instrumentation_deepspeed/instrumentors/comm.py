@@ -15,7 +15,6 @@ give the GPU-side interval instead, resolved later without blocking (``gpu_timin
 
 from __future__ import annotations
 
-import atexit
 import logging
 import sys
 import threading
@@ -41,7 +40,7 @@ from opentelemetry_instrumentation_deepspeed.instrumentors.patching import Patch
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.recording import trackers
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
-from opentelemetry_instrumentation_deepspeed.runtime import session
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle, session
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
@@ -288,8 +287,7 @@ class CommObserver(Component):
 
         if self._gpu is None:
             self._gpu = GpuTimeline(self._cuda or sys.modules["torch"].cuda)
-            # After the SDK's own exit handler has been registered, so that this one runs first.
-            session.on_start(lambda _identity: atexit.register(self.flush))
+            lifecycle.at_exit(lifecycle.DRAIN, lambda _reason: self.flush())
         step = None if tracker is None else tracker.step_number()
         if step != self._gpu_step:
             self._gpu_step = step

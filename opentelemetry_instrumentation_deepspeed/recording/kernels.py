@@ -17,7 +17,6 @@ kernels with the most time, become spans; the step span counts the rest.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import statistics
@@ -30,6 +29,7 @@ from opentelemetry.context import Context
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open
 
 _logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class StepProfiler(Component):
         self._profile = None
         # Kineto logs every start and stop on stderr; a user's own setting wins.
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")
-        atexit.register(self.abandon)
+        lifecycle.at_exit(lifecycle.STOP_PROFILER, lambda _reason: self.abandon())
 
     def _trigger_mtime(self) -> float | None:
         # A stat of a missing file raises: an exception on top of the system call.

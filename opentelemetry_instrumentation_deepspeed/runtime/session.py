@@ -102,7 +102,7 @@ def _configure_sdk(identity: JobIdentity) -> None:
         _logger.debug("A tracer provider is already set; the SDK is left as the application configured it.")
         return
     from opentelemetry_instrumentation_deepspeed.export import delivery, prometheus, sdk
-    from opentelemetry_instrumentation_deepspeed.runtime import process_exit
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
@@ -114,7 +114,8 @@ def _configure_sdk(identity: JobIdentity) -> None:
     except Exception:  # only the accounting of lost telemetry is lost
         _logger.warning("opentelemetry-instrumentation-deepspeed: cannot count undelivered telemetry with this SDK",
                         exc_info=True)
-    process_exit.install(tracer_provider, meter_provider)
+    _end_with_the_process()
+    lifecycle.install(tracer_provider, meter_provider)
     if prometheus.in_use():
         prometheus.wait_for_final_scrape_at_exit()
     embedded = [signal for signal, name in _EXPORTER_VARIABLES if env.EMBEDDED_EXPORTER in os.environ.get(name, "")]
@@ -122,6 +123,39 @@ def _configure_sdk(identity: JobIdentity) -> None:
         from opentelemetry_instrumentation_deepspeed.export import output
 
         output.announce(embedded)
+
+
+_ends_with_the_process = False
+
+
+def _end_with_the_process() -> None:
+    """What this process's SDK ends with, and what its forked children drop (once per process)."""
+    global _ends_with_the_process  # noqa: PLW0603
+    if _ends_with_the_process:
+        return
+    _ends_with_the_process = True
+    from opentelemetry_instrumentation_deepspeed.export import spans
+    from opentelemetry_instrumentation_deepspeed.recording import trackers
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+    lifecycle.at_exit(lifecycle.CLOSE_OPEN_STEPS, _close_open_steps)
+    # Registered before install() adds the provider's shutdown to the stage: spans that ended outside a
+    # step's close (a GPU interval resolved late) reach the processors first.
+    lifecycle.at_exit(lifecycle.FLUSH_SPANS, lambda _reason: spans.hand_over())
+    lifecycle.in_forked_child(lifecycle.FORGET, trackers.forget_all)
+    lifecycle.in_forked_child(lifecycle.SILENCE, _go_silent)
+
+
+def _close_open_steps(reason: str) -> None:
+    from opentelemetry_instrumentation_deepspeed.recording import trackers
+
+    for tracker in trackers.all_trackers():
+        tracker.interrupted(reason)
+
+
+def _go_silent() -> None:
+    global silent  # noqa: PLW0603 - a forked child does not train
+    silent = True
 
 
 def reset() -> None:

@@ -86,9 +86,12 @@ def test_a_root_gets_the_chosen_ids_and_the_samplers_decision():
     assert exported.parent is None and exported.context.trace_flags.sampled
 
 
-def test_without_the_sdks_internals_spans_go_through_the_public_api(monkeypatch):
-    monkeypatch.setattr(sdk, "INTERNALS", False)
-    writer, exporter = writer_with(ParentBased(ALWAYS_ON))
+def test_without_the_sdks_internals_spans_go_through_the_public_api():
+    sdk.use_internals(False)
+    try:
+        writer, exporter = writer_with(ParentBased(ALWAYS_ON))
+    finally:
+        sdk.use_internals(True)
     assert not writer.fast
     assert writer.root("root", 0x1234, 0x5678, {}, 5) is None, "the public API cannot choose ids"
     step = writer.child("step", remote_parent(sampled=True), {"a": 1}, 10)

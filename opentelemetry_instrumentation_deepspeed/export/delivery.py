@@ -16,26 +16,21 @@ reports the same names itself, and only the log summary is done here.
 
 from __future__ import annotations
 
-import atexit
+import functools
 import logging
 import os
 import threading
 from collections import Counter
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.export import sdk
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
 _logger = logging.getLogger(__name__)
 
 # Loggers that warn once per failed batch, or once per dropped span.
-_NOISY_LOGGERS = (
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
-    "opentelemetry.exporter.otlp.proto.http._log_exporter",
-    "opentelemetry.exporter.otlp.proto.grpc.exporter",
-    "opentelemetry.sdk._shared_internal",
-    "opentelemetry.sdk.metrics._internal.export",
-)
+_NOISY_LOGGERS = sdk.EXPORT_WARNING_LOGGERS
 
 
 class Ledger:
@@ -76,7 +71,7 @@ def _error_type(result_or_error) -> str:
 
 class _CountingExporter:
     """Wraps an exporter: every other attribute is the wrapped one's, so readers and processors see no change.
-    It exports only from the process that set it up (see process_exit: forked children)."""
+    It exports only from the process that set it up (see lifecycle: forked children)."""
 
     def __init__(self, inner, component: str, table: Counter, count_items, success):
         self._pid = os.getpid()
@@ -135,31 +130,28 @@ def _sdk_reports_itself() -> bool:
 
 
 def watch(tracer_provider, meter_provider) -> None:
-    """Wrap the exporters of the SDK just set up. Private SDK attributes are read defensively:
-    an SDK that lays them out differently only loses this accounting."""
+    """Wrap the exporters of the SDK just set up. Where the SDK's exporters cannot be reached
+    (an SDK version ``sdk`` was not written for), only this accounting is lost."""
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    processors = getattr(getattr(tracer_provider, "_active_span_processor", None), "_span_processors", ())
-    for index, processor in enumerate(processors):
-        batch = getattr(processor, "_batch_processor", None)
-        exporter = getattr(batch, "_exporter", None)
+    for index, processor in enumerate(sdk.span_processors(tracer_provider)):
+        exporter = sdk.span_exporter(processor)
         if exporter is None or isinstance(exporter, _CountingExporter):
             continue
         component = f"{type(exporter).__name__}/{index}"
-        batch._exporter = _CountingExporter(exporter, component, LEDGER.spans, len, SpanExportResult.SUCCESS)
-        if hasattr(batch, "_metrics"):
-            batch._metrics = _ProcessorCounts(f"{type(processor).__name__}/{index}", batch._metrics)
+        sdk.swap_span_exporter(processor, _CountingExporter(exporter, component, LEDGER.spans, len,
+                                                            SpanExportResult.SUCCESS))
+        sdk.swap_processor_counts(processor, functools.partial(_ProcessorCounts, f"{type(processor).__name__}/{index}"))
 
     from opentelemetry.sdk.metrics.export import MetricExportResult
 
-    readers = getattr(meter_provider, "_metric_readers", None) or ()
-    for index, reader in enumerate(readers):
-        exporter = getattr(reader, "_exporter", None)
+    for index, reader in enumerate(sdk.metric_readers(meter_provider)):
+        exporter = sdk.metric_exporter(reader)
         if exporter is None or isinstance(exporter, _CountingExporter):
             continue
         component = f"{type(exporter).__name__}/{index}"
-        reader._exporter = _CountingExporter(exporter, component, LEDGER.points, _count_points,
-                                             MetricExportResult.SUCCESS)
+        sdk.swap_metric_exporter(reader, _CountingExporter(exporter, component, LEDGER.points, _count_points,
+                                                           MetricExportResult.SUCCESS))
 
     if not _sdk_reports_itself() and hasattr(meter_provider, "get_meter"):
         _observe(meter_provider)
@@ -235,7 +227,7 @@ _reported = threading.Event()
 
 
 def report() -> None:
-    """The summary line, once per process: at exit, or at SIGTERM (which skips exit handlers)."""
+    """The summary line, once per process: at exit, or at SIGTERM."""
     if _reported.is_set():
         return
     _reported.set()
@@ -245,6 +237,10 @@ def report() -> None:
 
 
 def install() -> None:
-    """Before the SDK is set up: the exit report runs after the SDK's own exit handlers (atexit is LIFO)."""
+    """When this project sets the SDK up: quiet the exporters' repeated warnings, and report at exit."""
     quiet_repeated_warnings()
-    atexit.register(report)
+    lifecycle.at_exit(lifecycle.REPORT, _report_at_exit)
+
+
+def _report_at_exit(_reason: str) -> None:
+    report()

@@ -20,12 +20,12 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from opentelemetry.exporter.otlp.common._aggregation import _get_aggregation, _get_temporality
 from opentelemetry.exporter.otlp.json.common.metrics_encoder import encode_metrics
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from opentelemetry_instrumentation_deepspeed.export import sdk
 from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
@@ -213,8 +213,8 @@ class JsonLinesMetricExporter(MetricExporter):
     def __init__(self, preferred_temporality=None, preferred_aggregation=None):
         # The OTLP temporality and aggregation variables apply, as to the official exporters.
         super().__init__(
-            preferred_temporality=_get_temporality(preferred_temporality),
-            preferred_aggregation=_get_aggregation(preferred_aggregation),
+            preferred_temporality=sdk.otlp_temporality(preferred_temporality),
+            preferred_aggregation=sdk.otlp_aggregation(preferred_aggregation),
         )
         self._file = _JsonLines("metrics")
 

@@ -9,11 +9,11 @@ that many seconds, until one more scrape has been delivered.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 
 DEFAULT_PORT = 9464
 
@@ -62,5 +62,5 @@ def wait_for_final_scrape_at_exit() -> None:
 
     watch = _ScrapeWatch()
     REGISTRY.register(watch)
-    # Registered after the SDK's own exit handler, so it runs first, while the exporter still serves.
-    atexit.register(watch.wait_for_scrape, timeout)
+    # Before the meter provider shuts down: the exporter still serves.
+    lifecycle.at_exit(lifecycle.FINAL_SCRAPE, lambda _reason: watch.wait_for_scrape(timeout))

@@ -54,19 +54,10 @@ class StepIds:
 
 def root_decision(sampler):
     """``trace_id -> sampled``, answering as ``sampler`` does for a root span, where that answer
-    depends on the trace id alone: the SDK's static and ratio samplers, bare or as the root of a
-    parent-based one. None for any other sampler, which is then asked at each step."""
-    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler, TraceIdRatioBased
+    depends on the trace id alone; None for any other sampler, which is then asked at each step."""
+    from opentelemetry_instrumentation_deepspeed.export import sdk
 
-    if isinstance(sampler, ParentBased):
-        sampler = getattr(sampler, "_root", None)
-    if type(sampler) is StaticSampler and sampler._decision in (Decision.DROP, Decision.RECORD_AND_SAMPLE):
-        sampled = sampler._decision is Decision.RECORD_AND_SAMPLE
-        return lambda _trace_id: sampled
-    if type(sampler) is TraceIdRatioBased:
-        limit, bound = sampler.TRACE_ID_LIMIT, sampler.bound
-        return lambda trace_id: trace_id & limit < bound
-    return None
+    return sdk.root_decision(sampler)
 
 
 def sampled(provider: trace.TracerProvider, trace_id: int, name: str) -> bool:

@@ -85,20 +85,12 @@ def start() -> JobIdentity:
         if _deferred_sdk_arguments is not None:
             _configure_sdk(identity)
         _identity = identity
-        silent = _api_only()
+        from opentelemetry_instrumentation_deepspeed.export import sdk
+
+        silent = sdk.api_only()
         while _listeners:
             _notify(_listeners.pop(0), identity)
     return _identity
-
-
-def _api_only() -> bool:
-    """No tracer or meter provider was set: every span and measurement would be a no-op."""
-    from opentelemetry.metrics import NoOpMeterProvider
-    from opentelemetry.metrics._internal import _ProxyMeterProvider
-
-    tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
-    return (isinstance(tracer_provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
-            and isinstance(meter_provider, (_ProxyMeterProvider, NoOpMeterProvider)))
 
 
 def _configure_sdk(identity: JobIdentity) -> None:
@@ -109,22 +101,21 @@ def _configure_sdk(identity: JobIdentity) -> None:
     if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         _logger.debug("A tracer provider is already set; the SDK is left as the application configured it.")
         return
-    from opentelemetry.sdk._configuration import _initialize_components
-
-    from opentelemetry_instrumentation_deepspeed.export import delivery, prometheus
-    from opentelemetry_instrumentation_deepspeed.runtime import process_exit
+    from opentelemetry_instrumentation_deepspeed.export import delivery, prometheus, sdk
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
     delivery.install()
-    _initialize_components(**arguments, resource_attributes=identity.resource_attributes())
+    sdk.initialize(arguments, identity.resource_attributes())
     tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
     try:
         delivery.watch(tracer_provider, meter_provider)
     except Exception:  # only the accounting of lost telemetry is lost
         _logger.warning("opentelemetry-instrumentation-deepspeed: cannot count undelivered telemetry with this SDK",
                         exc_info=True)
-    process_exit.install(tracer_provider, meter_provider)
+    _end_with_the_process()
+    lifecycle.install(tracer_provider, meter_provider)
     if prometheus.in_use():
         prometheus.wait_for_final_scrape_at_exit()
     embedded = [signal for signal, name in _EXPORTER_VARIABLES if env.EMBEDDED_EXPORTER in os.environ.get(name, "")]
@@ -132,6 +123,47 @@ def _configure_sdk(identity: JobIdentity) -> None:
         from opentelemetry_instrumentation_deepspeed.export import output
 
         output.announce(embedded)
+
+
+_ends_with_the_process = False
+
+
+def _end_with_the_process() -> None:
+    """What this process's SDK ends with, and what its forked children drop (once per process)."""
+    global _ends_with_the_process  # noqa: PLW0603
+    if _ends_with_the_process:
+        return
+    _ends_with_the_process = True
+    from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+    from opentelemetry_instrumentation_deepspeed.recording import registry
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+    lifecycle.at_exit(lifecycle.STOP_PROFILER, _stop_profilers)
+    lifecycle.at_exit(lifecycle.CLOSE_OPEN_STEPS, _close_open_steps)
+    lifecycle.at_exit(lifecycle.DRAIN, lambda _reason: emitter().drain(final=True))
+    lifecycle.in_forked_child(lifecycle.FORGET, registry.forget_all)
+    lifecycle.in_forked_child(lifecycle.FORGET, lambda: emitter().forget())
+    lifecycle.in_forked_child(lifecycle.SILENCE, _go_silent)
+
+
+def _stop_profilers(_reason: str) -> None:
+    from opentelemetry_instrumentation_deepspeed.recording import registry
+
+    for recorder in registry.all_recorders():
+        if recorder.profiler is not None:
+            recorder.profiler.abandon()
+
+
+def _close_open_steps(reason: str) -> None:
+    from opentelemetry_instrumentation_deepspeed.recording import registry
+
+    for recorder in registry.all_recorders():
+        recorder.interrupted(reason)
+
+
+def _go_silent() -> None:
+    global silent  # noqa: PLW0603 - a forked child does not train
+    silent = True
 
 
 def reset() -> None:

@@ -1,0 +1,206 @@
+"""How a training process's telemetry ends, whatever ends the process, and what a forked child drops.
+
+One ordered list of stages for exit, one for a forked child; each part of the project registers
+its handlers under a stage, and the order is the list's, not the order of registration:
+
+- At exit (``atexit``, or SIGTERM when handled here) a running profiler is stopped; a step
+  still open (the job raised outside DeepSpeed's calls, or was told to stop) ends with status
+  ERROR and the reason, so the trace shows where the rank stopped; closed records become spans
+  and metric points; spans are flushed; Prometheus gets its last scrape; the last metrics are
+  collected (after the spans, so they count the spans that could not be delivered: the SDK's
+  own exit handlers run in the other order, and are taken over); one line says what was lost.
+- A process forked from a rank (a DataLoader worker, by default on Linux) inherits its SDK,
+  whose own at-fork hooks restart the export threads there: the child would export a frozen
+  copy of the rank's cumulative metrics under the rank's resource. In a forked child the
+  records inherited from the rank are dropped, the instrumentation goes silent, the SDK is
+  stopped and the global providers are reset to the API's no-op ones; exporters (wrapped by
+  ``delivery``) export nothing from another pid, and SIGTERM is left to the default.
+- SIGTERM, which elastic agents and launchers send to stop a rank, normally kills Python
+  without running any of this. When nothing else handles it, a handler runs the exit stages,
+  then restores the default and re-sends the signal: the process dies as it would have, by
+  SIGTERM. Python runs the handler only between bytecodes: a rank blocked in a long C call (a
+  collective waiting for a dead peer) gets to it when the call returns, or is killed by the
+  agent's SIGKILL first. ``OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH=false`` leaves SIGTERM alone.
+
+The exit stages run once, in the process that registered them (never in a forked child). In a
+process whose SDK the application set up, ``install`` is not called: handlers registered there
+(the profiler's stop, the collectives' last GPU times) still run at exit, and the stages that
+need this project's providers have none. Importing this module registers nothing, and it
+imports nothing of this package but its configuration and the SDK door: the parts register
+their own handlers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+
+# Stages at exit (atexit, or SIGTERM when handled here), in the order they run.
+STOP_PROFILER = "stop profiler"  # a running torch.profiler is stopped, nothing emitted
+CLOSE_OPEN_STEPS = "close open steps"  # open steps end with status ERROR and the reason
+DRAIN = "drain"  # closed step records become spans and metric points
+FLUSH_SPANS = "flush spans"  # tracer provider shut down (its exporter flushes)
+FINAL_SCRAPE = "final scrape"  # Prometheus: wait for one last scrape if configured
+FLUSH_METRICS = "flush metrics"  # meter provider shut down (last collection)
+REPORT = "report"  # the one summary line of undelivered telemetry
+EXIT_ORDER = (STOP_PROFILER, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, FINAL_SCRAPE, FLUSH_METRICS, REPORT)
+
+# Stages in a forked child (a DataLoader worker), in the order they run.
+FORGET = "forget"  # drop recording state and queued records inherited from the parent
+SILENCE = "silence"  # session.silent = True; SIGTERM handler back to default
+STOP_SDK = "stop sdk"  # stop the inherited SDK threads, reset the global providers
+FORK_ORDER = (FORGET, SILENCE, STOP_SDK)
+
+EXITED = "the process exited during this step"
+TERMINATED = "terminated by SIGTERM"
+
+_logger = logging.getLogger(__name__)
+_at_exit: dict[str, list[Callable[[str], None]]] = {stage: [] for stage in EXIT_ORDER}
+_in_child: dict[str, list[Callable[[], None]]] = {stage: [] for stage in FORK_ORDER}
+_providers: tuple = (None, None)
+_pid: int | None = None  # the process whose exit this is: set when the first exit handler registers
+_fork_hooked = False
+_wired = False
+_finished = threading.Lock()
+_reported = threading.Lock()
+
+
+def at_exit(stage: str, handler: Callable[[str], None]) -> None:
+    """Run ``handler(reason)`` at exit, in ``stage``; after the handlers registered under it before."""
+    _at_exit[_known(stage, EXIT_ORDER)].append(handler)
+    if _pid is None:
+        _hook_exit()
+
+
+def in_forked_child(stage: str, handler: Callable[[], None]) -> None:
+    """Run ``handler()`` in every process forked from this one, in ``stage``."""
+    _in_child[_known(stage, FORK_ORDER)].append(handler)
+    _hook_fork()
+
+
+def _known(stage: str, order: tuple[str, ...]) -> str:
+    if stage not in order:
+        raise ValueError(f"{stage!r} is not one of the stages {order}")
+    return stage
+
+
+def install(tracer_provider, meter_provider) -> None:
+    """Right after this project set the SDK up: take its exit handlers over, to run them in order."""
+    global _providers  # noqa: PLW0603 - one SDK per process
+    from opentelemetry_instrumentation_deepspeed.export import sdk
+
+    _providers = (tracer_provider, meter_provider)
+    sdk.take_over_exit_handlers(tracer_provider, meter_provider)
+    _wire()
+    _hook_exit()  # again: after anything the SDK registered, so that ours runs first
+    _hook_fork()
+    if (env.sigterm_flush() and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _wire() -> None:
+    """The handlers of the providers installed, and of the SIGTERM handler: once per process."""
+    global _wired  # noqa: PLW0603
+    if _wired:
+        return
+    _wired = True
+    at_exit(FLUSH_SPANS, _shut_down_tracer_provider)
+    at_exit(FLUSH_METRICS, _shut_down_meter_provider)
+    in_forked_child(SILENCE, _default_sigterm)
+    in_forked_child(STOP_SDK, _stop_sdk)
+
+
+def finish(reason: str) -> None:
+    """Run the exit stages, in order, with ``reason`` for open steps. Once, in the process that registered them."""
+    if os.getpid() != _pid or not _finished.acquire(blocking=False):
+        return
+    for stage in EXIT_ORDER:
+        if stage == REPORT:
+            _report(reason)
+        else:
+            _run_exit_stage(stage, reason)
+
+
+def _report(reason: str) -> None:
+    # Once: at the end of finish(), or from a SIGTERM that cut a running finish() short.
+    if _reported.acquire(blocking=False):
+        _run_exit_stage(REPORT, reason)
+
+
+def _run_exit_stage(stage: str, reason: str) -> None:
+    for handler in list(_at_exit[stage]):
+        try:
+            handler(reason)
+        except Exception:  # the process is exiting: say so and go on
+            _logger.warning("opentelemetry-instrumentation-deepspeed: %s failed at exit (stage %r)",
+                            _name(handler), stage, exc_info=True)
+
+
+def _hook_exit() -> None:
+    global _pid  # noqa: PLW0603
+    _pid = os.getpid()
+    # Handlers run last registered first: moved to the end, ours runs before anything registered until now.
+    atexit.unregister(finish)
+    atexit.register(finish, EXITED)
+
+
+def _hook_fork() -> None:
+    global _fork_hooked  # noqa: PLW0603
+    if not _fork_hooked and hasattr(os, "register_at_fork"):
+        _fork_hooked = True
+        os.register_at_fork(after_in_child=_forked)
+
+
+def _forked() -> None:
+    for stage in FORK_ORDER:
+        for handler in list(_in_child[stage]):
+            try:
+                handler()
+            except Exception:  # a child must start whatever happens here
+                _logger.debug("opentelemetry-instrumentation-deepspeed: %s failed in a forked child (stage %r)",
+                              _name(handler), stage, exc_info=True)
+
+
+def _name(handler) -> str:
+    return getattr(handler, "__qualname__", None) or repr(handler)
+
+
+def _on_sigterm(signum, _frame) -> None:
+    try:
+        finish(TERMINATED)
+        _report(TERMINATED)  # when finish() was already running, interrupted here: the default action skips it
+    finally:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+# -- the handlers install() registers ---------------------------------------------------------------
+
+
+def _shut_down_tracer_provider(_reason: str) -> None:
+    if _providers[0] is not None:
+        _providers[0].shutdown()
+
+
+def _shut_down_meter_provider(_reason: str) -> None:
+    if _providers[1] is not None:
+        _providers[1].shutdown()
+
+
+def _default_sigterm() -> None:
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _stop_sdk() -> None:
+    from opentelemetry_instrumentation_deepspeed.export import sdk
+
+    sdk.stop_threads_in_child(*_providers)
+    sdk.reset_global_providers()

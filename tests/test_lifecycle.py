@@ -1,0 +1,135 @@
+"""runtime/lifecycle.py: one order for exit, SIGTERM and forked children, whatever order the parts register in."""
+
+from __future__ import annotations
+
+import ast
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import opentelemetry_instrumentation_deepspeed as package
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+PACKAGE = Path(package.__file__).parent
+
+# Registers one handler per stage, in reverse order, each printing its stage; one fails.
+_SETUP = """
+import os, sys
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+def say(*words):
+    print(os.getpid(), *words, flush=True)
+
+class Provider:
+    def __init__(self, name):
+        self.name = name
+    def shutdown(self):
+        say("shutdown", self.name)
+
+for stage in reversed(lifecycle.EXIT_ORDER):
+    lifecycle.at_exit(stage, lambda reason, stage=stage: say("exit", stage, "|", reason))
+def broken(reason):
+    raise RuntimeError("a handler's bug")
+lifecycle.at_exit(lifecycle.DRAIN, broken)
+lifecycle.at_exit(lifecycle.DRAIN, lambda reason: say("exit", "drain again"))
+for stage in reversed(lifecycle.FORK_ORDER):
+    lifecycle.in_forked_child(stage, lambda stage=stage: say("child", stage))
+"""
+
+
+def _run(body: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _SETUP + textwrap.dedent(body)], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def _lines(result: subprocess.CompletedProcess, kind: str) -> list[tuple[str, str]]:
+    found = []
+    for line in result.stdout.splitlines():
+        pid, said, rest = line.split(" ", 2)
+        if said == kind:
+            found.append((pid, rest))
+    return found
+
+
+def test_exit_runs_the_stages_in_order_once_and_past_a_failing_handler():
+    result = _run("""
+        lifecycle.install(Provider("traces"), Provider("metrics"))
+        lifecycle.finish("first")  # as SIGTERM would; atexit finds it done
+    """)
+    assert result.returncode == 0, result.stderr
+    stages = [rest for _, rest in _lines(result, "exit")]
+    assert stages == [f"{stage} | first" for stage in lifecycle.EXIT_ORDER[:3]] + ["drain again"] + [
+        f"{stage} | first" for stage in lifecycle.EXIT_ORDER[3:]]
+    shutdowns = [rest for _, rest in _lines(result, "shutdown")]
+    assert shutdowns == ["traces", "metrics"]
+    order = result.stdout.splitlines()
+    assert order.index(next(line for line in order if "shutdown traces" in line)) < order.index(
+        next(line for line in order if "final scrape" in line))
+    assert "broken failed at exit (stage 'drain')" in result.stderr and "a handler's bug" in result.stderr
+
+
+def test_handlers_wait_for_exit_in_a_process_that_never_installs():
+    result = _run("")
+    assert next(rest for _, rest in _lines(result, "exit")) == f"{lifecycle.STOP_PROFILER} | {lifecycle.EXITED}"
+    assert not _lines(result, "shutdown")
+
+
+def test_sigterm_runs_the_stages_then_dies_by_sigterm():
+    result = _run("""
+        lifecycle.install(Provider("traces"), Provider("metrics"))
+        import signal, time
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        say("survived")
+    """)
+    assert result.returncode == -signal.SIGTERM
+    assert [rest for _, rest in _lines(result, "exit")][-1] == f"{lifecycle.REPORT} | {lifecycle.TERMINATED}"
+    assert len(_lines(result, "shutdown")) == 2
+    assert "survived" not in result.stdout
+
+
+def test_a_forked_child_runs_its_stages_in_order_and_none_of_the_exit():
+    result = _run("""
+        import signal
+        lifecycle.install(Provider("traces"), Provider("metrics"))
+        pid = os.fork()
+        if pid == 0:
+            say("child", "sigterm default", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+            sys.exit(0)  # a normal exit: the exit stages belong to the parent
+        os.waitpid(pid, 0)
+        say("parent", "done")
+    """)
+    assert result.returncode == 0, result.stderr
+    parent = next(pid for pid, _ in _lines(result, "parent"))
+    child = _lines(result, "child")
+    assert parent not in {pid for pid, _ in child}
+    assert [rest for _, rest in child] == [*lifecycle.FORK_ORDER, "sigterm default True"]
+    assert {pid for pid, _ in _lines(result, "exit")} == {parent}
+
+
+def test_stages_are_checked():
+    with pytest.raises(ValueError, match="not one of the stages"):
+        lifecycle.at_exit("flush", print)
+
+
+def test_one_atexit_and_one_at_fork_registration_in_the_package():
+    calls = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+                    node.func.value, ast.Name) and (node.func.value.id, node.func.attr) in (
+                    ("atexit", "register"), ("os", "register_at_fork")):
+                calls.setdefault(node.func.attr, []).append(path.relative_to(PACKAGE).as_posix())
+    assert calls == {"register": ["runtime/lifecycle.py"], "register_at_fork": ["runtime/lifecycle.py"]}
+
+
+def test_importing_the_package_hooks_no_exit():
+    probe = ("import opentelemetry_instrumentation_deepspeed\n"
+             "from opentelemetry_instrumentation_deepspeed.runtime import lifecycle\n"
+             "print(lifecycle._pid)")
+    said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert said.stdout.split() == ["None"]

@@ -1,0 +1,232 @@
+"""export/sdk.py is the one door into OpenTelemetry's private API, and its public fallbacks work."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import logging
+from pathlib import Path
+
+import opentelemetry
+import pytest
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.metrics._internal import _ProxyMeterProvider
+from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, ObservableCounter, UpDownCounter
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
+from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider
+
+import opentelemetry_instrumentation_deepspeed as package
+from opentelemetry_instrumentation_deepspeed.export import delivery, sdk
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+
+PACKAGE = Path(package.__file__).parent
+DOOR = "export/sdk.py"
+# Files that still reach into OpenTelemetry's private API outside the door.
+NOT_YET_THROUGH_THE_DOOR: set[str] = set()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+@functools.cache
+def _opentelemetry_private_names() -> frozenset[str]:
+    """Every private name the installed OpenTelemetry packages define: attributes set on ``self``,
+    functions, methods, classes, module and class variables."""
+    names = set()
+    for root in opentelemetry.__path__:
+        for path in Path(root).rglob("*.py"):
+            if path.name.endswith("_pb2.py") or "/proto/" in path.as_posix():
+                continue  # generated protobuf modules: no behaviour of the SDK
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+    return frozenset(name for name in names if _private(name))
+
+
+def private_uses(path: Path) -> list[str]:
+    """Where ``path`` imports a private OpenTelemetry module or name, reads a private attribute of
+    something imported from OpenTelemetry, or reads, on anything but ``self``, an attribute whose
+    name only OpenTelemetry's private API defines (``getattr`` with a constant name included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound, found = _imports(tree)
+    return found + _attributes(tree, bound)
+
+
+def _imports(tree: ast.AST) -> tuple[set[str], list[str]]:
+    """(names bound to OpenTelemetry modules or objects, imports of private ones)."""
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "opentelemetry":
+                    bound.add((alias.asname or alias.name).split(".")[0])
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "opentelemetry":
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if any(_private(part) for part in [*node.module.split("."), alias.name]):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+    return bound, found
+
+
+def _attributes(tree: ast.AST, bound: set[str]) -> list[str]:
+    theirs = _opentelemetry_private_names()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if (isinstance(root, ast.Name) and root.id in bound) or (node.attr in theirs and not on_self):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in theirs):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_door_touches_private_opentelemetry_api():
+    outside = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative != DOOR and relative not in NOT_YET_THROUGH_THE_DOOR:
+            uses = private_uses(path)
+            if uses:
+                outside[relative] = uses
+    assert outside == {}, "private OpenTelemetry API outside export/sdk.py:\n" + json.dumps(outside, indent=1)
+
+
+def test_the_scan_sees_what_the_door_does():
+    # Not vacuous: the door's own uses are found, of each kind.
+    uses = "\n".join(private_uses(PACKAGE / DOOR))
+    for expected in ("import _initialize_components", "trace._TRACER_PROVIDER", "batch._metrics",
+                     "getattr(provider, '_atexit_handler', None)", "_get_temporality"):
+        assert expected in uses
+
+
+def test_the_allow_list_names_files_that_exist():
+    assert all((PACKAGE / relative).exists() for relative in NOT_YET_THROUGH_THE_DOOR)
+
+
+# -- with the SDK's public API only -------------------------------------------------------------------
+
+
+@pytest.fixture
+def public_only():
+    was = sdk.INTERNALS
+    sdk.use_internals(False)
+    yield
+    sdk.use_internals(was)
+
+
+def _door_warnings(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records
+            if record.name == sdk.__name__ and record.levelno == logging.WARNING]
+
+
+def _counts(reader) -> dict:
+    return {(metric.name, point.attributes.get("kind")): getattr(point, "value", None) or point.count
+            for resource in reader.get_metrics_data().resource_metrics
+            for scope in resource.scope_metrics for metric in scope.metrics for point in metric.data.data_points}
+
+
+def test_without_internals_a_pipeline_configures_counts_and_shuts_down(public_only, caplog, monkeypatch):
+    monkeypatch.setattr(delivery, "LEDGER", delivery.Ledger())
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider(shutdown_on_exit=False)
+    tracer_provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+
+    with caplog.at_level(logging.WARNING):
+        assert not sdk.api_only(tracer_provider, meter_provider)
+        assert sdk.api_only(ProxyTracerProvider(), _ProxyMeterProvider())
+        assert sdk.api_only(NoOpTracerProvider(), NoOpMeterProvider())
+        assert not sdk.api_only(NoOpTracerProvider(), meter_provider)
+        sdk.take_over_exit_handlers(tracer_provider, meter_provider)
+        delivery.watch(tracer_provider, meter_provider)  # nothing to wrap: the accounting is off
+        assert sdk.span_processors(tracer_provider) == ()
+        assert sdk.metric_readers(meter_provider) == ()
+        assert sdk.root_decision(ParentBased(TraceIdRatioBased(0.5))) is None  # asked at each step instead
+        assert sdk.root_decision(ALWAYS_ON)(1) and not sdk.root_decision(ALWAYS_OFF)(1)
+        assert sdk.root_decision(TraceIdRatioBased(1.0))(12345)
+
+        tracer = tracer_provider.get_tracer("test")
+        meter = meter_provider.get_meter("test")
+        steps, seconds = meter.create_counter("steps"), meter.create_histogram("seconds")
+        for number in range(5):
+            with tracer.start_as_current_span("training.step", attributes={"training.step": number}):
+                steps.add(1, {"kind": "step"})
+                seconds.record(0.5, {"kind": "step"})
+        assert not exporter.get_finished_spans()  # still in the batch processor's queue
+
+        # What the lifecycle does at exit, the SDK's handlers taken over or not.
+        sdk.stop_threads_in_child(tracer_provider, meter_provider)  # a no-op here: no public way
+        sdk.reset_global_providers()
+        tracer_provider.shutdown()
+        assert [span.attributes["training.step"] for span in exporter.get_finished_spans()] == list(range(5))
+        assert _counts(reader) == {("steps", "step"): 5, ("seconds", "step"): 5}
+        meter_provider.shutdown()
+
+    warnings = _door_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert sdk.INSTALLED in warnings[0] and ", ".join(sdk.WRITTEN_FOR) in warnings[0]
+
+
+def test_without_internals_the_providers_are_built_from_the_standard_variables(public_only, tmp_path, monkeypatch):
+    from opentelemetry_instrumentation_deepspeed.export import output
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "deepspeed_file")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "deepspeed_file")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_JOB_ID", "door")
+    output.reset()
+    env.reset_cache()
+    try:
+        tracer_provider, meter_provider = sdk.build_providers({"auto_instrumentation_version": "9.9"},
+                                                              {"training.rank": 0})
+        assert tracer_provider.sampler is ALWAYS_OFF
+        assert tracer_provider.resource.attributes["telemetry.auto.version"] == "9.9"
+        assert tracer_provider.resource.attributes["training.rank"] == 0
+        meter_provider.get_meter("test").create_counter("steps").add(3)
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+    finally:
+        output.reset()
+        env.reset_cache()
+    lines = (tmp_path / "door" / "metrics-rank0.jsonl").read_text().splitlines()
+    assert '"steps"' in lines[-1]
+
+
+@pytest.mark.parametrize("temporality", ["cumulative", "delta", "lowmemory", "bogus"])
+@pytest.mark.parametrize("aggregation", ["explicit_bucket_histogram", "base2_exponential_bucket_histogram"])
+def test_the_otlp_preferences_read_without_internals_as_with_them(monkeypatch, temporality, aggregation):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", temporality)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", aggregation)
+    was = sdk.INTERNALS
+    try:
+        found = []
+        for flag in (True, False):
+            sdk.use_internals(flag)
+            found.append((sdk.otlp_temporality({UpDownCounter: "theirs"}),
+                          {kind: type(value) for kind, value in sdk.otlp_aggregation(None).items()}))
+    finally:
+        sdk.use_internals(was)
+    assert found[0] == found[1]
+    assert found[0][0][UpDownCounter] == "theirs" and Counter in found[0][0] and ObservableCounter in found[0][0]
+    assert Histogram in found[0][1]
+

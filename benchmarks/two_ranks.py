@@ -25,7 +25,9 @@ the median of those ratios over rounds, with a 95% bootstrap interval over round
 each step's mean over the two ranks. ``bare-again`` / ``bare`` is the A/A control: how far apart
 two identical arms land in this sitting; an effect inside it is not shown. On a shared or small
 machine runs differ by more than a few percent: read the ratios beside the control, never the
-absolute milliseconds of one run.
+absolute milliseconds of one run. Each run's 1-minute load average (at its start and end) is
+printed and kept in the JSON: a sitting where it is well above the number of CPUs measures the
+other load as much as the arms.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def run_arm(args, arm: str, directory: Path) -> dict:
     directory.mkdir(parents=True)
     step_times = directory / "step-times"
     argv = command(args, arm, step_times)
+    load = os.getloadavg()[0]
     started = time.monotonic()
     completed = subprocess.run(argv, cwd=directory, env=arm_env(directory), capture_output=True, text=True,
                                timeout=args.timeout, check=False)
@@ -125,7 +128,7 @@ def run_arm(args, arm: str, directory: Path) -> dict:
         if len(seconds) != args.warmup + args.steps:
             raise SystemExit(f"{arm}: rank {rank} wrote {len(seconds)} step times, not {args.warmup + args.steps}")
         ranks.append(seconds[args.warmup:])
-    return {"arm": arm, "seconds": elapsed, "steps": ranks}
+    return {"arm": arm, "seconds": elapsed, "load": [load, os.getloadavg()[0]], "steps": ranks}
 
 
 def series(run: dict, which: str) -> list[float]:
@@ -166,6 +169,9 @@ def report(args, summary: dict, rounds: list[dict[str, dict]], minutes: float) -
         print(f"  A/A control (bare-again / bare, both ranks): {summary['bare-again']['both']['ratio']:.3f}")
     seconds = {arm: statistics.fmean(runs[arm]["seconds"] for runs in rounds) for arm in args.arms}
     print("  mean run (start-up, steps, exit): " + ", ".join(f"{arm} {s:.1f} s" for arm, s in seconds.items()))
+    loads = [value for runs in rounds for run in runs.values() for value in run["load"]]
+    print(f"  1-minute load average during the sitting: {min(loads):.1f} to {max(loads):.1f} "
+          f"(on {os.cpu_count()} CPUs; each run uses about 2)")
 
 
 def main(argv=None):
@@ -181,7 +187,8 @@ def main(argv=None):
             print(f"round {index + 1}/{args.rounds} {arm:20} median step "
                   + ", ".join(f"rank {rank} {statistics.median(steps) * 1e3:.2f} ms"
                               for rank, steps in enumerate(runs[arm]["steps"]))
-                  + f" ({runs[arm]['seconds']:.0f} s)", flush=True)
+                  + f" ({runs[arm]['seconds']:.0f} s, load average {runs[arm]['load'][0]:.1f} -> "
+                  f"{runs[arm]['load'][1]:.1f})", flush=True)
         rounds.append(runs)
     minutes = (time.monotonic() - started) / 60
     summary = summarize(args, rounds)
@@ -190,7 +197,7 @@ def main(argv=None):
         args.json.write_text(json.dumps({
             "arguments": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "summary": summary,
-            "rounds": [{arm: {"seconds": run["seconds"], "steps": run["steps"]} for arm, run in runs.items()}
+            "rounds": [{arm: {key: run[key] for key in ("seconds", "load", "steps")} for arm, run in runs.items()}
                        for runs in rounds],
         }, indent=1))
     if args.keep:

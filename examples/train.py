@@ -62,6 +62,13 @@ def parse_args(argv=None):
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
                                             "loop to FILE.rank<N>.json: {op: {message bytes: calls}}")
+    parser.add_argument("--step-times", metavar="FILE",
+                        help="each rank writes the wall time of every optimizer step of the loop (host clock, from "
+                             "fetching its first micro-batch to its engine.step() and loss read) to FILE.rank<N>: "
+                             "one line per step, in seconds")
+    parser.add_argument("--deepspeed-builtins", action="store_true",
+                        help="turn on DeepSpeed's own tools (no OpenTelemetry): wall_clock_breakdown, comms_logger "
+                             "and the CSV monitor (files under ./deepspeed_monitor), to compare their cost")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return parser.parse_args(argv)
 
@@ -134,6 +141,10 @@ def deepspeed_config(args) -> dict:
         config["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 1000}
     if args.comm_heavy:
         config["zero_allow_untested_optimizer"] = True  # torch's SGD under ZeRO: DeepSpeed only asks to be told
+    if args.deepspeed_builtins:
+        config["wall_clock_breakdown"] = True
+        config["comms_logger"] = {"enabled": True}
+        config["csv_monitor"] = {"enabled": True, "output_path": "deepspeed_monitor", "job_name": "train"}
     return config
 
 
@@ -210,7 +221,9 @@ def main(argv=None):
     losses = []
     batches = iter(loader)
     engine.train()
+    step_seconds = []
     for step in range(args.steps):
+        started = time.perf_counter()
         if args.crash_after and step == args.crash_after and engine.global_rank == 0:
             model.crash = True
         step_loss = 0.0
@@ -227,6 +240,10 @@ def main(argv=None):
             engine.step()
             step_loss += loss.item() / args.grad_accum
         losses.append(step_loss)
+        step_seconds.append(time.perf_counter() - started)
+    if args.step_times:
+        pathlib.Path(f"{args.step_times}.rank{engine.global_rank}").write_text(
+            "".join(f"{seconds:.9f}\n" for seconds in step_seconds))
     if args.comms_log:
         write_comms_counts(args.comms_log, engine.global_rank)
 

@@ -3,6 +3,9 @@
 docs/telemetry.md describes each; names that have shipped do not change.
 """
 
+# Instrumentation scope of this project's tracers and meters (Prometheus: the otel_scope_name label)
+SCOPE_NAME = "opentelemetry_instrumentation_deepspeed"
+
 # Spans
 SPAN_GLOBAL_STEP = "training.global_step"
 SPAN_STEP = "training.step"
@@ -24,6 +27,7 @@ TRAINING_ZERO_STAGE = "training.zero_stage"
 TRAINING_BACKWARD_DIRECT = "training.backward.direct"
 
 # Collective spans (comm.<op>) and their metric attributes
+SPAN_COMM_PREFIX = "comm."  # a collective's span is this prefix and its op: comm.all_reduce
 COMM_OP = "comm.op"
 COMM_BACKEND = "comm.backend"
 COMM_GROUP_SIZE = "comm.group.size"
@@ -61,12 +65,69 @@ METRIC_COMM_DURATION = "training.comm.duration"
 METRIC_COMM_SIZE = "training.comm.size"
 METRIC_COMM_BUS_SIZE = "training.comm.bus.size"
 
+# GPU metrics (gpu_metrics.py, from NVML): OpenTelemetry's hardware semantic conventions where they
+# define a name...
+METRIC_HW_GPU_UTILIZATION = "hw.gpu.utilization"
+METRIC_HW_GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"
+METRIC_HW_GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
+METRIC_HW_GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
+METRIC_HW_GPU_IO = "hw.gpu.io"  # PCIe
+METRIC_HW_POWER = "hw.power"
+METRIC_HW_ENERGY = "hw.energy"
+METRIC_HW_TEMPERATURE = "hw.temperature"
+METRIC_HW_ERRORS = "hw.errors"  # ECC errors, by error.type (ERROR_TYPE): ECC_CORRECTED or ECC_UNCORRECTED
+# ... and extensions in their style
+METRIC_HW_GPU_CLOCK_SM = "hw.gpu.clock.sm"
+METRIC_HW_GPU_CLOCK_MEMORY = "hw.gpu.clock.memory"
+METRIC_HW_GPU_NVLINK_IO = "hw.gpu.nvlink.io"
+METRIC_HW_GPU_THROTTLE = "hw.gpu.throttle"  # per HW_GPU_THROTTLE_REASON
+METRIC_HW_GPU_PROCESS_MEMORY_USAGE = "hw.gpu.process.memory.usage"
+METRIC_HW_GPU_SM_ACTIVITY = "hw.gpu.sm.activity"
+# Attributes of every GPU point (hw.parent: a MIG instance's GPU), with their fixed values
+HW_ID = "hw.id"
+HW_NAME = "hw.name"
+HW_VENDOR = "hw.vendor"
+HW_VENDOR_NVIDIA = "NVIDIA"
+HW_TYPE = "hw.type"
+HW_TYPE_GPU = "gpu"
+HW_PARENT = "hw.parent"
+# On hw.gpu.io and hw.gpu.nvlink.io
+NETWORK_IO_DIRECTION = "network.io.direction"
+DIRECTION_TRANSMIT = "transmit"
+DIRECTION_RECEIVE = "receive"
+# error.type of hw.errors
+ECC_CORRECTED = "corrected"
+ECC_UNCORRECTED = "uncorrected"
+# On hw.gpu.throttle: NVML's clock event (throttle) reasons
+HW_GPU_THROTTLE_REASON = "hw.gpu.throttle.reason"
+THROTTLE_GPU_IDLE = "gpu_idle"
+THROTTLE_APPLICATIONS_CLOCKS_SETTING = "applications_clocks_setting"
+THROTTLE_SW_POWER_CAP = "sw_power_cap"
+THROTTLE_HW_SLOWDOWN = "hw_slowdown"
+THROTTLE_SYNC_BOOST = "sync_boost"
+THROTTLE_SW_THERMAL_SLOWDOWN = "sw_thermal_slowdown"
+THROTTLE_HW_THERMAL_SLOWDOWN = "hw_thermal_slowdown"
+THROTTLE_HW_POWER_BRAKE_SLOWDOWN = "hw_power_brake_slowdown"
+THROTTLE_DISPLAY_CLOCK_SETTING = "display_clock_setting"
+
+# Host and process metrics: opentelemetry-instrumentation-system-metrics's own names, those the distro
+# turns on (process: every rank; system: local rank 0 of each host)
+METRIC_PROCESS_CPU_UTILIZATION = "process.cpu.utilization"
+METRIC_PROCESS_MEMORY_USAGE = "process.memory.usage"
+METRIC_PROCESS_THREAD_COUNT = "process.thread.count"
+METRIC_PROCESS_OPEN_FILE_DESCRIPTOR_COUNT = "process.open_file_descriptor.count"
+METRIC_SYSTEM_CPU_UTILIZATION = "system.cpu.utilization"
+METRIC_SYSTEM_MEMORY_USAGE = "system.memory.usage"
+METRIC_SYSTEM_MEMORY_UTILIZATION = "system.memory.utilization"
+METRIC_SYSTEM_DISK_IO = "system.disk.io"
+METRIC_SYSTEM_NETWORK_IO = "system.network.io"
+
 # Telemetry about the telemetry (delivery.py): the SDK self-observability names of OpenTelemetry
 METRIC_SPANS_EXPORTED = "otel.sdk.exporter.span.exported"
 METRIC_SPANS_PROCESSED = "otel.sdk.processor.span.processed"
 METRIC_POINTS_EXPORTED = "otel.sdk.exporter.metric_data_point.exported"
 OTEL_COMPONENT_NAME = "otel.component.name"
-ERROR_TYPE = "error.type"
+ERROR_TYPE = "error.type"  # also on hw.errors
 
 # Operator and kernel spans of profiled steps (named after the operator or kernel)
 PROFILE_KIND = "profile.kind"  # cpu_op, kernel, memcpy, memset
@@ -80,10 +141,16 @@ PROFILE_OPS_EMITTED = "profile.ops.emitted"
 PROFILE_KERNELS = "profile.kernels"
 PROFILE_KERNELS_EMITTED = "profile.kernels.emitted"
 
-# Resource attributes (service.*, host.name and process.pid are OpenTelemetry's own)
+# Resource attributes (service.*, host.name, process.pid and k8s.* are OpenTelemetry's own)
+SERVICE_NAME = "service.name"
+SERVICE_INSTANCE_ID = "service.instance.id"
+HOST_NAME = "host.name"
+PROCESS_PID = "process.pid"
+K8S_JOB_UID = "k8s.job.uid"  # read from OTEL_RESOURCE_ATTRIBUTES for the job id, never set
 TRAINING_JOB_ID = "training.job.id"
 TRAINING_RANK = "training.rank"
 TRAINING_LOCAL_RANK = "training.local_rank"
 TRAINING_WORLD_SIZE = "training.world_size"
 TRAINING_FRAMEWORK = "training.framework"
+TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
 DEEPSPEED_VERSION = "deepspeed.version"

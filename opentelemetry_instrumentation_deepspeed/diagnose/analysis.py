@@ -15,10 +15,11 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
-PHASES = {"training.data.wait": "data_wait", "training.forward": "forward", "training.backward": "backward",
-          "training.optimizer.step": "optimizer"}
+PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
+          semconv.SPAN_OPTIMIZER_STEP: "optimizer"}
 PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_wait", "unaccounted")
 
 # Thresholds of the verdict, shares of step time.
@@ -27,7 +28,8 @@ COMM_SHARE = 0.30
 STRAGGLER_SHARE = 0.20  # a rank computing this much longer than the others, per step
 ANOMALY_FACTOR = 1.5  # a step this much slower than the median is an anomaly
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
-HARDWARE_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")
+HARDWARE_THROTTLE = (semconv.THROTTLE_HW_SLOWDOWN, semconv.THROTTLE_HW_THERMAL_SLOWDOWN,
+                     semconv.THROTTLE_HW_POWER_BRAKE_SLOWDOWN, semconv.THROTTLE_SW_THERMAL_SLOWDOWN)
 
 
 @dataclass
@@ -68,23 +70,24 @@ class Analysis:
         for span in spans:
             self.jobs[span.job] += 1
             key = (span.job, span.rank, span.trace_id)
-            if span.name == "training.step":
+            if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
                 if not step.seen or span.end > step.end:  # a retried step keeps its last attempt
-                    step.number, step.trace_id, step.start, step.end = (span.attributes.get("training.step", 0),
+                    step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.seen = True
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
-            elif span.name.startswith("comm."):
+            elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
                 attributes = span.attributes
-                group, sequence = attributes.get("comm.group.name", "0"), attributes.get("comm.sequence")
-                if not attributes.get("comm.async"):
+                group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
+                if not attributes.get(semconv.COMM_ASYNC):
                     self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
                 if sequence is not None:
                     self._collectives[(span.job, group, sequence)][span.rank] = span.start
-                if attributes.get("comm.busbw"):
-                    self._busbw[span.name.removeprefix("comm.")].append(float(attributes["comm.busbw"]))
+                if attributes.get(semconv.COMM_BUSBW):
+                    self._busbw[span.name.removeprefix(semconv.SPAN_COMM_PREFIX)].append(
+                        float(attributes[semconv.COMM_BUSBW]))
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -160,21 +163,21 @@ class Analysis:
             samples = [s for s in self._samples if s.rank == rank]
             steps = sorted((s for (j, r, _t), s in self._steps.items() if j == job and r == rank and s.seen),
                            key=lambda s: s.start)
-            utilization = [s for s in samples if s.metric == "hw.gpu.utilization"]
+            utilization = [s for s in samples if s.metric == semconv.METRIC_HW_GPU_UTILIZATION]
             by_part = defaultdict(list)
             for sample in utilization:
                 by_part[self._part_at(sample.time, steps)].append(sample.value)
             throttle = defaultdict(list)
             for sample in samples:
-                if sample.metric == "hw.gpu.throttle":
+                if sample.metric == semconv.METRIC_HW_GPU_THROTTLE:
                     throttle[sample.detail].append(sample.value)
             found[rank] = {
                 "utilization_mean": statistics.fmean(s.value for s in utilization) if utilization else None,
                 "utilization_by_part": {part: statistics.fmean(values) for part, values in sorted(by_part.items())},
                 "throttled": {reason: statistics.fmean(values) for reason, values in sorted(throttle.items())
                               if any(values)},
-                "uncorrected_ecc": max((s.value for s in samples if s.metric == "hw.errors"
-                                        and s.detail == "uncorrected"), default=0),
+                "uncorrected_ecc": max((s.value for s in samples if s.metric == semconv.METRIC_HW_ERRORS
+                                        and s.detail == semconv.ECC_UNCORRECTED), default=0),
             }
         return found
 

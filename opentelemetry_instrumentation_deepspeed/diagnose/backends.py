@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, Span, spans_of_request
 
 _TIMEOUT = 30
@@ -83,7 +84,7 @@ def jaeger_spans(url: str, service: str, job: str | None, *, since_seconds: floa
     parameters = {"query.service_name": service, "query.start_time_min": start.isoformat(),
                   "query.start_time_max": end.isoformat(), "query.num_traces": limit}
     if job:
-        parameters["query.attributes"] = json.dumps({"training.job.id": job})
+        parameters["query.attributes"] = json.dumps({semconv.TRAINING_JOB_ID: job})
     answer = _get(f"{url.rstrip('/')}/api/v3/traces?{urllib.parse.urlencode(parameters)}")
     chunks = answer if isinstance(answer, list) else [answer]
     for chunk in chunks:

@@ -12,8 +12,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_KEPT = ("training.step", "training.micro_step", "comm.op", "comm.bytes", "comm.async", "comm.sequence",
-         "comm.group.name", "comm.busbw", "training.step.skipped")
+from opentelemetry_instrumentation_deepspeed import semconv
+
+_KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, semconv.COMM_BYTES, semconv.COMM_ASYNC,
+         semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Span:
 
 
 # GPU metrics the analysis lines up with the steps.
-GPU_METRICS = ("hw.gpu.utilization", "hw.gpu.throttle", "hw.errors")
+GPU_METRICS = (semconv.METRIC_HW_GPU_UTILIZATION, semconv.METRIC_HW_GPU_THROTTLE, semconv.METRIC_HW_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class Shape(ValueError):
 
 
 # The attributes the analysis uses, and the types it can take for them.
-_TYPES = {"training.step": int, "training.micro_step": int, "comm.op": str, "comm.bytes": int, "comm.async": bool,
-          "comm.sequence": int, "comm.group.name": str, "comm.busbw": (int, float), "training.step.skipped": bool}
+_TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.COMM_OP: str, semconv.COMM_BYTES: int,
+          semconv.COMM_ASYNC: bool, semconv.COMM_SEQUENCE: int, semconv.COMM_GROUP_NAME: str,
+          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool}
 _MAX_TIME = 2**64 - 1  # OTLP's fixed64
 
 
@@ -104,8 +107,8 @@ def _checked(span: dict, attributes: dict) -> tuple[int, int]:
 def spans_of_request(request: dict) -> Iterator[Span]:
     for resource_spans in request.get("resourceSpans") or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"),
-                               ("training.job.id", "training.rank"))
-        job, rank = resource.get("training.job.id"), resource.get("training.rank")
+                               (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK))
+        job, rank = resource.get(semconv.TRAINING_JOB_ID), resource.get(semconv.TRAINING_RANK)
         if job is None or rank is None:
             continue  # not a training rank's telemetry
         for scope_spans in resource_spans.get("scopeSpans") or ():
@@ -118,8 +121,8 @@ def spans_of_request(request: dict) -> Iterator[Span]:
 
 def samples_of_request(request: dict) -> Iterator[Sample]:
     for resource_metrics in request.get("resourceMetrics") or ():
-        resource = _attributes((resource_metrics.get("resource") or {}).get("attributes"), ("training.rank",))
-        if resource.get("training.rank") is None:
+        resource = _attributes((resource_metrics.get("resource") or {}).get("attributes"), (semconv.TRAINING_RANK,))
+        if resource.get(semconv.TRAINING_RANK) is None:
             continue
         for scope_metrics in resource_metrics.get("scopeMetrics") or ():
             for metric in scope_metrics.get("metrics") or ():
@@ -127,11 +130,13 @@ def samples_of_request(request: dict) -> Iterator[Sample]:
                     continue
                 data = metric.get("gauge") or metric.get("sum") or {}
                 for point in data.get("dataPoints") or ():
-                    attributes = _attributes(point.get("attributes"), ("hw.gpu.throttle.reason", "error.type"))
+                    attributes = _attributes(point.get("attributes"),
+                                             (semconv.HW_GPU_THROTTLE_REASON, semconv.ERROR_TYPE))
                     value = point.get("asDouble", point.get("asInt", 0))
-                    yield Sample(int(resource["training.rank"]), metric["name"], int(point.get("timeUnixNano", 0)),
-                                 float(value), attributes.get("hw.gpu.throttle.reason") or
-                                 attributes.get("error.type") or "")
+                    yield Sample(int(resource[semconv.TRAINING_RANK]), metric["name"],
+                                 int(point.get("timeUnixNano", 0)), float(value),
+                                 attributes.get(semconv.HW_GPU_THROTTLE_REASON) or
+                                 attributes.get(semconv.ERROR_TYPE) or "")
 
 
 # One exported batch per line: 512 spans (the SDK's batch) take ~0.6 MB, a Collector's 8192 ~10 MB.

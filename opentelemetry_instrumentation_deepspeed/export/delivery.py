@@ -162,7 +162,7 @@ def _observe(meter_provider) -> None:
 
     from opentelemetry_instrumentation_deepspeed.version import __version__
 
-    meter = meter_provider.get_meter("opentelemetry_instrumentation_deepspeed", __version__)
+    meter = meter_provider.get_meter(semconv.SCOPE_NAME, __version__)
 
     accounting = Component("telemetry delivery accounting")
 

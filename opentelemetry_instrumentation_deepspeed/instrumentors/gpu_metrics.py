@@ -24,6 +24,7 @@ from collections.abc import Collection
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.version import __version__
@@ -32,9 +33,10 @@ _logger = logging.getLogger(__name__)
 
 # Bits of nvmlDeviceGetCurrentClocksEventReasons (formerly ...ThrottleReasons).
 THROTTLE_REASONS = (
-    (0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"), (0x8, "hw_slowdown"),
-    (0x10, "sync_boost"), (0x20, "sw_thermal_slowdown"), (0x40, "hw_thermal_slowdown"),
-    (0x80, "hw_power_brake_slowdown"), (0x100, "display_clock_setting"),
+    (0x1, semconv.THROTTLE_GPU_IDLE), (0x2, semconv.THROTTLE_APPLICATIONS_CLOCKS_SETTING),
+    (0x4, semconv.THROTTLE_SW_POWER_CAP), (0x8, semconv.THROTTLE_HW_SLOWDOWN), (0x10, semconv.THROTTLE_SYNC_BOOST),
+    (0x20, semconv.THROTTLE_SW_THERMAL_SLOWDOWN), (0x40, semconv.THROTTLE_HW_THERMAL_SLOWDOWN),
+    (0x80, semconv.THROTTLE_HW_POWER_BRAKE_SLOWDOWN), (0x100, semconv.THROTTLE_DISPLAY_CLOCK_SETTING),
 )
 _CACHE_SECONDS = 0.5  # one NVML read serves every instrument of one collection
 
@@ -43,18 +45,19 @@ class _Device:
     def __init__(self, nvml, handle):
         self.handle = handle
         uuid = nvml.nvmlDeviceGetUUID(handle)
-        self.attributes = {"hw.id": _text(uuid), "hw.name": _text(nvml.nvmlDeviceGetName(handle)),
-                           "hw.vendor": "NVIDIA", "hw.type": "gpu"}
+        self.attributes = {semconv.HW_ID: _text(uuid), semconv.HW_NAME: _text(nvml.nvmlDeviceGetName(handle)),
+                           semconv.HW_VENDOR: semconv.HW_VENDOR_NVIDIA, semconv.HW_TYPE: semconv.HW_TYPE_GPU}
         try:
             if nvml.nvmlDeviceIsMigDeviceHandle(handle):
                 parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
-                self.attributes["hw.parent"] = _text(nvml.nvmlDeviceGetUUID(parent))
+                self.attributes[semconv.HW_PARENT] = _text(nvml.nvmlDeviceGetUUID(parent))
         except nvml.NVMLError:
             pass
         self.with_direction = {
-            direction: {**self.attributes, "network.io.direction": direction} for direction in ("transmit", "receive")
+            direction: {**self.attributes, semconv.NETWORK_IO_DIRECTION: direction}
+            for direction in (semconv.DIRECTION_TRANSMIT, semconv.DIRECTION_RECEIVE)
         }
-        self.pcie_bytes = {"transmit": 0.0, "receive": 0.0}
+        self.pcie_bytes = {semconv.DIRECTION_TRANSMIT: 0.0, semconv.DIRECTION_RECEIVE: 0.0}
         self.pcie_read_at: float | None = None
         self.gpm_samples: list | None = None  # [previous, current] GPM samples, once known supported
 
@@ -78,37 +81,42 @@ class NvmlReader:
         nvml = self._nvml
         gauge, updown, counter = (meter.create_observable_gauge, meter.create_observable_up_down_counter,
                                   meter.create_observable_counter)
-        gauge("hw.gpu.utilization", [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates,
-                                                lambda u: u.gpu / 100)], unit="1",
+        gauge(semconv.METRIC_HW_GPU_UTILIZATION,
+              [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates, lambda u: u.gpu / 100)], unit="1",
               description="Fraction of time the GPU ran kernels")
-        gauge("hw.gpu.memory.utilization", [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates,
-                                                       lambda u: u.memory / 100)], unit="1",
+        gauge(semconv.METRIC_HW_GPU_MEMORY_UTILIZATION,
+              [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates, lambda u: u.memory / 100)], unit="1",
               description="Fraction of time the GPU memory was read or written")
-        updown("hw.gpu.memory.usage", [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.used)],
+        updown(semconv.METRIC_HW_GPU_MEMORY_USAGE,
+               [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.used)],
                unit="By", description="GPU memory in use")
-        updown("hw.gpu.memory.limit", [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.total)],
+        updown(semconv.METRIC_HW_GPU_MEMORY_LIMIT,
+               [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.total)],
                unit="By", description="GPU memory size")
-        gauge("hw.power", [self._each("power", nvml.nvmlDeviceGetPowerUsage, lambda mw: mw / 1000)], unit="W",
-              description="GPU power draw")
-        counter("hw.energy", [self._each("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, lambda mj: mj / 1000)],
+        gauge(semconv.METRIC_HW_POWER, [self._each("power", nvml.nvmlDeviceGetPowerUsage, lambda mw: mw / 1000)],
+              unit="W", description="GPU power draw")
+        counter(semconv.METRIC_HW_ENERGY,
+                [self._each("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, lambda mj: mj / 1000)],
                 unit="J", description="GPU energy consumed since the driver loaded")
-        gauge("hw.temperature", [self._each("temperature",
-                                            lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
-                                            float)], unit="Cel", description="GPU temperature")
-        gauge("hw.gpu.clock.sm", [self._each("clock.sm", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
-                                             lambda mhz: mhz * 1e6)], unit="Hz", description="SM clock")
-        gauge("hw.gpu.clock.memory", [self._each("clock.memory",
-                                                 lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
-                                                 lambda mhz: mhz * 1e6)], unit="Hz", description="Memory clock")
-        counter("hw.errors", [self._ecc], unit="{error}", description="GPU memory ECC errors over the GPU's lifetime")
-        counter("hw.gpu.io", [self._pcie], unit="By",
+        gauge(semconv.METRIC_HW_TEMPERATURE,
+              [self._each("temperature", lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
+                          float)], unit="Cel", description="GPU temperature")
+        gauge(semconv.METRIC_HW_GPU_CLOCK_SM,
+              [self._each("clock.sm", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+                          lambda mhz: mhz * 1e6)], unit="Hz", description="SM clock")
+        gauge(semconv.METRIC_HW_GPU_CLOCK_MEMORY,
+              [self._each("clock.memory", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
+                          lambda mhz: mhz * 1e6)], unit="Hz", description="Memory clock")
+        counter(semconv.METRIC_HW_ERRORS, [self._ecc], unit="{error}",
+                description="GPU memory ECC errors over the GPU's lifetime")
+        counter(semconv.METRIC_HW_GPU_IO, [self._pcie], unit="By",
                 description="PCIe bytes, integrated from NVML's throughput samples between collections")
-        counter("hw.gpu.nvlink.io", [self._nvlink], unit="By", description="NVLink data bytes")
-        gauge("hw.gpu.throttle", [self._throttle], unit="1",
+        counter(semconv.METRIC_HW_GPU_NVLINK_IO, [self._nvlink], unit="By", description="NVLink data bytes")
+        gauge(semconv.METRIC_HW_GPU_THROTTLE, [self._throttle], unit="1",
               description="1 while a clock-throttle reason is active, else 0, per reason")
-        updown("hw.gpu.process.memory.usage", [self._process_memory], unit="By",
+        updown(semconv.METRIC_HW_GPU_PROCESS_MEMORY_USAGE, [self._process_memory], unit="By",
                description="GPU memory used by this rank's process")
-        gauge("hw.gpu.sm.activity", [self._sm_activity], unit="1",
+        gauge(semconv.METRIC_HW_GPU_SM_ACTIVITY, [self._sm_activity], unit="1",
               description="Fraction of SMs busy between two collections (NVML GPM, Hopper and newer)")
 
     # -- reading --------------------------------------------------------------------------------
@@ -136,8 +144,8 @@ class NvmlReader:
 
     def _fail(self, field: str, device: _Device, error) -> None:
         self._failed.add(field)
-        _logger.warning("NVML %s of GPU %s: %s; it is not reported from now on.", field, device.attributes["hw.id"],
-                        error)
+        _logger.warning("NVML %s of GPU %s: %s; it is not reported from now on.", field,
+                        device.attributes[semconv.HW_ID], error)
 
     def _each(self, field: str, read, convert):
         def observe(_options):
@@ -153,12 +161,12 @@ class NvmlReader:
     def _ecc(self, _options):
         nvml, observations = self._nvml, []
         for device in self._devices:
-            for error_type, kind in (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                                     ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+            for error_type, kind in ((semconv.ECC_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                                     (semconv.ECC_UNCORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
                 count = self._read(device, f"ecc.{error_type}", lambda h, kind=kind: nvml.nvmlDeviceGetTotalEccErrors(
                     h, kind, nvml.NVML_AGGREGATE_ECC))
                 if count is not None:
-                    observations.append(Observation(count, {**device.attributes, "error.type": error_type}))
+                    observations.append(Observation(count, {**device.attributes, semconv.ERROR_TYPE: error_type}))
         return observations
 
     def _pcie(self, _options):
@@ -166,8 +174,8 @@ class NvmlReader:
         for device in self._devices:
             rates = {direction: self._read(device, f"pcie.{direction}",
                                            lambda h, c=counter: nvml.nvmlDeviceGetPcieThroughput(h, c))
-                     for direction, counter in (("transmit", nvml.NVML_PCIE_UTIL_TX_BYTES),
-                                                ("receive", nvml.NVML_PCIE_UTIL_RX_BYTES))}
+                     for direction, counter in ((semconv.DIRECTION_TRANSMIT, nvml.NVML_PCIE_UTIL_TX_BYTES),
+                                                (semconv.DIRECTION_RECEIVE, nvml.NVML_PCIE_UTIL_RX_BYTES))}
             elapsed = 0.0 if device.pcie_read_at is None else now - device.pcie_read_at
             device.pcie_read_at = now
             for direction, kilobytes_per_second in rates.items():
@@ -179,8 +187,8 @@ class NvmlReader:
 
     def _nvlink(self, _options):
         nvml, observations = self._nvml, []
-        fields = (("transmit", getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", None)),
-                  ("receive", getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", None)))
+        fields = ((semconv.DIRECTION_TRANSMIT, getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", None)),
+                  (semconv.DIRECTION_RECEIVE, getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", None)))
         for device in self._devices:
             for direction, field_id in fields:
                 if field_id is None:
@@ -199,7 +207,7 @@ class NvmlReader:
             mask = self._read(device, "throttle", read)
             if mask is not None:
                 observations += [
-                    Observation(1 if mask & bit else 0, {**device.attributes, "hw.gpu.throttle.reason": name})
+                    Observation(1 if mask & bit else 0, {**device.attributes, semconv.HW_GPU_THROTTLE_REASON: name})
                     for bit, name in THROTTLE_REASONS]
         return observations
 
@@ -299,7 +307,7 @@ class GpuMetricsInstrumentor(BaseInstrumentor):
 
         def started(_identity):
             if self._active:
-                self.reader = start(get_meter("opentelemetry_instrumentation_deepspeed", __version__, meter_provider))
+                self.reader = start(get_meter(semconv.SCOPE_NAME, __version__, meter_provider))
 
         session.on_start(started)
 

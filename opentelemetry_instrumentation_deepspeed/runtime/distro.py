@@ -11,6 +11,7 @@ import os
 
 from opentelemetry.instrumentation.distro import BaseDistro
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.runtime.environment_variables import (
     DEFAULT_BSP_SCHEDULE_DELAY,
@@ -27,17 +28,17 @@ _SIGNALS = (
 
 # Host metrics for the data-loading side, from one rank per host; every rank reports its own process.
 _PROCESS_METRICS = {
-    "process.cpu.utilization": ["user", "system"],
-    "process.memory.usage": None,
-    "process.thread.count": None,
-    "process.open_file_descriptor.count": None,
+    semconv.METRIC_PROCESS_CPU_UTILIZATION: ["user", "system"],
+    semconv.METRIC_PROCESS_MEMORY_USAGE: None,
+    semconv.METRIC_PROCESS_THREAD_COUNT: None,
+    semconv.METRIC_PROCESS_OPEN_FILE_DESCRIPTOR_COUNT: None,
 }
 _HOST_METRICS = {
-    "system.cpu.utilization": ["idle", "user", "system"],
-    "system.memory.usage": ["used", "free", "cached"],
-    "system.memory.utilization": ["used"],
-    "system.disk.io": ["read", "write"],
-    "system.network.io": ["transmit", "receive"],
+    semconv.METRIC_SYSTEM_CPU_UTILIZATION: ["idle", "user", "system"],
+    semconv.METRIC_SYSTEM_MEMORY_USAGE: ["used", "free", "cached"],
+    semconv.METRIC_SYSTEM_MEMORY_UTILIZATION: ["used"],
+    semconv.METRIC_SYSTEM_DISK_IO: ["read", "write"],
+    semconv.METRIC_SYSTEM_NETWORK_IO: ["transmit", "receive"],
 }
 
 

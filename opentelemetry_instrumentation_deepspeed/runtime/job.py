@@ -28,22 +28,22 @@ class JobIdentity:
     def resource_attributes(self) -> dict[str, object]:
         """Ours, less what the user set in ``OTEL_RESOURCE_ATTRIBUTES`` or ``OTEL_SERVICE_NAME``: theirs wins."""
         attributes: dict[str, object] = {
-            "service.name": _script_name(),
-            "service.instance.id": f"{self.job_id}-rank{self.rank}",
-            "host.name": socket.gethostname(),
-            "process.pid": os.getpid(),
+            semconv.SERVICE_NAME: _script_name(),
+            semconv.SERVICE_INSTANCE_ID: f"{self.job_id}-rank{self.rank}",
+            semconv.HOST_NAME: socket.gethostname(),
+            semconv.PROCESS_PID: os.getpid(),
             semconv.TRAINING_JOB_ID: self.job_id,
             semconv.TRAINING_RANK: self.rank,
             semconv.TRAINING_LOCAL_RANK: self.local_rank,
             semconv.TRAINING_WORLD_SIZE: self.world_size,
-            semconv.TRAINING_FRAMEWORK: "deepspeed",
+            semconv.TRAINING_FRAMEWORK: semconv.TRAINING_FRAMEWORK_DEEPSPEED,
         }
         deepspeed = sys.modules.get("deepspeed")
         if deepspeed is not None:
             attributes[semconv.DEEPSPEED_VERSION] = getattr(deepspeed, "__version__", "unknown")
         user_keys = set(_user_resource_attributes())
         if os.environ.get("OTEL_SERVICE_NAME", "").strip():
-            user_keys.add("service.name")
+            user_keys.add(semconv.SERVICE_NAME)
         return {key: value for key, value in attributes.items() if key not in user_keys}
 
 
@@ -78,7 +78,7 @@ def job_id_from_environment() -> str | None:
         # Several `srun` steps of one allocation are several runs.
         step = os.environ.get("SLURM_STEP_ID", "").strip()
         return f"slurm-{slurm_job}.{step}" if step else f"slurm-{slurm_job}"
-    k8s_job = _user_resource_attributes().get("k8s.job.uid")
+    k8s_job = _user_resource_attributes().get(semconv.K8S_JOB_UID)
     if k8s_job:
         return f"k8s-{k8s_job}"
     return None

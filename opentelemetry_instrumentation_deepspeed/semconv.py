@@ -5,6 +5,8 @@ docs/telemetry.md describes each; names that have shipped do not change.
 
 # Instrumentation scope of this project's tracers and meters (Prometheus: the otel_scope_name label)
 SCOPE_NAME = "opentelemetry_instrumentation_deepspeed"
+# The collectives' metrics have carried their module's name as scope since they shipped.
+COMM_SCOPE_NAME = "opentelemetry_instrumentation_deepspeed.comm"
 
 # Spans
 SPAN_GLOBAL_STEP = "training.global_step"
@@ -14,6 +16,13 @@ SPAN_FORWARD = "training.forward"
 SPAN_BACKWARD = "training.backward"
 SPAN_OPTIMIZER_STEP = "training.optimizer.step"
 SPAN_PHASE_GPU = "training.{phase}.gpu"  # on CUDA: a phase's GPU-side interval, child of the phase
+
+# The exception event of a span that raised, as OpenTelemetry's exception conventions name it
+EVENT_EXCEPTION = "exception"
+EXCEPTION_TYPE = "exception.type"
+EXCEPTION_MESSAGE = "exception.message"
+EXCEPTION_STACKTRACE = "exception.stacktrace"
+EXCEPTION_ESCAPED = "exception.escaped"
 
 # Span attributes
 TRAINING_STEP = "training.step"
@@ -39,6 +48,7 @@ COMM_SEQUENCE = "comm.sequence"
 COMM_ALGBW = "comm.algbw"
 COMM_BUSBW = "comm.busbw"
 COMM_TIMING = "comm.timing"
+COMM_TIMING_GPU = "gpu"  # its value when CUDA events timed the call; absent for host times
 # On phase and step spans: collectives issued within them, and those beyond the span limit
 COMM_COUNT = "comm.count"
 COMM_SPANS_DROPPED = "comm.spans_dropped"

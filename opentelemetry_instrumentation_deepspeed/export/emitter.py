@@ -106,7 +106,7 @@ def span_attributes(collective: Collective, seconds: float, on_gpu: bool) -> dic
         semconv.COMM_BUSBW: algbw * route.bus_factor,
     }
     if on_gpu:
-        attributes[semconv.COMM_TIMING] = "gpu"
+        attributes[semconv.COMM_TIMING] = semconv.COMM_TIMING_GPU
     return attributes
 
 
@@ -117,8 +117,8 @@ def _status(failure) -> Status | None:
 def _exception(failure) -> dict | None:
     if not isinstance(failure, Failure):
         return None
-    return {"exception.type": failure.type, "exception.message": failure.message,
-            "exception.stacktrace": failure.stacktrace, "exception.escaped": "False"}
+    return {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
+            semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
 
 
 class Emitter(Component):

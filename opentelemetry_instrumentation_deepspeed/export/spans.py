@@ -19,13 +19,13 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.export import sdk
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _INTERNAL = SpanKind.INTERNAL
 _UNSET = Status(StatusCode.UNSET)
 EMPTY_CONTEXT = Context()
-_SCOPE = "opentelemetry_instrumentation_deepspeed"
 
 
 class Started:
@@ -48,7 +48,7 @@ class SpanWriter:
 
     def __init__(self, provider: trace.TracerProvider):
         self.provider = provider
-        self._tracer = provider.get_tracer(_SCOPE, __version__)
+        self._tracer = provider.get_tracer(semconv.SCOPE_NAME, __version__)
         pipeline = sdk.span_pipeline(self._tracer)
         self.fast = pipeline is not None
         self._batch: list = []
@@ -130,7 +130,7 @@ class SpanWriter:
             if more:
                 span.set_attributes(more)
             if exception is not None:
-                span.add_event("exception", exception, timestamp=end)
+                span.add_event(semconv.EVENT_EXCEPTION, exception, timestamp=end)
             if status is not None:
                 span.set_status(status)
             span.end(end_time=end)
@@ -138,7 +138,7 @@ class SpanWriter:
         attributes = started.attributes
         if more:
             attributes.update(more)
-        events = (self._event("exception", exception, end),) if exception is not None else ()
+        events = (self._event(semconv.EVENT_EXCEPTION, exception, end),) if exception is not None else ()
         self._batch.append(self._readable(
             name=started.name, context=started.context, parent=started.parent, resource=self._resource,
             attributes=attributes, events=events, kind=_INTERNAL, status=status or _UNSET,

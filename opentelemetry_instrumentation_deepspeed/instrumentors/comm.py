@@ -183,7 +183,7 @@ class CommObserver(Component):
         totals = self._totals.get(key)
         if totals is None:
             totals = self._totals[key] = [0, 0, metric_attributes]
-        route = _Route(f"comm.{spec.name}", metric_attributes, span_attributes,
+        route = _Route(semconv.SPAN_COMM_PREFIX + spec.name, metric_attributes, span_attributes,
                        algorithm_bytes(spec.kind, 1, group.size), bus_factor(spec.kind, group.size), totals,
                        self._duration)
         self._routes[(id(spec), id(group))] = route
@@ -281,7 +281,7 @@ class CommInstrumentor(BaseInstrumentor):
         self._patches = Patches()
         if mode == "off":
             return
-        meter = get_meter(__name__, __version__, kwargs.get("meter_provider"))
+        meter = get_meter(semconv.COMM_SCOPE_NAME, __version__, kwargs.get("meter_provider"))
         observer = CommObserver(meter, spans=mode == "spans")
         # Providers handed to instrument() record even when the API's globals have no SDK behind them.
         observer.explicit = kwargs.get("tracer_provider") is not None or kwargs.get("meter_provider") is not None

@@ -120,7 +120,7 @@ class DataLoaderInstrumentor(BaseInstrumentor):
         def started(_identity):
             if self._patching:
                 self._workers = WorkerProcesses()
-                self._workers.register(get_meter("opentelemetry_instrumentation_deepspeed", __version__,
+                self._workers.register(get_meter(semconv.SCOPE_NAME, __version__,
                                                  meter_provider))
 
         session.on_start(started)

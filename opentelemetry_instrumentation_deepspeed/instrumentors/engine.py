@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments
 from opentelemetry_instrumentation_deepspeed.recording import registry
@@ -39,7 +40,7 @@ def _init_wrapper(tracer_provider, meter_provider):
             if session.silent and tracer_provider is None and meter_provider is None:
                 return result
             provider = tracer_provider or trace.get_tracer_provider()
-            meter = get_meter("opentelemetry_instrumentation_deepspeed", __version__, meter_provider)
+            meter = get_meter(semconv.SCOPE_NAME, __version__, meter_provider)
             registry.track(instance, recorder_for(instance, identity, provider, meter))
         except Exception:
             _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "

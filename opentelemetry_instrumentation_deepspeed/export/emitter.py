@@ -37,7 +37,8 @@ _logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 0.5
 LIMIT = 1024  # items waiting past which the submitting thread drains (the emitter's thread could not run)
-MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
+MAX_PENDING = 4096
+_YIELD_EVERY = 8  # records emitted between two releases of the GIL  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.deferred"
 
 _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,
@@ -165,7 +166,7 @@ class Emitter(Component):
         """Emit everything submitted so far; ``final``: also what never completed (host times, or nothing)."""
         with self._lock:
             writers: set = set()
-            queue, yielding = self._queue, threading.current_thread() is self._thread
+            queue, yielding, done = self._queue, threading.current_thread() is self._thread, 0
             while queue:
                 try:
                     item = queue.popleft()
@@ -175,8 +176,9 @@ class Emitter(Component):
                     self._step(item, writers)
                 else:
                     self._collective(item, None, None, None, writers)
-                if yielding:
-                    time.sleep(0)  # lets the training thread take the GIL back between records
+                done += 1
+                if yielding and done % _YIELD_EVERY == 0:
+                    time.sleep(0)  # lets the training thread take the GIL back
             self._resolve(final, writers)
             if final:
                 for facts in list(self._held):

@@ -78,8 +78,8 @@ def main():
     meter_provider.shutdown()
     records = histogram_records(directory)
     print(json.dumps({"calls_per_step": round(calls / args.steps, 1),
-                      "recording_calls_per_step": round(recording / args.steps, 1), "spans_per_step": spans / args.steps,
-                      "records_per_step": records / (args.warmup + args.steps)}))
+                      "recording_calls_per_step": round(recording / args.steps, 1),
+                      "spans_per_step": spans / args.steps, "records_per_step": records / (args.warmup + args.steps)}))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ _logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 0.5
 LIMIT = 1024  # items waiting past which the submitting thread drains (the emitter's thread could not run)
-MAX_PENDING = 4096
-_YIELD_EVERY = 8  # records emitted between two releases of the GIL  # incomplete intervals kept at most: a GPU that never completes must not grow memory
+MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
+_YIELD_EVERY = 8  # records emitted between two releases of the GIL
 _COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.deferred"
 
 _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,

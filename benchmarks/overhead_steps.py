@@ -87,14 +87,14 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     engine = example_engine(args.zero_stage, args.grad_accum)
     world = engine.world_size
     batches = example_batches(engine, (args.warmup + 3 * args.triples) * args.grad_accum)
-    tracker = registry.recorder_for(engine)
+    recorder = registry.recorder_for(engine)
     observer = comm._observer
 
     collections = CollectorPauses()
     on_cuda = getattr(engine.device, "type", None) == "cuda"
 
     def step(active: bool) -> float:
-        tracker.broken = observer.broken = not active
+        recorder.broken = observer.broken = not active
         collections.arm = "B" if active else "A"
         started = time.perf_counter()
         for _ in range(args.grad_accum):

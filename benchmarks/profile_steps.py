@@ -2,7 +2,7 @@
 
 A profiler that traces every call costs more than what it measures, and the same code timed in a
 loop runs warm, several times faster than between DeepSpeed's own Python, which evicts it from
-the CPU caches. So the entry points that the wrappers call (the step tracker's and the collective
+the CPU caches. So the entry points that the wrappers call (the step recorder's and the collective
 observer's) are each wrapped with two clock reads, and their time inside real ZeRO steps is added
 up; ``--inner`` also times the functions they call (inclusive times, so nested ones overlap).
 The clock reads add ~1 us per call; the sum is an upper bound of the training thread's share.

@@ -9,7 +9,7 @@ from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
 from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
 from opentelemetry_instrumentation_deepspeed.recording import registry
-from tests.test_steps_unit import tracker_on
+from tests.test_steps_unit import recorder_on
 
 
 class FakeCuda:
@@ -86,12 +86,12 @@ def all_reduce(tensor, op=None, group=None, async_op=False):
 
 @pytest.fixture
 def setup(monkeypatch):
-    tracker, engine, exporter = tracker_on(1)
-    monkeypatch.setattr(registry, "_active", tracker)
+    recorder, engine, exporter = recorder_on(1)
+    monkeypatch.setattr(registry, "_active", recorder)
     cuda = FakeCuda()
     observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=True, cuda=cuda)
     observer._groups[id(None)] = _Group("0", 2, "nccl")
-    return observer, cuda, tracker, engine, exporter
+    return observer, cuda, recorder, engine, exporter
 
 
 def comm_spans(exporter):
@@ -104,14 +104,14 @@ def span_named(exporter, name):
 
 
 def test_gpu_times_are_resolved_later_without_blocking(setup):
-    observer, cuda, tracker, engine, exporter = setup
+    observer, cuda, recorder, engine, exporter = setup
     spec = OpSpec.of("all_reduce", all_reduce)
-    backward = tracker.backward_started(engine)  # the phase that issues the gradient all-reduce
+    backward = recorder.backward_started(engine)  # the phase that issues the gradient all-reduce
     cuda.idle = False  # the GPU is busy with backward kernels
     call = observer.issued(spec, (CudaTensor(),), {})
     observer.completed(call, None)
-    tracker.phase_ended(backward)
-    engine.step(tracker)  # the step closes: its record goes to the emitter
+    recorder.phase_ended(backward)
+    engine.step(recorder)  # the step closes: its record goes to the emitter
     assert comm_spans(exporter) == [], "the GPU has not run it: nothing to report yet, and no waiting"
 
     cuda.run(milliseconds=4.0)  # the all-reduce runs 4 ms after the previous event
@@ -128,9 +128,9 @@ def test_gpu_times_are_resolved_later_without_blocking(setup):
 
 
 def test_async_gpu_interval_ends_at_wait_and_flush_never_blocks(setup):
-    observer, cuda, tracker, engine, exporter = setup
+    observer, cuda, recorder, engine, exporter = setup
     spec = OpSpec.of("all_reduce", all_reduce)
-    tracker.forward_started(engine)
+    recorder.forward_started(engine)
     cuda.idle = False
 
     class Work:
@@ -140,7 +140,7 @@ def test_async_gpu_interval_ends_at_wait_and_flush_never_blocks(setup):
     call = observer.issued(spec, (CudaTensor(),), {"async_op": True})
     observer.completed(call, work)
     observer.waited(work)  # the end event is recorded at wait(), after the stream waits for the collective
-    tracker.interrupted("the process exited during this step")
+    recorder.interrupted("the process exited during this step")
     assert comm_spans(exporter) == []
     emitter().drain(final=True)  # at exit, with the GPU still busy: host times, no waiting
     (span,) = comm_spans(exporter)
@@ -152,15 +152,15 @@ def test_pending_gpu_intervals_are_bounded(setup, monkeypatch):
     from opentelemetry_instrumentation_deepspeed.export import emitter as emitting
 
     monkeypatch.setattr(emitting, "MAX_PENDING", 8)
-    observer, cuda, tracker, engine, exporter = setup
+    observer, cuda, recorder, engine, exporter = setup
     spec = OpSpec.of("all_reduce", all_reduce)
-    forward = tracker.forward_started(engine)
+    forward = recorder.forward_started(engine)
     cuda.idle = False
     for _ in range(20):
         observer.completed(observer.issued(spec, (CudaTensor(),), {}), None)
-    tracker.phase_ended(forward)
+    recorder.phase_ended(forward)
     dropped = emitter().dropped
-    engine.step(tracker)
+    engine.step(recorder)
     spans = comm_spans(exporter)
     assert len(spans) == 12, "the oldest, beyond the bound, are reported with host times"
     assert all("comm.timing" not in span.attributes for span in spans)
@@ -169,15 +169,15 @@ def test_pending_gpu_intervals_are_bounded(setup, monkeypatch):
 
 def test_phases_get_gpu_intervals_as_children_without_blocking():
     cuda = FakeCuda()
-    tracker, engine, exporter = tracker_on(1, cuda=cuda)
+    recorder, engine, exporter = recorder_on(1, cuda=cuda)
     cuda.idle = False  # kernels queue up behind the host
-    forward = tracker.forward_started(engine)
-    tracker.phase_ended(forward)
-    backward = tracker.backward_started(engine)
-    tracker.phase_ended(backward)
+    forward = recorder.forward_started(engine)
+    recorder.phase_ended(forward)
+    backward = recorder.backward_started(engine)
+    recorder.phase_ended(backward)
     assert not [s for s in exporter.get_finished_spans() if s.name.endswith(".gpu")], "nothing has run on the GPU"
     cuda.run(milliseconds=3.0)
-    engine.step(tracker)
+    engine.step(recorder)
     gpu = {s.name: s for s in exporter.get_finished_spans() if s.name.endswith(".gpu")}
     assert set(gpu) == {"training.forward.gpu", "training.backward.gpu"}
     assert gpu["training.forward.gpu"].parent.span_id == span_named(exporter, "training.forward").context.span_id

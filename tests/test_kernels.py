@@ -15,7 +15,7 @@ from opentelemetry_instrumentation_deepspeed.recording import profiler
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
 from tests.otlp_json import read_spans
-from tests.test_steps_unit import tracker_on
+from tests.test_steps_unit import recorder_on
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
 
@@ -134,15 +134,15 @@ def profiler_running() -> bool:
 
 
 def test_only_sampled_steps_run_the_profiler_and_a_failing_one_leaves_none(profiling):
-    tracker, engine, exporter = tracker_on(1)
-    span = tracker.forward_started(engine)  # step 1: not sampled
+    recorder, engine, exporter = recorder_on(1)
+    span = recorder.forward_started(engine)  # step 1: not sampled
     assert not profiler_running()
-    tracker.phase_ended(span)
-    tracker.phase_ended(tracker.backward_started(engine))
-    engine.step(tracker)
-    span = tracker.forward_started(engine)  # step 2: sampled
+    recorder.phase_ended(span)
+    recorder.phase_ended(recorder.backward_started(engine))
+    engine.step(recorder)
+    span = recorder.forward_started(engine)  # step 2: sampled
     assert profiler_running()
-    tracker.phase_failed(span, RuntimeError("boom"))
+    recorder.phase_failed(span, RuntimeError("boom"))
     assert not profiler_running(), "the profiler stops with the step that raised"
     assert not operators_in(exporter), "a failed step's operators are not emitted"
 
@@ -152,27 +152,27 @@ def test_a_slow_step_gets_the_next_one_profiled(monkeypatch):
     monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER", "")
     env.reset_cache()
     try:
-        tracker, engine, exporter = tracker_on(1)
+        recorder, engine, exporter = recorder_on(1)
         for _ in range(8):
             # Steps of 20 ms: a scheduling hiccup of a loaded machine is not a slow step.
-            span = tracker.forward_started(engine)
+            span = recorder.forward_started(engine)
             time.sleep(0.02)
-            tracker.phase_ended(span)
-            tracker.phase_ended(tracker.backward_started(engine))
-            engine.step(tracker)
+            recorder.phase_ended(span)
+            recorder.phase_ended(recorder.backward_started(engine))
+            engine.step(recorder)
         assert not operators_in(exporter)
-        span = tracker.forward_started(engine)
+        span = recorder.forward_started(engine)
         time.sleep(0.3)  # a stall, far beyond 3 x the recent median
-        tracker.phase_ended(span)
-        tracker.phase_ended(tracker.backward_started(engine))
-        engine.step(tracker)
+        recorder.phase_ended(span)
+        recorder.phase_ended(recorder.backward_started(engine))
+        engine.step(recorder)
         assert not operators_in(exporter), "the slow step itself has already run"
-        span = tracker.forward_started(engine)
+        span = recorder.forward_started(engine)
         assert profiler_running(), "the next one is profiled"
         torch.ones(8, 8) @ torch.ones(8, 8)
-        tracker.phase_ended(span)
-        tracker.phase_ended(tracker.backward_started(engine))
-        engine.step(tracker)
+        recorder.phase_ended(span)
+        recorder.phase_ended(recorder.backward_started(engine))
+        engine.step(recorder)
         assert "aten::mm" in {span.name for span in operators_in(exporter)}
         assert not profiler_running()
     finally:

@@ -208,14 +208,13 @@ def test_collectives_join_the_running_phase_up_to_the_span_limit():
     assert (record.comm_count, record.comm_dropped, forward.comm_count, forward.comm_dropped) == (4, 2, 3, 1)
 
 
-def test_a_bug_in_an_action_disables_the_recorder_and_ends_the_open_step(caplog):
-    rec, engine, records = recorder()
-    rec.forward_started(engine)
-
-    def broken(_event, _data):
+def test_a_bug_in_an_action_disables_the_recorder_and_ends_the_open_step(caplog, monkeypatch):
+    def broken(_self, _event, _data):
         raise KeyError("a future DeepSpeed")
 
-    rec._actions[state.END_PHASE] = broken
+    monkeypatch.setattr(StepRecorder, "_end_phase", broken)
+    rec, engine, records = recorder()
+    rec.forward_started(engine)
     rec.phase_ended(rec.open.phase)
     assert rec.broken and rec.open is None
     assert records[0].failure == Interrupted(TRACING_FAILED)

@@ -23,12 +23,12 @@ from opentelemetry.trace import StatusCode
 
 from opentelemetry_instrumentation_deepspeed.export import trace_ids
 from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
-from opentelemetry_instrumentation_deepspeed.instrumentors.engine import recorder_for
+from opentelemetry_instrumentation_deepspeed.instrumentors.engine import build_recorder
 from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
 
 
 class Engine:
-    """The few engine methods the tracker reads, as DeepSpeed defines them."""
+    """The few engine methods the recorder reads, as DeepSpeed defines them."""
 
     def __init__(self, grad_accum=1):
         self.global_steps = 0
@@ -63,12 +63,12 @@ class Engine:
     def get_global_grad_norm(self):
         return 0.5
 
-    def step(self, tracker):
-        span = tracker.optimizer_step_started(self)
+    def step(self, recorder):
+        span = recorder.optimizer_step_started(self)
         if self.is_gradient_accumulation_boundary():
             self.global_steps += 1
         self.micro_steps += 1
-        tracker.optimizer_step_ended(self, span)
+        recorder.optimizer_step_ended(self, span)
 
 
 class Emitted:
@@ -82,22 +82,22 @@ class Emitted:
         return self.exporter.get_finished_spans()
 
 
-def tracker_on(rank: int, sampler=None, job="job-1", grad_accum=1, *, cuda=None, provider=None):
+def recorder_on(rank: int, sampler=None, job="job-1", grad_accum=1, *, cuda=None, provider=None):
     exporter = InMemorySpanExporter()
     if provider is None:
         provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     engine = Engine(grad_accum)
-    recorder = recorder_for(engine, JobIdentity(job, rank, rank, 2), provider,
+    recorder = build_recorder(engine, JobIdentity(job, rank, rank, 2), provider,
                             NoOpMeterProvider().get_meter("test"), cuda=cuda)
     return recorder, engine, Emitted(exporter)
 
 
-def train_step(tracker, engine, grad_accum=1):
+def train_step(recorder, engine, grad_accum=1):
     for _ in range(grad_accum):
-        tracker.phase_ended(tracker.forward_started(engine))
-        tracker.phase_ended(tracker.backward_started(engine))
-        engine.step(tracker)
+        recorder.phase_ended(recorder.forward_started(engine))
+        recorder.phase_ended(recorder.backward_started(engine))
+        engine.step(recorder)
 
 
 def test_step_ids_are_deterministic_and_distinct():
@@ -108,8 +108,8 @@ def test_step_ids_are_deterministic_and_distinct():
 
 
 def test_ranks_join_one_trace_under_rank_0s_root():
-    rank0, engine0, spans0 = tracker_on(0)
-    rank1, engine1, spans1 = tracker_on(1)
+    rank0, engine0, spans0 = recorder_on(0)
+    rank1, engine1, spans1 = recorder_on(1)
     for _ in range(3):
         train_step(rank0, engine0)
         train_step(rank1, engine1)
@@ -124,8 +124,8 @@ def test_ranks_join_one_trace_under_rank_0s_root():
 
 def test_sampling_decision_is_the_same_on_every_rank():
     sampler = ParentBased(TraceIdRatioBased(0.5))
-    rank0, engine0, spans0 = tracker_on(0, sampler)
-    rank1, engine1, spans1 = tracker_on(1, sampler)
+    rank0, engine0, spans0 = recorder_on(0, sampler)
+    rank1, engine1, spans1 = recorder_on(1, sampler)
     for _ in range(40):
         train_step(rank0, engine0)
         train_step(rank1, engine1)
@@ -160,27 +160,27 @@ def test_any_other_sampler_is_asked_at_every_step():
 
     assert trace_ids.root_decision(EveryOther()) is None
     sampler = ParentBased(EveryOther())
-    tracker, engine, exporter = tracker_on(0, sampler)
+    recorder, engine, exporter = recorder_on(0, sampler)
     for _ in range(6):
-        train_step(tracker, engine)
+        train_step(recorder, engine)
     kept = sorted(s.attributes["training.step"] for s in exporter.get_finished_spans() if s.name == "training.step")
     assert sampler._root.asked == 6, "once per step, by the emitter"
     assert kept == [1, 3, 5]
 
 
 def test_gradient_accumulation_opens_one_step_per_boundary():
-    tracker, engine, exporter = tracker_on(1, grad_accum=3)
-    train_step(tracker, engine, grad_accum=3)
+    recorder, engine, exporter = recorder_on(1, grad_accum=3)
+    train_step(recorder, engine, grad_accum=3)
     names = [s.name for s in exporter.get_finished_spans()]
     assert names.count("training.step") == 1 and names.count("training.optimizer.step") == 1
     assert names.count("training.forward") == 3
 
 
 def test_a_failing_phase_marks_its_step_and_the_next_step_starts_clean():
-    tracker, engine, exporter = tracker_on(0)
-    span = tracker.forward_started(engine)
-    tracker.phase_failed(span, RuntimeError("CUDA out of memory"))
-    train_step(tracker, engine)
+    recorder, engine, exporter = recorder_on(0)
+    span = recorder.forward_started(engine)
+    recorder.phase_failed(span, RuntimeError("CUDA out of memory"))
+    train_step(recorder, engine)
     spans = exporter.get_finished_spans()
     failed_forward = next(s for s in spans if s.name == "training.forward" and s.status.status_code == StatusCode.ERROR)
     assert failed_forward.events[0].name == "exception"
@@ -190,30 +190,30 @@ def test_a_failing_phase_marks_its_step_and_the_next_step_starts_clean():
 
 
 def test_evaluation_forwards_drop_the_waits_that_fed_them():
-    tracker, engine, exporter = tracker_on(1)
-    tracker.data_waited(1, 2)
-    tracker.not_training()
-    tracker.data_waited(10, 20)
-    train_step(tracker, engine)
+    recorder, engine, exporter = recorder_on(1)
+    recorder.data_waited(1, 2)
+    recorder.not_training()
+    recorder.data_waited(10, 20)
+    train_step(recorder, engine)
     waits = [s for s in exporter.get_finished_spans() if s.name == "training.data.wait"]
     assert [(s.start_time, s.end_time) for s in waits] == [(10, 20)]
 
 
 def test_waits_without_training_are_bounded_by_the_micro_batches_of_a_step():
-    tracker, engine, exporter = tracker_on(1, grad_accum=4)
+    recorder, engine, exporter = recorder_on(1, grad_accum=4)
     for i in range(10_000):
-        tracker.data_waited(i, i + 1)
-    train_step(tracker, engine, grad_accum=4)
+        recorder.data_waited(i, i + 1)
+    train_step(recorder, engine, grad_accum=4)
     waits = [s for s in exporter.get_finished_spans() if s.name == "training.data.wait"]
     assert [s.start_time for s in waits] == [9996, 9997, 9998, 9999], "the most recent ones"
 
 
 def test_a_caught_failure_in_direct_backward_ends_its_span_and_the_retry_shares_the_root():
-    tracker, engine, exporter = tracker_on(0)
-    tracker.phase_ended(tracker.forward_started(engine))
-    tracker.backward_started(engine, direct=True)
-    tracker.direct_backward_failed(RuntimeError("out of memory"))  # the user catches it and retries
-    train_step(tracker, engine)
+    recorder, engine, exporter = recorder_on(0)
+    recorder.phase_ended(recorder.forward_started(engine))
+    recorder.backward_started(engine, direct=True)
+    recorder.direct_backward_failed(RuntimeError("out of memory"))  # the user catches it and retries
+    train_step(recorder, engine)
     spans = exporter.get_finished_spans()
     backward = [s for s in spans if s.name == "training.backward"]
     assert backward[0].status.status_code == StatusCode.ERROR and backward[0].end_time is not None
@@ -223,9 +223,9 @@ def test_a_caught_failure_in_direct_backward_ends_its_span_and_the_retry_shares_
     assert {s.parent.span_id for s in steps} == {roots[0].context.span_id}
 
 
-def test_a_bug_in_the_tracker_is_logged_once_and_disables_it(caplog):
-    tracker, engine, exporter = tracker_on(1)
-    train_step(tracker, engine)
+def test_a_bug_in_the_recorder_is_logged_once_and_disables_it(caplog):
+    recorder, engine, exporter = recorder_on(1)
+    train_step(recorder, engine)
 
     class Broken(Engine):
         @property
@@ -239,10 +239,10 @@ def test_a_bug_in_the_tracker_is_logged_once_and_disables_it(caplog):
     broken = Broken()
     with caplog.at_level(logging.ERROR):
         for _ in range(5):
-            assert tracker.forward_started(broken) is None
-            tracker.phase_ended(None)
-            assert tracker.optimizer_step_started(broken) is None
-            tracker.optimizer_step_ended(broken, None)
+            assert recorder.forward_started(broken) is None
+            recorder.phase_ended(None)
+            assert recorder.optimizer_step_started(broken) is None
+            recorder.optimizer_step_ended(broken, None)
     assert len(caplog.records) == 1
     assert "step tracing failed" in caplog.records[0].getMessage()
     assert "renamed in a future DeepSpeed" in caplog.text
@@ -253,8 +253,8 @@ def test_a_bug_in_the_tracker_is_logged_once_and_disables_it(caplog):
 def test_no_sdk_means_no_spans_and_no_errors(rank, caplog):
     from opentelemetry.trace import NoOpTracerProvider
 
-    tracker, engine, _ = tracker_on(rank, provider=NoOpTracerProvider())
+    recorder, engine, _ = recorder_on(rank, provider=NoOpTracerProvider())
     with caplog.at_level(logging.ERROR):
-        train_step(tracker, engine)
+        train_step(recorder, engine)
         emitter().drain()
     assert not caplog.records

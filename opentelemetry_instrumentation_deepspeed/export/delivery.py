@@ -6,8 +6,9 @@ reader's exporter is wrapped to count what it exported and what failed, and the 
 processor's queue-full drops are counted too. The counts are observable counters with the
 OpenTelemetry semantic-convention names (``otel.sdk.exporter.span.exported``,
 ``otel.sdk.processor.span.processed``, ``otel.sdk.exporter.metric_data_point.exported``, with
-``error.type`` on failures and drops), read at collection: nothing runs on the training thread
-but an integer increment when the queue overflows. The exporters' own warnings are let through
+``error.type`` on failures and drops), read at collection: nothing runs on the training thread;
+the emitter's thread, which hands spans to the batch processor, increments an integer when its
+queue overflows. The exporters' own warnings are let through
 once per logger; the rest are counted, and one line at exit says how much was lost.
 
 When the SDK's own self-metrics are on (``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``), it

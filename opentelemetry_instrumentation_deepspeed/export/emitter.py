@@ -39,7 +39,7 @@ DRAIN_SECONDS = 0.5
 LIMIT = 1024  # items waiting past which the submitting thread drains (the emitter's thread could not run)
 MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _YIELD_EVERY = 8  # records emitted between two releases of the GIL
-_COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.deferred"
+_COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.emitter"
 
 _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,
                 semconv.PHASE_OPTIMIZER_STEP: semconv.SPAN_OPTIMIZER_STEP}
@@ -60,7 +60,6 @@ class StepFacts:
             semconv.TRAINING_ZERO_STAGE: int(engine.zero_optimization_stage()),
             semconv.TRAINING_MICRO_BATCH_SIZE: engine.train_micro_batch_size_per_gpu(),
         }
-        self.micro_batch_size = engine.train_micro_batch_size_per_gpu()
         self.profile_top = profile_top
         # The root of a step that raised, kept open for its retry (same number) until the next step.
         self.held_root: _HeldRoot | None = None
@@ -74,23 +73,6 @@ class _HeldRoot:
 
 
 _NEVER = (0, 0, False)  # an async collective never waited for: no span, not in the metrics
-
-
-def _completed(collective: Collective, final: bool) -> tuple[int, int, bool] | None:
-    """(start, end, on the GPU) of a collective that completed; None while it runs; ``final``: host
-    times for a GPU interval that did not complete, ``_NEVER`` for a call never waited for."""
-    end = collective.end
-    if collective.failure is not None:
-        return collective.start, end, False
-    if end is None:
-        return _NEVER if final else None
-    if collective.gpu_start is not None and collective.gpu_end is not None:
-        times = collective.timeline.times(collective.gpu_start, collective.gpu_end)
-        if times is not None:
-            return times[0], times[1], True
-        if not final:
-            return None
-    return collective.start, end, False
 
 
 def span_attributes(collective: Collective, seconds: float, on_gpu: bool) -> dict:
@@ -131,7 +113,11 @@ class Emitter(Component):
         self._thread: threading.Thread | None = None
         self._meters: list = []
         self._held: set[StepFacts] = set()  # engines whose last step raised: its root waits for a retry
-        self._collectives = Component("collective tracing")  # a bug in their spans stops only them
+        # A bug in one kind of telemetry stops that kind only.
+        self._collectives = Component("collective tracing")
+        self._kernels = Component("kernel profiling")
+        self._gpu = Component("GPU timing")
+        self._starting = threading.Lock()
         self.dropped = 0  # incomplete intervals given up beyond MAX_PENDING
 
     # -- any thread -----------------------------------------------------------------------------
@@ -141,7 +127,9 @@ class Emitter(Component):
             return
         self._queue.append(item)
         if self._thread is None:
-            self._start()
+            with self._starting:  # an autograd thread may submit too
+                if self._thread is None:
+                    self._start()
         if len(self._queue) > LIMIT:
             self.drain()
 
@@ -155,11 +143,22 @@ class Emitter(Component):
                                       description="Internal: emits the queued step records at collection")
 
     def forget(self) -> None:
-        """In a forked child: the parent's records are not the child's to emit, and its thread is not there."""
+        """In a forked child: the parent's records are not the child's to emit, and its thread is not there;
+        its locks may have been held by a parent's thread at the fork."""
         self._queue.clear()
         self._pending.clear()
+        for facts in self._held:
+            facts.held_root = None
+        self._held.clear()
         self._thread = None
         self._lock = threading.RLock()
+        self._starting = threading.Lock()
+
+    def fail(self, where: str) -> None:
+        super().fail(where)
+        # Nothing will emit them: the records (and a profiled step's events) are let go.
+        self._queue.clear()
+        self._pending.clear()
 
     @fail_open
     def drain(self, final: bool = False) -> None:
@@ -189,6 +188,9 @@ class Emitter(Component):
     # -- the emitter's thread ---------------------------------------------------------------------
 
     def _start(self) -> None:
+        from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+        lifecycle.in_forked_child(lifecycle.FORGET, self.forget)
         self._thread = threading.Thread(target=self._run, daemon=True, name="otel-deepspeed-emitter")
         self._thread.start()
 
@@ -220,7 +222,8 @@ class Emitter(Component):
         facts.metrics.batches(record.samples, record.tokens)
         more = {}
         if record.failure is None:
-            more = {semconv.TRAINING_STEP_SAMPLES: record.micro_batches * facts.micro_batch_size,
+            micro_batch_size = facts.static[semconv.TRAINING_MICRO_BATCH_SIZE]
+            more = {semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size,
                     semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
                     semconv.TRAINING_STEP_SKIPPED: record.skipped}
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)
@@ -228,8 +231,11 @@ class Emitter(Component):
             more[semconv.COMM_COUNT] = record.comm_count
         if record.comm_dropped:
             more[semconv.COMM_SPANS_DROPPED] = record.comm_dropped
-        if intervals is not None:
-            more.update(kernels.emit(writer, record.profile, intervals, step.context, facts.profile_top))
+        if intervals is not None and not self._kernels.broken:
+            try:
+                more.update(kernels.emit(writer, record.profile, intervals, step.context, facts.profile_top))
+            except Exception:  # noqa: BLE001 - ours (or a new Kineto's): profiles stop, steps go on
+                self._kernels.fail("kernels.emit")
         record.profile = None  # the profiler's events are large: not kept any longer than this
         writer.end(step, record.start, record.end, more, _status(record.failure))
         if root is not None:
@@ -316,10 +322,10 @@ class Emitter(Component):
 
     def _collective(self, collective: Collective, writer, parent, intervals, writers: set) -> None:
         """Emit ``collective`` if it completed, else keep it pending until it does."""
-        times = _completed(collective, final=False)
+        times = self._completed(collective, final=False)
         if times is None:
             def emit(writers, final):
-                times = _completed(collective, final)
+                times = self._completed(collective, final)
                 if times is None:
                     return False
                 if times is not _NEVER:
@@ -329,6 +335,24 @@ class Emitter(Component):
             self._add_pending(emit, writers)
         else:
             self._emit_collective(collective, times, writer, parent, intervals, writers)
+
+    def _completed(self, collective: Collective, final: bool) -> tuple[int, int, bool] | None:
+        """(start, end, on the GPU) of a collective that completed; None while it runs; ``final``: host
+        times for a GPU interval that did not complete, ``_NEVER`` for a call never waited for."""
+        end = collective.end
+        if end is None:  # running (an async call not waited for yet), or its failure still being written
+            return _NEVER if final else None
+        if collective.failure is None and collective.gpu_end is not None and not self._gpu.broken:
+            try:
+                times = collective.timeline.times(collective.gpu_start, collective.gpu_end)
+            except Exception:  # noqa: BLE001 - ours (or the CUDA runtime's): host times from now on
+                self._gpu.fail("GpuTimeline.times")
+                times = None
+            if times is not None:
+                return times[0], times[1], True
+            if not final and not self._gpu.broken:
+                return None
+        return collective.start, end, False
 
     def _emit_collective(self, collective: Collective, times, writer, parent, intervals,  # noqa: PLR0917
                          writers: set) -> None:
@@ -358,8 +382,16 @@ class Emitter(Component):
         name = semconv.SPAN_PHASE_GPU.format(phase=phase.name)
         start_event, end_event = phase.gpu_start, phase.gpu_end
 
+        guard = self._gpu
+
         def emit(writers, final):
-            times = timeline.times(start_event, end_event)
+            if guard.broken:
+                return True
+            try:
+                times = timeline.times(start_event, end_event)
+            except Exception:  # noqa: BLE001 - ours (or the CUDA runtime's): GPU intervals stop, the rest goes on
+                guard.fail("GpuTimeline.times")
+                return True
             if times is None:
                 return final  # never resolved (dropped, or still running at exit): no GPU times to show
             started = writer.child(name, parent, None, times[0])

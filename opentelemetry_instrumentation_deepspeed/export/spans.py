@@ -21,6 +21,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.export import sdk
+from opentelemetry_instrumentation_deepspeed.export.trace_ids import NOT_SAMPLED, SAMPLED
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 _INTERNAL = SpanKind.INTERNAL
@@ -82,8 +83,6 @@ class SpanWriter:
             trace_state = sampling.trace_state
             if sampling.attributes:
                 attributes = {**sampling.attributes, **attributes}
-        from opentelemetry_instrumentation_deepspeed.export.trace_ids import NOT_SAMPLED, SAMPLED
-
         context = SpanContext(trace_id, span_id, False, SAMPLED if sampled else NOT_SAMPLED, trace_state)
         return Started(name, context, None, attributes, recording)
 
@@ -172,14 +171,14 @@ def _flush_emitter_first(provider) -> None:
             return True
 
         def shutdown(self) -> None:
-            emitter().drain(final=True)
+            # Not the final drain: another provider (a test's, a library's) may shut down mid-training;
+            # the lifecycle's exit stage gives what never completed its host times.
+            emitter().drain()
 
     sdk.add_span_processor_first(provider, EmitFirst())
 
 
 def remote_parent(trace_id: int, span_id: int, sampled: bool) -> SpanContext:
-    from opentelemetry_instrumentation_deepspeed.export.trace_ids import NOT_SAMPLED, SAMPLED
-
     return SpanContext(trace_id, span_id, is_remote=True, trace_flags=SAMPLED if sampled else NOT_SAMPLED)
 
 

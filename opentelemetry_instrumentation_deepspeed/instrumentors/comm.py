@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
@@ -63,6 +63,7 @@ class _Group:
     size: int
     backend: str
     sequence: int = 0
+    routes: dict = field(default_factory=dict)  # id(OpSpec) -> _Route
 
 
 @dataclass
@@ -89,12 +90,12 @@ class CommObserver(Component):
         self._groups: dict[int, _Group] = {}
         self._group_objects: list = []  # ids above stay valid while the groups live
         self._dtypes: dict[object, str] = {}
-        self._routes: dict[tuple[int, int], _Route] = {}
         # Async work handles until their wait(); weak, so a handle dropped unwaited takes its entry along.
         self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._gpu = None
         self._gpu_step: object = -1  # the step whose start was last considered for an anchor
         self._emitter = emitter()
+        self._sdk_seen = False  # an SDK instrument is behind the histograms (once true, for good)
         self._emitter.watch_collections(meter)
         self._duration = TimedHistogram(meter.create_histogram(
             semconv.METRIC_COMM_DURATION, unit="s", description="Duration of collective operations",
@@ -117,7 +118,7 @@ class CommObserver(Component):
     def issued(self, spec: OpSpec, args, kwargs) -> Collective | None:
         group, data_bytes, tensor, is_async = spec.read(args, kwargs)
         group = self._group(group)
-        route = self._routes.get((id(spec), id(group))) or self._route(spec, group)
+        route = group.routes.get(id(spec)) or self._route(spec, group)
         call = Collective(route, group.sequence, data_bytes, self._dtype(tensor), is_async, time.time_ns())
         group.sequence += 1
         recorder = registry.active()
@@ -126,10 +127,6 @@ class CommObserver(Component):
         if tensor is not None and getattr(tensor, "is_cuda", False):
             call.timeline = self._timeline(recorder)
             call.gpu_start = call.timeline.event()
-        # Outside any step: its metrics only, once it completes; none before the SDK is set up (the
-        # engine's own start-up broadcasts), as the API would drop them.
-        if call.step is None and not sdk.instrument_is_unset(self._duration.histogram):
-            self._emitter.submit(call)
         return call
 
     @fail_open
@@ -155,7 +152,7 @@ class CommObserver(Component):
     def failed(self, call: Collective | None, error: BaseException) -> None:
         if call is not None:
             call.failure = Failure.of(error)
-            call.end = time.time_ns()
+            self._finish(call)
 
     @fail_open
     def waited(self, work) -> None:
@@ -165,11 +162,28 @@ class CommObserver(Component):
             if call.remaining == 0:
                 self._finish(call)
 
+    @fail_open
+    def wait_failed(self, work, error: BaseException) -> None:
+        """``wait()`` raised (a timeout, an aborted communicator): the collective ends with the error."""
+        call = self._pending_async.pop(work, None)
+        if call is not None:
+            call.failure = Failure.of(error)
+            self._finish(call)
+
     def _finish(self, call: Collective) -> None:
-        if call.gpu_start is not None:
+        if call.gpu_start is not None and call.failure is None:
             # Recorded after the call (or its wait()): the current stream waits for the collective there.
             call.gpu_end = call.timeline.event()
         call.end = time.time_ns()  # last: the emitter takes a set end as complete
+        # Outside any step: its metrics only; none before the SDK is set up (the engine's own
+        # start-up broadcasts), as the API would drop them.
+        if not call.in_step and self._sdk_behind():
+            self._emitter.submit(call)
+
+    def _sdk_behind(self) -> bool:
+        if not self._sdk_seen:
+            self._sdk_seen = not sdk.instrument_is_unset(self._duration.histogram)
+        return self._sdk_seen
 
     # -- what never changes per (op, group) ------------------------------------------------------
 
@@ -186,7 +200,7 @@ class CommObserver(Component):
         route = _Route(semconv.SPAN_COMM_PREFIX + spec.name, metric_attributes, span_attributes,
                        algorithm_bytes(spec.kind, 1, group.size), bus_factor(spec.kind, group.size), totals,
                        self._duration)
-        self._routes[(id(spec), id(group))] = route
+        group.routes[id(spec)] = route
         return route
 
     def restart_totals(self) -> None:
@@ -257,7 +271,12 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec):
 
 def _wait_wrapper(observer: CommObserver):
     def wrapper(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as error:
+            if observer._pending_async:
+                observer.wait_failed(instance, error)
+            raise
         if observer._pending_async:
             observer.waited(instance)
         return result

@@ -41,7 +41,7 @@ def _init_wrapper(tracer_provider, meter_provider):
                 return result
             provider = tracer_provider or trace.get_tracer_provider()
             meter = get_meter(semconv.SCOPE_NAME, __version__, meter_provider)
-            registry.track(instance, recorder_for(instance, identity, provider, meter))
+            registry.track(instance, build_recorder(instance, identity, provider, meter))
         except Exception:
             _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                               "training is not affected")
@@ -50,7 +50,7 @@ def _init_wrapper(tracer_provider, meter_provider):
     return wrapper
 
 
-def recorder_for(engine, identity, tracer_provider, meter, cuda=None):
+def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     """The recorder of ``engine``'s steps, and the facts the emitter needs to turn its records into telemetry."""
     from opentelemetry_instrumentation_deepspeed.export.emitter import StepFacts, emitter
     from opentelemetry_instrumentation_deepspeed.export.spans import SpanWriter
@@ -59,6 +59,7 @@ def recorder_for(engine, identity, tracer_provider, meter, cuda=None):
     from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
     from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
+    session.end_with_the_process()
     sink = emitter()
     sink.watch_collections(meter)
     metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None, engine)

@@ -59,8 +59,8 @@ class Collective:
     """One collective call. ``end`` is set when it completed on the host (a synchronous call's return,
     an async one's ``wait()``); the GPU events, when there are any, give the times it ran there."""
 
-    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "is_async", "parent", "remaining",
-                 "route", "sequence", "spanned", "start", "step", "timeline")
+    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "in_step", "is_async", "parent",
+                 "remaining", "route", "sequence", "spanned", "start", "timeline")
 
     def __init__(self, route, sequence: int, data_bytes: int, dtype: str, is_async: bool,  # noqa: PLR0917
                  start: int):
@@ -72,7 +72,7 @@ class Collective:
         self.start = start
         self.end: int | None = None
         self.failure: Failure | None = None
-        self.step: StepRecord | None = None  # the step it was issued in, if any
+        self.in_step = False  # issued in an open step, whose record holds it (no reference back: no cycle)
         self.parent: Phase | None = None  # the phase it was issued in; None: the step (or no step)
         self.spanned = False  # it gets a span (within the step's span limit)
         self.gpu_start = None

@@ -44,11 +44,14 @@ class StepRecorder(Component):
         self._actions = {name: getattr(self, "_" + name) for name in (
             state.KEEP_WAIT, state.ADD_WAIT, state.DROP_WAITS, state.OPEN_STEP, state.START_PHASE, state.END_PHASE,
             state.FAIL_PHASE, state.INTERRUPT_PHASE, state.CLOSE_STEP, state.FAIL_STEP)}
+        # The table with each action bound to this recorder: one lookup per event.
+        self._transitions = {key: (next_state, tuple(self._actions[name] for name in names))
+                             for key, (next_state, names) in state.TRANSITIONS.items()}
 
-    def _fire(self, event: Event, data=None) -> None:
-        next_state, actions = state.TRANSITIONS[self.state, event]
+    def _fire(self, event: str, data=None) -> None:
+        next_state, actions = self._transitions[self.state, event]
         for action in actions:
-            self._actions[action](event, data)
+            action(event, data)
         if next_state is not None:
             self.state = next_state
 
@@ -130,7 +133,7 @@ class StepRecorder(Component):
         phase = record.phase
         if phase is not None:
             phase.comm_count += 1
-        collective.step, collective.parent = record, phase
+        collective.in_step, collective.parent = True, phase
         if want_span:
             if record.comm_spans < self._comm_span_limit:
                 record.comm_spans += 1

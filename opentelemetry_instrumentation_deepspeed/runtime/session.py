@@ -114,7 +114,7 @@ def _configure_sdk(identity: JobIdentity) -> None:
     except Exception:  # only the accounting of lost telemetry is lost
         _logger.warning("opentelemetry-instrumentation-deepspeed: cannot count undelivered telemetry with this SDK",
                         exc_info=True)
-    _end_with_the_process()
+    end_with_the_process()
     lifecycle.install(tracer_provider, meter_provider)
     if prometheus.in_use():
         prometheus.wait_for_final_scrape_at_exit()
@@ -128,8 +128,9 @@ def _configure_sdk(identity: JobIdentity) -> None:
 _ends_with_the_process = False
 
 
-def _end_with_the_process() -> None:
-    """What this process's SDK ends with, and what its forked children drop (once per process)."""
+def end_with_the_process() -> None:
+    """What this process's training telemetry ends with, and what its forked children drop (once per
+    process): called when the first step recorder is built, whoever set the SDK up."""
     global _ends_with_the_process  # noqa: PLW0603
     if _ends_with_the_process:
         return

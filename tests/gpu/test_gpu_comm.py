@@ -21,21 +21,21 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry_instrumentation_deepspeed import CommInstrumentor
 from opentelemetry_instrumentation_deepspeed.recording import registry
 sys.path.insert(0, os.environ["REPO"])
-from tests.test_steps_unit import tracker_on
+from tests.test_steps_unit import recorder_on
 
 syncs = []
 for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")):
     original = getattr(owner, name)
     setattr(owner, name, lambda *a, _o=original, _n=name, **k: (syncs.append(_n), _o(*a, **k))[1])
 
-tracker, engine, exporter = tracker_on(1)
-CommInstrumentor().instrument(tracer_provider=tracker.facts.writer.provider)
-registry._active = tracker
+recorder, engine, exporter = recorder_on(1)
+CommInstrumentor().instrument(tracer_provider=recorder.facts.writer.provider)
+registry._active = recorder
 dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{os.environ['PORT']}")
 x = torch.randn(8192, 8192, device="cuda")
 data = torch.ones(64 * 1024 * 1024 // 4, device="cuda")
 dist.all_reduce(data)  # warm-up, outside any step
-forward = tracker.forward_started(engine)
+forward = recorder.forward_started(engine)
 issued = time.time_ns()
 for _ in range(4):
     x = x @ x  # keeps the GPU busy, so host and GPU times differ
@@ -43,9 +43,9 @@ dist.all_reduce(data)
 work = dist.all_reduce(data, async_op=True)
 work.wait()
 host_done = time.time_ns()
-tracker.phase_ended(forward)
-tracker.phase_ended(tracker.backward_started(engine))
-engine.step(tracker)  # the step closes: its record goes to the emitter
+recorder.phase_ended(forward)
+recorder.phase_ended(recorder.backward_started(engine))
+engine.step(recorder)  # the step closes: its record goes to the emitter
 torch.cuda.synchronize()  # the test's own, after the fact: let every event complete
 syncs.remove("synchronize")
 spans = [s for s in exporter.get_finished_spans() if s.name == "comm.all_reduce"]  # a drain reads the events

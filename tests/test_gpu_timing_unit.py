@@ -182,3 +182,25 @@ def test_phases_get_gpu_intervals_as_children_without_blocking():
     assert set(gpu) == {"training.forward.gpu", "training.backward.gpu"}
     assert gpu["training.forward.gpu"].parent.span_id == span_named(exporter, "training.forward").context.span_id
     assert gpu["training.backward.gpu"].end_time - gpu["training.backward.gpu"].start_time == 3_000_000
+
+
+def test_a_wait_that_raises_ends_its_collective_with_the_error(setup):
+    observer, _cuda, recorder, engine, exporter = setup
+    spec = OpSpec.of("all_reduce", all_reduce)
+
+    class HostTensor(CudaTensor):
+        is_cuda = False
+
+    class Work:
+        pass
+
+    forward = recorder.forward_started(engine)
+    work = Work()
+    observer.completed(observer.issued(spec, (HostTensor(),), {"async_op": True}), work)
+    observer.wait_failed(work, RuntimeError("NCCL watchdog timeout"))
+    recorder.phase_ended(forward)
+    recorder.phase_ended(recorder.backward_started(engine))
+    engine.step(recorder)
+    (span,) = comm_spans(exporter)
+    assert span.status.status_code.name == "ERROR" and "NCCL watchdog timeout" in span.status.description
+    assert span.events[0].name == "exception" and span.attributes["comm.async"] is True

@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 
 from opentelemetry.trace import Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import kernels, trace_ids
+from opentelemetry_instrumentation_deepspeed.export import kernels, sdk, trace_ids
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
@@ -50,6 +51,7 @@ class StepFacts:
 
     def __init__(self, writer, metrics, identity, engine, profile_top: int = 0):
         self.writer = writer
+        _flush_first(writer.provider)
         self.metrics = metrics
         self.emits_root = identity.rank == 0  # rank 0 emits each step's root, under the ids every rank derives
         self.step_ids = trace_ids.StepIds(identity.job_id, trace_ids.root_decision(writer.sampler))
@@ -415,6 +417,30 @@ class Emitter(Component):
             emit = pending.popleft()
             if not emit(writers, final):
                 pending.append(emit)
+
+
+_flushed_first: weakref.WeakSet = weakref.WeakSet()
+
+
+def _flush_first(provider) -> None:
+    """The provider's ``force_flush`` and ``shutdown`` first emit what the emitter holds, so a flush (and
+    the SDK's own exit handler, where this project's lifecycle does not run) exports every step."""
+    if not hasattr(provider, "add_span_processor") or provider in _flushed_first:
+        return
+    _flushed_first.add(provider)
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class EmitFirst(SpanProcessor):
+        def force_flush(self, timeout_millis: int = 30_000) -> bool:
+            emitter().drain()
+            return True
+
+        def shutdown(self) -> None:
+            # Not the final drain: another provider (a test's, a library's) may shut down mid-training;
+            # the lifecycle's exit stage gives what never completed its host times.
+            emitter().drain()
+
+    sdk.add_span_processor_first(provider, EmitFirst())
 
 
 _emitter: Emitter | None = None

@@ -13,8 +13,6 @@ other SDK version, a provider that is not the SDK's) spans go through the public
 
 from __future__ import annotations
 
-import weakref
-
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -53,8 +51,6 @@ class SpanWriter:
         pipeline = sdk.span_pipeline(self._tracer)
         self.fast = pipeline is not None
         self._batch: list = []
-        if hasattr(provider, "add_span_processor"):
-            _flush_emitter_first(provider)
         if self.fast:
             self._processor, self._resource, self._scope, self._readable, self._event, self._enabled = pipeline
             self._ids = self._tracer.id_generator
@@ -150,32 +146,6 @@ class SpanWriter:
         on_end = self._processor.on_end if batch else None
         for span in batch:
             on_end(span)
-
-
-_flushed_first: weakref.WeakSet = weakref.WeakSet()
-
-
-def _flush_emitter_first(provider) -> None:
-    """The provider's ``force_flush`` and ``shutdown`` first emit what the emitter holds, so a flush (and
-    the SDK's own exit handler, where this project's lifecycle does not run) exports every step."""
-    if provider in _flushed_first:
-        return
-    _flushed_first.add(provider)
-    from opentelemetry.sdk.trace import SpanProcessor
-
-    from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
-
-    class EmitFirst(SpanProcessor):
-        def force_flush(self, timeout_millis: int = 30_000) -> bool:
-            emitter().drain()
-            return True
-
-        def shutdown(self) -> None:
-            # Not the final drain: another provider (a test's, a library's) may shut down mid-training;
-            # the lifecycle's exit stage gives what never completed its host times.
-            emitter().drain()
-
-    sdk.add_span_processor_first(provider, EmitFirst())
 
 
 def remote_parent(trace_id: int, span_id: int, sampled: bool) -> SpanContext:

@@ -1,8 +1,9 @@
 """The one emitter: closed step records become spans and metric points, on a thread of its own.
 
-The training thread only appends to a queue (``submit``): a closed ``StepRecord``, or a collective
-issued outside any step. Every ``DRAIN_SECONDS`` (and when a metric reader collects, so a collection
-sees everything recorded before it; and at exit, through the lifecycle) ``drain`` turns them into:
+The training thread only appends to a queue (``submit``): a closed ``StepRecord``, or a completed
+collective issued outside any step. Every ``DRAIN_SECONDS`` (and when a metric reader collects, so a collection
+sees everything recorded before it; when a tracer provider is flushed or shut down; and at exit,
+through the lifecycle) ``drain`` turns them into:
 
 - the step's span tree (root on rank 0, ``training.step``, data waits, phases, collectives, the
   operators and kernels of a profiled step), written finished, with the recorded times;
@@ -13,9 +14,10 @@ sees everything recorded before it; and at exit, through the lifecycle) ``drain`
 
 Why a thread and not the training thread: a span costs ~20 us and a histogram point ~5-100 us inside
 a step, whose tensors keep evicting this code from the CPU's caches; here a drain handles a batch of
-records in a warm loop. Why every half second and not at once: one wake-up per step would cost a
-thread switch per step, and objects that live for seconds reach the garbage collector's oldest
-generation, whose collections pause training (``benchmarks/README.md``).
+records in one loop, off the training thread's critical path (it still takes the GIL: it gives it
+back every ``_YIELD_EVERY`` records). Why every half second and not at once: one wake-up per step
+would cost a thread switch per step, and objects that live for seconds reach the garbage
+collector's oldest generation, whose collections pause training (``benchmarks/README.md``).
 """
 
 from __future__ import annotations

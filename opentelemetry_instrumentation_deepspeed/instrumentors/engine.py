@@ -125,11 +125,13 @@ def _backward_prologue(wrapped, instance, args, kwargs):
 
 
 def _backward_epilogue(wrapped, instance, args, kwargs):
+    # Inside engine.backward(), its own wrapper ends the phase: only a direct loss.backward()'s is ours.
+    if getattr(instance, "_running_engine_backward", True):
+        return wrapped(*args, **kwargs)
     recorder = registry.recorder_for(instance)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
-        # Inside engine.backward(), its own wrapper ends the phase; here only a direct backward's.
         if recorder is not None:
             recorder.direct_backward_failed(error)
         raise

@@ -128,8 +128,8 @@ def _attributes(items, keep) -> dict:
     found = {}
     for item in items or ():
         key = item.get("key") if isinstance(item, dict) else None
-        if key in keep:
-            found[key] = _value(item.get("value"))
+        if key in keep and (value := _value(item.get("value"))) is not None:
+            found[key] = value  # a value of no OTLP type (an object, null) is no value
     return found
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import io
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from opentelemetry_instrumentation_deepspeed.diagnose import cli
+from opentelemetry_instrumentation_deepspeed.diagnose import analysis, cli
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
 from opentelemetry_instrumentation_deepspeed.diagnose.backends import _spans
 from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
@@ -132,3 +133,67 @@ def test_any_otlp_shaped_line_is_read_or_skipped(documents):
     check_outputs({"schema_version": 1, **result, "input": {
         "files": 0, "lines": 0, "spans": stats.spans, "gpu_samples": len(stats.samples),
         "bad_lines": stats.bad_lines, "problems": stats.problems}})
+
+
+# -- the near-linear algorithms against the quadratic ones they replaced -------------------------------
+
+def _reference_overlap(intervals, start, end):
+    covered, cursor = 0, start
+    for first, last in sorted(intervals):
+        low, high = max(first, cursor), min(last, end)
+        if high > low:
+            covered += high - low
+            cursor = high
+    return covered
+
+
+interval = st.tuples(st.integers(0, 100), st.integers(0, 30)).map(lambda pair: (pair[0], pair[0] + pair[1]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(intervals=st.lists(interval, max_size=12), query=interval, at=st.integers(-5, 140))
+def test_coverage_is_the_union_overlap(intervals, query, at):
+    coverage = analysis._Coverage(intervals)
+    assert coverage.overlap(*query) == _reference_overlap(intervals, *query)
+    assert coverage.holds(at) == any(a <= at <= b and b > a for a, b in intervals)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.floats(-1e6, 1e6), min_size=2, max_size=9), pick=st.integers(0, 8))
+def test_median_of_the_others(values, pick):
+    value = values[pick % len(values)]
+    others = list(values)
+    others.remove(value)
+    assert analysis._median_without(sorted(values), value) == statistics.median(others)
+
+
+@settings(max_examples=200, deadline=None)
+@given(layout=st.lists(st.tuples(st.integers(1, 20), st.lists(st.tuples(st.sampled_from(analysis.PARTS[:4]),
+                                                                          st.integers(1, 5), st.booleans()),
+                                                                max_size=4)), max_size=5),
+       times=st.lists(st.integers(0, 200), max_size=10))
+def test_part_index_finds_the_part_a_scan_finds(layout, times):
+    # Steps one after another, phases one after another inside them (as a rank records them),
+    # some phases holding a synchronous collective in their second half.
+    steps, cursor = [], 0
+    for gap, phases in layout:
+        step = analysis._Step(start=cursor + gap, seen=True)
+        at = step.start
+        for part, length, comm in phases:
+            step.phases.append((part, at, at + length))
+            if comm:
+                step.comm.append((at + length // 2, at + length, "0", None))
+            at += length + 1
+        step.end = at
+        cursor = at
+        steps.append(step)
+    index = analysis._PartIndex(steps)
+    for at in times:
+        expected = "between_steps"
+        for step in steps:
+            if step.start <= at <= step.end:
+                in_comm = any(a <= at <= b for a, b, _g, _s in step.comm)
+                expected = next(("exposed_comm" if part != "data_wait" and in_comm else part
+                                 for part, start, end in step.phases if start <= at <= end), "unaccounted")
+                break
+        assert index.at(at) == expected

@@ -127,8 +127,21 @@ def _value(value: dict):
 def _attributes(items, keep) -> dict:
     found = {}
     for item in items or ():
-        key = item.get("key") if isinstance(item, dict) else None
-        if key in keep and (value := _value(item.get("value"))) is not None:
+        if type(item) is not dict or (key := item.get("key")) not in keep:
+            continue
+        value = item.get("value")
+        # The shapes every exporter writes, read here: a span has up to ten attributes, a million
+        # spans ten million; anything else is read by _value.
+        if type(value) is dict and len(value) == 1:
+            inner = value.get("stringValue")
+            if type(inner) is str:
+                found[key] = inner
+                continue
+            inner = value.get("intValue")
+            if type(inner) is str and 0 < len(inner) <= 18 and inner.isascii() and inner.isdigit():
+                found[key] = int(inner)
+                continue
+        if (value := _value(value)) is not None:
             found[key] = value  # a value of no OTLP type (an object, null) is no value
     return found
 
@@ -148,9 +161,9 @@ def _checked(span: dict, attributes: dict) -> tuple[int, int]:
         # A bandwidth that is not a finite double (NaN from a zero-length timing, a 400-digit
         # integer) is no measurement: left out, as if the attribute were absent.
         attributes[semconv.COMM_BUSBW] = _finite(attributes[semconv.COMM_BUSBW])
-    if not all(isinstance(span.get(key), str) for key in ("name", "traceId", "spanId")):
+    if type(span.get("name")) is not str or type(span.get("traceId")) is not str or type(span.get("spanId")) is not str:
         raise Shape("a span without a string name and ids")
-    if not isinstance(span.get("parentSpanId", ""), str):
+    if type(span.get("parentSpanId", "")) is not str:
         raise Shape("a span whose parentSpanId is not a string")
     start, end = _time(span.get("startTimeUnixNano")), _time(span.get("endTimeUnixNano"))
     if not 0 < start <= end <= _MAX_TIME:

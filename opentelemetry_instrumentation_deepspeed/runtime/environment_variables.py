@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 _logger = logging.getLogger(__name__)
 
@@ -31,6 +33,13 @@ newest telemetry is always kept. 0: no limit. Default: 1024.
 OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH = "OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH"
 """On SIGTERM (when nothing else handles it): end the open step as an error and flush the
 telemetry, then die by SIGTERM as before. ``true`` or ``false``. Default: ``true``.
+"""
+
+OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT"
+"""Most seconds the telemetry adds to a process's exit, or to its death after SIGTERM, whatever the
+collector does (refuses, never answers, answers errors, slowly): the last spans get about half of
+it, the last metrics most of the rest; what is not delivered by then is counted as lost and said
+in the summary line. 0: no last flush at all. Default: 5.
 """
 
 OTEL_PYTHON_DEEPSPEED_JOB_ID = "OTEL_PYTHON_DEEPSPEED_JOB_ID"
@@ -86,6 +95,7 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
+DEFAULT_EXIT_TIMEOUT = 5.0
 DEFAULT_COMM_MODE = "spans"
 COMM_MODES = ("spans", "metrics", "off")
 DEFAULT_COMM_SPAN_LIMIT = 64
@@ -179,6 +189,21 @@ def _boolean(raw: str) -> bool:
 @cache
 def sigterm_flush() -> bool:
     return _read(OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH, True, _boolean)
+
+
+def _exit_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 <= value <= 3600:
+        raise ValueError("expected seconds in [0, 3600]")
+    return value
+
+
+@cache
+def exit_timeout() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT, _exit_seconds)
 
 
 @cache
@@ -277,9 +302,42 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
-_READERS = (output_dir, output_max_mb, sigterm_flush, job_id, job_id_timeout, comm_mode, comm_span_limit,
+_READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, job_id, job_id_timeout, comm_mode, comm_span_limit,
             flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
             profile_slow_factor)
+
+
+# The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).
+OTLP_ENDPOINTS = {signal: (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+                  for signal in ("traces", "metrics", "logs")}
+# A gRPC target without a scheme: host:port (the exporter's own parsing keeps it whole), or a named resolver.
+_GRPC_TARGET = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}|(?:dns|unix|unix-abstract|ipv4|ipv6):\S+")
+
+
+def unusable_otlp_endpoint(signal: str) -> tuple[str, str, str] | None:
+    """(variable, value, why) when the endpoint the OTLP exporter of ``signal`` would use cannot be
+    reached by any retry (a malformed URL, which the exporters treat as a transient failure); else None."""
+    for name in OTLP_ENDPOINTS[signal]:
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip():
+            continue
+        value = raw.strip()
+        protocol = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+        parsed = urlsplit(value) if not any(char.isspace() for char in value) else None
+        if parsed is not None and parsed.scheme in ("http", "https"):
+            try:
+                usable = bool(parsed.hostname) and (parsed.port or 0) >= 0
+            except ValueError:  # a port that is not a number
+                usable = False
+            if usable:
+                return None
+            return name, raw, "expected http://host:port or https://host:port"
+        if protocol == "grpc" and _GRPC_TARGET.fullmatch(value):
+            return None
+        expected = "http(s)://host:port" + (" or host:port" if protocol == "grpc" else "")
+        return name, raw, f"not a URL: expected {expected}"
+    return None
 
 
 def check_all() -> None:

@@ -9,7 +9,9 @@ the operating system's randomness and re-seeded in a forked child (``runtime/lif
 Mersenne Twister call, on another instance.
 
 It is the default of ``opentelemetry-instrument`` with this distro (``OTEL_PYTHON_ID_GENERATOR`` =
-``deepspeed_random``); a generator named there by the user is used instead.
+``deepspeed_random``), and this package's spans use it wherever the provider holds the SDK's
+``RandomIdGenerator`` (named ``random``, or the default of an SDK the application set up); any
+other generator is used as it is.
 """
 
 from __future__ import annotations

@@ -119,7 +119,9 @@ def build_providers(arguments: dict, resource_attributes: dict):
     if arguments.get("auto_instrumentation_version"):
         attributes["telemetry.auto.version"] = arguments["auto_instrumentation_version"]
     resource = Resource.create(attributes)
-    id_generator = os.environ.get("OTEL_PYTHON_ID_GENERATOR", "random").strip()
+    from opentelemetry_instrumentation_deepspeed.runtime.environment_variables import ISOLATED_ID_GENERATOR
+
+    id_generator = os.environ.get("OTEL_PYTHON_ID_GENERATOR", ISOLATED_ID_GENERATOR).strip()
     tracer_provider = TracerProvider(
         resource=resource, shutdown_on_exit=False,
         id_generator=None if id_generator == "random" else _entry_point("opentelemetry_id_generator", id_generator)(),

@@ -1,8 +1,11 @@
 """Data loading: the time the training loop is blocked on its next batch.
 
 Every ``torch.utils.data.DataLoader`` iterator (single- and multi-process) and DeepSpeed's
-own loaders (``DeepSpeedDataLoader``, ``RepeatingLoader``), which wrap one. Only the outermost
-``__next__`` on a thread is timed, so a DeepSpeed loader around a DataLoader counts once.
+own loaders (``DeepSpeedDataLoader``, ``RepeatingLoader``), which wrap one, and Accelerate's
+(``DataLoaderShard``, ``DataLoaderDispatcher``, ``SkipDataLoader``), whose ``__iter__`` is a
+generator: the iterator it returns is timed. Only the outermost ``__next__`` on a thread is timed,
+so a loader around a DataLoader counts once, and one wait is one batch handed to the loop: the
+batch Accelerate fetches ahead, or the batches rank 0 fetches to dispatch, are inside it.
 A ``next()`` that ends the iteration (``StopIteration``) is the end of an epoch, not a wait.
 
 Once training starts, the CPU and memory of the rank's child processes (its DataLoader workers,
@@ -16,6 +19,7 @@ import threading
 import time
 from collections.abc import Collection
 
+import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
@@ -33,6 +37,13 @@ _TARGETS = (
     ("deepspeed.runtime.dataloader", "RepeatingLoader"),
 )
 
+# Loaders whose __iter__ is a generator: the iterator it returns is timed.
+_GENERATORS = (
+    ("accelerate.data_loader", "DataLoaderShard"),
+    ("accelerate.data_loader", "DataLoaderDispatcher"),
+    ("accelerate.data_loader", "SkipDataLoader"),
+)
+
 _nesting = threading.local()
 
 
@@ -48,6 +59,20 @@ def _next(wrapped, instance, args, kwargs):
         _nesting.inside = False
     recorder.data_waited(start, time.time_ns())
     return batch
+
+
+class _TimedIterator(wrapt.ObjectProxy):
+    """A loader's generator whose ``next()`` is a data wait; anything else goes to the generator."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return _next(self.__wrapped__.__next__, self, (), {})
+
+
+def _iter(wrapped, instance, args, kwargs):
+    return _TimedIterator(wrapped(*args, **kwargs))
 
 
 class WorkerProcesses:
@@ -131,6 +156,13 @@ class DataLoaderInstrumentor(BaseInstrumentor):
                     wrap_methods(getattr(module, class_name), {"__next__": _next})
 
             when_imported(module_name, patch)
+        for module_name, class_name in _GENERATORS:
+            def patch_iter(module, class_name=class_name):
+                owner = getattr(module, class_name, None)  # absent from an older or newer Accelerate
+                if self._patching and owner is not None:
+                    wrap_methods(owner, {"__iter__": _iter})
+
+            when_imported(module_name, patch_iter)
 
     def _uninstrument(self, **kwargs):
         self._patching = False
@@ -138,3 +170,5 @@ class DataLoaderInstrumentor(BaseInstrumentor):
             self._workers.active = False
         for module_name, class_name in _TARGETS:
             unwrap_methods(getattr(sys.modules.get(module_name), class_name, None), ["__next__"])
+        for module_name, class_name in _GENERATORS:
+            unwrap_methods(getattr(sys.modules.get(module_name), class_name, None), ["__iter__"])

@@ -35,9 +35,10 @@ class StepRecorder(Component):
         self._gpu = gpu  # a GpuTimeline on CUDA: each phase also gets its GPU-side interval
         self._comm_span_limit = comm_span_limit
         self._micro_batch_size = engine.train_micro_batch_size_per_gpu()
-        # Waits kept before a step opens: the ones that fetch its micro-batches, no older.
+        # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
+        # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
         self._max_waits = max(1, engine.gradient_accumulation_steps())
-        self._waits: list[tuple[int, int]] = []
+        self._waits: list[tuple[int, int, bool]] = []
         self._skipped_before = 0
         self.state = State.IDLE
         self.open: StepRecord | None = None
@@ -176,23 +177,47 @@ class StepRecorder(Component):
         phase = self._current_phase()
         return phase if phase is not before else None  # a nested start is no phase of its own
 
-    def _keep_wait(self, _event, wait) -> None:
-        if len(self._waits) >= self._max_waits:
-            del self._waits[0]
-        self._waits.append(wait)
+    # Waits count fetches, not forwards: the i-th fetch of a step is its micro-batch i, whenever the
+    # loop made it. A step holds G fetches at most; a further one, made while it is open, fetched
+    # ahead for the next step (a loader's look-ahead) and is kept for it.
+
+    def _keep_wait(self, _event, wait, ahead: bool = False) -> None:
+        waits = self._waits
+        if len(waits) >= self._max_waits:
+            # More fetches than a step has micro-batches: the oldest made since the last step goes (a
+            # skipped batch, an evaluation's), before a look-ahead, which is the next step's first.
+            for index, kept in enumerate(waits):
+                if not kept[2]:
+                    del waits[index]
+                    break
+            else:
+                del waits[0]
+        waits.append((wait[0], wait[1], ahead))
 
     def _add_wait(self, _event, wait) -> None:
-        record = self.open
-        record.waits.append((wait[0], wait[1], record.micro_batches))
+        waits = self.open.waits
+        if len(waits) < self._max_waits:
+            waits.append((wait[0], wait[1], len(waits)))
+        else:
+            self._keep_wait(None, wait, True)
 
     def _drop_waits(self, _event, _data) -> None:
-        self._waits.clear()
+        # An evaluation forward: what was fetched since the last step fed it; a look-ahead is the next step's.
+        self._waits = [wait for wait in self._waits if wait[2]]
 
     def _open_step(self, _event, data) -> None:
         engine = data[0]
         waits = self._waits
-        start = waits[0][0] if waits else time.time_ns()
-        record = StepRecord(self.facts, engine.global_steps + 1, start, [(s, e, 0) for s, e in waits], [], [])
+        # The step starts where the loop began fetching for it, not at a look-ahead made in the step before.
+        start = None
+        for wait_start, _end, ahead in waits:
+            if not ahead:
+                start = wait_start
+                break
+        if start is None:
+            start = time.time_ns()
+        record = StepRecord(self.facts, engine.global_steps + 1, start,
+                            [(wait[0], wait[1], index) for index, wait in enumerate(waits)], [], [])
         waits.clear()
         if self._gpu is not None:
             self._gpu.anchor_if_idle()

@@ -58,6 +58,10 @@ After that the rank uses a job id of its own and says so. Default: 60.
 EMBEDDED_EXPORTER = "deepspeed_file"
 """Exporter name (traces and metrics) of the embedded default, set by the distro when nothing else is."""
 
+ISOLATED_ID_GENERATOR = "deepspeed_random"
+"""The SDK's OTEL_PYTHON_ID_GENERATOR as the distro sets it when unset: random ids that no user seed
+reaches (``export/id_generator.py``); the SDK's default draws from Python's global ``random``."""
+
 OTEL_PYTHON_DEEPSPEED_COMM = "OTEL_PYTHON_DEEPSPEED_COMM"
 """Collective telemetry: ``spans`` (spans and metrics), ``metrics`` (metrics and counts only) or ``off``.
 

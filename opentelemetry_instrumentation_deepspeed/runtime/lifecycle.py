@@ -21,6 +21,7 @@ its handlers under a stage, and the order is the list's, not the order of regist
 - A process forked from a rank (a DataLoader worker, by default on Linux) inherits its SDK,
   whose own at-fork hooks restart the export threads there: the child would export a frozen
   copy of the rank's cumulative metrics under the rank's resource. In a forked child the
+  span id generator's own random source is re-seeded (the child would draw the parent's ids), the
   records inherited from the rank are dropped, the instrumentation goes silent, the SDK is
   stopped and the global providers are reset to the API's no-op ones; exporters (wrapped by
   ``delivery``) export nothing from another pid, and SIGTERM is left to the default.
@@ -72,10 +73,11 @@ EXIT_ORDER = (STOP_PROFILER, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, COUNT_UNSENT_
 _ENDS_BY = {DRAIN: 0.3, FLUSH_SPANS: 0.5, FINAL_SCRAPE: 0.55, FLUSH_METRICS: 0.85, FLUSH_LOGS: 0.9}
 
 # Stages in a forked child (a DataLoader worker), in the order they run.
+RESEED_IDS = "reseed ids"  # the id generator's own random source: else the child repeats the parent's ids
 FORGET = "forget"  # drop recording state and queued records inherited from the parent
 SILENCE = "silence"  # session.silent = True; SIGTERM handler back to default
 STOP_SDK = "stop sdk"  # stop the inherited SDK threads, reset the global providers
-FORK_ORDER = (FORGET, SILENCE, STOP_SDK)
+FORK_ORDER = (RESEED_IDS, FORGET, SILENCE, STOP_SDK)
 
 EXITED = "the process exited during this step"
 TERMINATED = "terminated by SIGTERM"

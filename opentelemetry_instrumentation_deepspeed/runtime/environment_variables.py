@@ -83,6 +83,12 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_TOP = "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP"
 OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"
 """Profile the next step when one takes more than this times the recent median; 0 turns it off."""
 
+OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET = "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET"
+"""On CUDA: reset the caching allocator's peak at each phase start, so every phase reports its own
+peak (``training.memory.peak``). ``torch.cuda.max_memory_allocated()`` then tells the peak since the
+last phase start. ``false``: the peak is left alone, and phases report the running peak. Default: ``true``.
+"""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
@@ -179,6 +185,11 @@ def _boolean(raw: str) -> bool:
 @cache
 def sigterm_flush() -> bool:
     return _read(OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH, True, _boolean)
+
+
+@cache
+def memory_peak_reset() -> bool:
+    return _read(OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET, True, _boolean)
 
 
 @cache
@@ -279,7 +290,7 @@ def comm_span_limit() -> int:
 
 _READERS = (output_dir, output_max_mb, sigterm_flush, job_id, job_id_timeout, comm_mode, comm_span_limit,
             flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
-            profile_slow_factor)
+            profile_slow_factor, memory_peak_reset)
 
 
 def check_all() -> None:

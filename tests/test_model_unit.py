@@ -310,3 +310,20 @@ def test_diagnose_names_memory_with_rank_step_phase_and_figures():
     assert (finding["layer"], finding["rank"], finding["step"], finding["phase"]) == ("MEMORY", 1, 4, "backward")
     assert "allocated 71680 MiB" in finding["evidence"][0]
     assert "forward 61440 MiB" in finding["evidence"][1]
+
+
+def test_the_html_report_shows_loss_and_gradient_norm_with_the_finding_circled():
+    from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+    from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
+
+    analysis = Analysis()
+    for number, (loss, norm) in enumerate(healthy(20, 3), start=1):
+        analysis.add([step_span(0, number, {"training.loss": loss * (10 if number == 15 else 1),
+                                            "training.grad_norm": norm})])
+    report = analysis.result()
+    assert report["verdict"]["layer"] == "MODEL" and report["verdict"]["step"] == 15
+    assert [step for step, _ in report["model_series"]["loss"][0]] == list(range(1, 21))
+    page = render_html(report)
+    assert "<h2>Loss and gradient norm</h2>" in page
+    assert page.count("<polyline") == 3, "step time, loss, gradient norm"
+    assert "rank 0 step 15:" in page

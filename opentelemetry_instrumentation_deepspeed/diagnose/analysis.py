@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -121,6 +122,7 @@ class Analysis:
         # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
         model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
         result.setdefault("findings", []).extend(model)
+        result["model_series"] = model_series(self.model, job)
         if model and result["verdict"]["layer"] == "none":
             result["verdict"] = max(model, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]

@@ -200,3 +200,63 @@ def _oom_finding(rank: int, number: int, phase: str, trace_id: str, attributes: 
             "summary": f"out of GPU memory on rank {rank} at step {number}, in {phase.replace('.', ' ')}",
             "evidence": evidence, "remedies": REMEDIES["memory"], "cost_seconds": None, "confidence": 0.95,
             "trace_ids": [trace_id]}
+
+
+def series(model: ModelFindings, job: str) -> dict:
+    """Per rank, [step, value] of the loss and the gradient norm (None where not finite), for the report."""
+    found: dict = {"loss": {}, "grad_norm": {}}
+    for (step_job, rank), steps in sorted(model._steps.items()):
+        if step_job != job:
+            continue
+        for name, key in (("loss", semconv.TRAINING_LOSS), ("grad_norm", semconv.TRAINING_GRAD_NORM)):
+            values = [[number, _finite(steps[number][2].get(key))] for number in sorted(steps)
+                      if steps[number][2].get(key) is not None]
+            if values:
+                found[name][rank] = values
+    return found
+
+
+def _finite(value):
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def chart_html(values: dict, title: str, marks: set) -> str:
+    """One small SVG line chart of ``values`` ({rank: [[step, value]]}); ``marks``: (rank, step) to circle."""
+    points = [(step, value) for rank_values in values.values() for step, value in rank_values if value is not None]
+    if not points:
+        return ""
+    width, height = 440, 180
+    first, last = min(s for s, _ in points), max(s for s, _ in points)
+    low, high = min(v for _, v in points), max(v for _, v in points)
+    high = high if high > low else low + 1.0
+
+    def x(step):
+        return 40 + (step - first) / max(last - first, 1) * (width - 50)
+
+    def y(value):
+        return height - 20 - (value - low) / (high - low) * (height - 35)
+
+    shapes = [f'<text x="4" y="12" class="axis">{title}: {high:.4g}</text>',
+              f'<text x="4" y="{height - 22}" class="axis">{low:.4g}</text>',
+              f'<text x="40" y="{height - 4}" class="axis">step {first}</text>',
+              f'<text x="{width - 70}" y="{height - 4}" class="axis">step {last}</text>']
+    palette = ["#2e5aac", "#e4572e", "#17a398", "#8e6bbf", "#f3a712", "#555"]
+    for index, (rank, rank_values) in enumerate(sorted(values.items())):
+        path = " ".join(f"{x(step):.1f},{y(value):.1f}" for step, value in rank_values if value is not None)
+        shapes.append(f'<polyline points="{path}" fill="none" stroke="{palette[index % len(palette)]}" '
+                      f'stroke-width="1.5"><title>rank {rank}</title></polyline>')
+        for step, value in rank_values:
+            if (rank, step) in marks:
+                at = y(value) if value is not None else 14
+                shapes.append(f'<circle cx="{x(step):.1f}" cy="{at:.1f}" r="4" fill="#e4572e"><title>rank {rank} '
+                              f"step {step}: {'not finite' if value is None else f'{value:.4g}'}</title></circle>")
+    return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>'
+
+
+def charts_html(report: dict) -> str:
+    """The report's loss and gradient-norm charts, the steps of MODEL findings circled."""
+    model = report.get("model_series") or {}
+    marks = {(f["rank"], f["step"]) for f in report.get("findings", []) if f.get("layer") == "MODEL"}
+    charts = [chart_html({int(r): v for r, v in (model.get(name) or {}).items()}, label, marks)
+              for name, label in (("loss", "loss"), ("grad_norm", "gradient norm"))]
+    return "".join(charts)

@@ -58,6 +58,19 @@ def parse_args(argv=None):
                              "with SGD: each step's large gradient all-reduce dominates")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
+    numerics = parser.add_argument_group("numerics and memory faults", "for the MODEL and MEMORY verdicts; STEP is the "
+                                         "1-based optimizer step (training.step), R the rank")
+    numerics.add_argument("--inject-loss-spike", metavar="STEP:R:F",
+                          help="multiply the loss (and so its gradients) of optimizer step STEP on rank R by F")
+    numerics.add_argument("--inject-grad-spike", metavar="STEP:R:F",
+                          help="multiply the gradients of step STEP on rank R by F, leaving the loss's value as it is")
+    numerics.add_argument("--inject-nan", metavar="STEP:R", help="the loss of step STEP on rank R is NaN (and so are "
+                                                                 "the weights after it, unless fp16 skips the step)")
+    numerics.add_argument("--inject-oom", metavar="STEP:R:PHASE",
+                          help="raise torch.OutOfMemoryError in the forward or backward of step STEP on rank R")
+    parser.add_argument("--print-steps", action="store_true",
+                        help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
+                             "optimizer step, exactly (repr)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -132,6 +145,51 @@ class TinyLM(nn.Module):
         return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
 
 
+class _RaiseOutOfMemory(torch.autograd.Function):
+    """Identity forward; the backward raises the allocator's error, as a backward that runs out of memory does."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+class Injection:
+    """The numerics and memory faults of one rank, by optimizer step (1-based)."""
+
+    def __init__(self, args, rank: int):
+        def parse(value, fields):
+            if not value:
+                return None
+            parts = value.split(":")
+            step, target = int(parts[0]), int(parts[1])
+            return (step, *parts[2:fields]) if target == rank else None
+
+        self.loss_spike = parse(args.inject_loss_spike, 3)
+        self.grad_spike = parse(args.inject_grad_spike, 3)
+        self.nan = parse(args.inject_nan, 2)
+        self.oom = parse(args.inject_oom, 3)
+
+    def forward(self, step: int) -> None:
+        if self.oom and self.oom[0] == step and self.oom[1] == "forward":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self.loss_spike and self.loss_spike[0] == step:
+            loss = loss * float(self.loss_spike[1])
+        if self.grad_spike and self.grad_spike[0] == step:
+            factor = float(self.grad_spike[1])
+            loss = loss * factor - (loss * (factor - 1)).detach()
+        if self.nan and self.nan[0] == step:
+            loss = loss * float("nan")
+        if self.oom and self.oom[0] == step and self.oom[1] == "backward":
+            loss = _RaiseOutOfMemory.apply(loss)
+        return loss
+
+
 def deepspeed_config(args) -> dict:
     config = json.loads(pathlib.Path(args.config).read_text())
     config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
@@ -189,6 +247,14 @@ def make_loader(args, engine, dataset) -> DataLoader:
                       collate_fn=StallingCollate(args.stall_every, args.stall_ms, args.grad_accum))
 
 
+def print_step(args, engine, loss: float) -> None:
+    if not args.print_steps:
+        return
+    grad_norm = engine.get_global_grad_norm()
+    print(f"step {engine.global_steps} rank {engine.global_rank} loss {loss!r} "
+          f"grad_norm {None if grad_norm is None else float(grad_norm)!r}", flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     default_single_process_env()
@@ -222,6 +288,7 @@ def main(argv=None):
     batches = iter(loader)
     engine.train()
     step_seconds = []
+    injection = Injection(args, engine.global_rank)
     for step in range(args.steps):
         started = time.perf_counter()
         if args.crash_after and step == args.crash_after and engine.global_rank == 0:
@@ -230,7 +297,8 @@ def main(argv=None):
         for _ in range(args.grad_accum):
             batch = next(batches)
             batch = {name: value.to(engine.device) for name, value in batch.items()}
-            loss = engine(**batch)
+            injection.forward(step + 1)
+            loss = injection.loss(step + 1, engine(**batch))
             if args.backward == "engine":
                 engine.backward(loss)
             else:
@@ -240,6 +308,7 @@ def main(argv=None):
             engine.step()
             step_loss += loss.item() / args.grad_accum
         losses.append(step_loss)
+        print_step(args, engine, step_loss)
         step_seconds.append(time.perf_counter() - started)
     if args.step_times:
         pathlib.Path(f"{args.step_times}.rank{engine.global_rank}").write_text(

@@ -187,6 +187,7 @@ VARIABLES = {
     env.OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER: (env.profile_trigger, "otel-profile-trigger"),
     env.OTEL_PYTHON_DEEPSPEED_PROFILE_TOP: (env.profile_top, 64),
     env.OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR: (env.profile_slow_factor, 3.0),
+    env.OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET: (env.memory_peak_reset, True),
 }
 
 BAD = "bad"  # the default, and one warning
@@ -209,6 +210,7 @@ OUTCOMES = {
     "OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER": ("abc", None, "-1", "1e309", LONG_DIGITS, LONG_TEXT, "0"),
     "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP": (BAD, BAD, BAD, BAD, BAD, BAD, BAD),
     "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR": (BAD, BAD, BAD, BAD, BAD, BAD, 0.0),
+    "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET": (BAD, BAD, BAD, BAD, BAD, BAD, BAD),
 }
 # Cases tests/test_configuration.py already checks.
 COVERED = {("OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", ""), ("OTEL_PYTHON_DEEPSPEED_JOB_ID", ""),

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -61,6 +63,7 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self.model = ModelFindings()  # model and memory layers
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -69,6 +72,7 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.model.add(span)  # model and memory layers
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -115,6 +119,12 @@ class Analysis:
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
         result["verdict"] = _verdict(result)
+        # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
+        model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
+        result.setdefault("findings", []).extend(model)
+        result["model_series"] = model_series(self.model, job)
+        if model and result["verdict"]["layer"] == "none":
+            result["verdict"] = max(model, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

@@ -1,10 +1,12 @@
 """Training metrics: step and phase durations (with exemplars), samples, tokens, skipped steps,
-loss scale, gradient norm and MFU.
+loss scale, loss and gradient norm (and the anomalies the numerics watch finds in them), GPU memory
+from the caching allocator, and MFU.
 
 Everything here runs on the emitter's thread, from closed step records: durations are histograms
 recorded in the context of their span, so each bucket keeps the trace of a step that fell in it;
 totals and last values are kept here and observed at collection. Nothing read here synchronizes
-a device: a value that lives in a CUDA tensor is not reported.
+a device: loss and gradient norm come from the records (copied off the device asynchronously),
+the loss scale is reported only where it is a host value.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import weakref
 from opentelemetry.metrics import Observation
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.model import NumericsWatch
 from opentelemetry_instrumentation_deepspeed.export.histograms import TimedHistogram
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
@@ -66,7 +69,12 @@ class TrainingMetrics:
         self.tokens = 0
         self.skipped = 0
         self.loss_scale: float | None = None
+        self.loss: float | None = None
         self.grad_norm: float | None = None
+        self.numerics = NumericsWatch()
+        self.anomalies = dict.fromkeys(semconv.NUMERICS_KINDS, 0)
+        self.memory = None  # the allocator's last reading (recording.allocator.Memory), on CUDA
+        self.memory_peaks: dict[str, int] = {}  # each phase's peak in the last step that ran it
         self.mfu: float | None = None
         self._step = TimedHistogram(meter.create_histogram(
             semconv.METRIC_STEP_DURATION, unit="s", description="Duration of an optimizer step on this rank",
@@ -85,11 +93,65 @@ class TrainingMetrics:
                                         description="Optimizer steps skipped (fp16 overflow)")
         meter.create_observable_gauge(semconv.METRIC_LOSS_SCALE, [self._from_engine("loss_scale", _loss_scale)],
                                       unit="1", description="Dynamic loss scale after the last step (fp16)")
-        meter.create_observable_gauge(semconv.METRIC_GRAD_NORM, [self._from_engine("grad_norm", _grad_norm)],
-                                      unit="1",
-                                      description="Global gradient norm of the last step, where known without a sync")
+        meter.create_observable_gauge(semconv.METRIC_GRAD_NORM, [self._last("grad_norm")], unit="1",
+                                      description="Global gradient norm of the last step")
+        meter.create_observable_gauge(semconv.METRIC_LOSS, [self._last("loss")], unit="1",
+                                      description="Loss of the last step (mean over its micro-batches)")
+        anomalies = observing(self._observers, self._anomalies)
+        meter.create_observable_counter(semconv.METRIC_NUMERICS_ANOMALIES, [anomalies],
+                                        unit="{step}", description="Steps whose loss or gradient norm was non-finite "
+                                        "or spiked, and runs of skipped steps, by training.numerics.kind")
+        self._memory_instruments(meter)
         meter.create_observable_gauge(semconv.METRIC_MFU, [self._last("mfu")], unit="1",
                                       description="Model FLOPs utilization of the last step")
+
+    def _memory_instruments(self, meter) -> None:
+        def reading(read):
+            def observe(_options):
+                memory = self.memory
+                return [] if memory is None else [Observation(read(memory))]
+
+            return observing(self._observers, observe)
+
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_ALLOCATED, [reading(lambda m: m.allocated)], unit="By",
+                                      description="GPU memory allocated to tensors (PyTorch's caching allocator), "
+                                                  "at the end of the last phase")
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_RESERVED, [reading(lambda m: m.reserved)], unit="By",
+                                      description="GPU memory the caching allocator holds, at the end of the last "
+                                                  "phase")
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_FRAGMENTATION, [reading(lambda m: m.fragmentation)],
+                                      unit="By", description="Reserved minus allocated GPU memory: cached blocks")
+        meter.create_observable_counter(semconv.METRIC_MEMORY_ALLOC_RETRIES, [reading(lambda m: m.retries)],
+                                        unit="{retry}", description="cudaMalloc retries after the allocator freed "
+                                        "its cache (what DeepSpeed calls allocator cache flushes)")
+        meter.create_observable_counter(semconv.METRIC_MEMORY_OOMS, [reading(lambda m: m.ooms)], unit="{error}",
+                                        description="Out-of-memory errors the caching allocator raised")
+
+        def peaks(_options):
+            return [Observation(value, self._phase_attributes[phase]) for phase, value in self.memory_peaks.items()]
+
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_PEAK, [observing(self._observers, peaks)], unit="By",
+                                      description="Peak GPU memory allocated during each phase of the last step")
+
+    def _anomalies(self, _options):
+        return [Observation(count, {semconv.TRAINING_NUMERICS_KIND: kind}) for kind, count in self.anomalies.items()]
+
+    def model(self, loss: float | None, grad_norm: float | None, skipped: bool) -> list[str]:
+        """A closed step's loss and gradient norm: the last values, and the kinds of anomaly they show."""
+        if loss is not None:
+            self.loss = loss
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+        kinds = [kind for kind, _detail in self.numerics.step(loss, grad_norm, skipped)]
+        for kind in kinds:
+            self.anomalies[kind] += 1
+        return kinds
+
+    def memory_read(self, memory, phase: str | None = None) -> None:
+        """A phase's reading: the last figures, and (``phase``) that phase's peak."""
+        self.memory = memory
+        if phase is not None:
+            self.memory_peaks[phase] = memory.peak
 
     def _total(self, name):
         def observe(_options):
@@ -135,10 +197,6 @@ class TrainingMetrics:
 
 def _loss_scale(engine) -> float | None:
     return _host_number(engine._get_optimizer_loss_scale()) if engine.fp16_enabled() else None
-
-
-def _grad_norm(engine) -> float | None:
-    return _host_number(engine.get_global_grad_norm())
 
 
 def flops_per_token(module) -> float:

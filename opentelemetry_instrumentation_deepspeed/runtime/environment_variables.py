@@ -96,6 +96,12 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_TOP = "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP"
 OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"
 """Profile the next step when one takes more than this times the recent median; 0 turns it off."""
 
+OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET = "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET"
+"""On CUDA: reset the caching allocator's peak at each phase start, so every phase reports its own
+peak (``training.memory.peak``). ``torch.cuda.max_memory_allocated()`` then tells the peak since the
+last phase start. ``false``: the peak is left alone, and phases report the running peak. Default: ``true``.
+"""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
@@ -211,6 +217,11 @@ def exit_timeout() -> float:
 
 
 @cache
+def memory_peak_reset() -> bool:
+    return _read(OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET, True, _boolean)
+
+
+@cache
 def job_id() -> str | None:
     return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID, None, _non_empty)
 
@@ -308,7 +319,7 @@ def comm_span_limit() -> int:
 
 _READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, job_id, job_id_timeout, comm_mode, comm_span_limit,
             flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
-            profile_slow_factor)
+            profile_slow_factor, memory_peak_reset)
 
 
 # The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).

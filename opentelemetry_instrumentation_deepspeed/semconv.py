@@ -34,6 +34,14 @@ TRAINING_GRADIENT_ACCUMULATION_STEPS = "training.gradient_accumulation_steps"
 TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
 TRAINING_ZERO_STAGE = "training.zero_stage"
 TRAINING_BACKWARD_DIRECT = "training.backward.direct"
+# What a micro-batch held as it left the DataLoader: on its training.forward and training.backward
+TRAINING_BATCH_SAMPLES = "training.batch.samples"
+TRAINING_BATCH_SEQUENCE_LENGTH = "training.batch.sequence_length"  # padded: the token ids' second dimension
+TRAINING_BATCH_TOKENS = "training.batch.tokens"  # real: not padding
+# ... and summed over the step's micro-batches, on training.step
+TRAINING_STEP_TOKENS = "training.step.tokens"
+TRAINING_STEP_PADDED_TOKENS = "training.step.padded_tokens"
+TRAINING_STEP_SEQUENCE_LENGTH = "training.step.sequence_length"  # the longest of its micro-batches
 
 # Collective spans (comm.<op>) and their metric attributes
 SPAN_COMM_PREFIX = "comm."  # a collective's span is this prefix and its op: comm.all_reduce
@@ -64,6 +72,8 @@ PHASE_OPTIMIZER_STEP = "optimizer.step"
 PHASES = (PHASE_DATA_WAIT, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER_STEP)
 METRIC_SAMPLES = "training.samples"
 METRIC_TOKENS = "training.tokens"
+METRIC_BATCH_SEQUENCE_LENGTH = "training.batch.sequence_length"
+METRIC_BATCH_TOKENS = "training.batch.tokens"
 METRIC_SKIPPED_STEPS = "training.steps.skipped"
 METRIC_LOSS_SCALE = "training.loss_scale"
 METRIC_GRAD_NORM = "training.grad_norm"

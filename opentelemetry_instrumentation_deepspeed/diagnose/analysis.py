@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import inputs  # the input layer
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -61,6 +62,7 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self._inputs = inputs.InputSeries()  # the input layer
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -76,6 +78,7 @@ class Analysis:
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.seen = True
+                self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
@@ -115,6 +118,11 @@ class Analysis:
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
         result["verdict"] = _verdict(result)
+        # -- the input layer (diagnose/inputs.py): INPUT / COMPUTE change points, the verdict when nothing else is
+        result["findings"] = inputs.findings(self._inputs, job, by_rank)
+        if result["findings"] and result["verdict"]["layer"] == "none":
+            result["verdict"] = result["findings"][0]
+        # --
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

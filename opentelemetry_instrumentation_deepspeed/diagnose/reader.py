@@ -15,7 +15,9 @@ from pathlib import Path
 from opentelemetry_instrumentation_deepspeed import semconv
 
 _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, semconv.COMM_BYTES, semconv.COMM_ASYNC,
-         semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED)
+         semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED,
+         # the input layer (diagnose/inputs.py)
+         semconv.TRAINING_STEP_TOKENS, semconv.TRAINING_STEP_PADDED_TOKENS, semconv.TRAINING_STEP_SEQUENCE_LENGTH)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ class Shape(ValueError):
 # The attributes the analysis uses, and the types it can take for them.
 _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.COMM_OP: str, semconv.COMM_BYTES: int,
           semconv.COMM_ASYNC: bool, semconv.COMM_SEQUENCE: int, semconv.COMM_GROUP_NAME: str,
-          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool}
+          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool,
+          semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_TOKENS: int,
+          semconv.TRAINING_STEP_SEQUENCE_LENGTH: int}
 _MAX_TIME = 2**64 - 1  # OTLP's fixed64
 
 

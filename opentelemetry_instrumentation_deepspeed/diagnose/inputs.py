@@ -7,6 +7,9 @@ median over ranks, which wait for each other), two series are searched for chang
 padded tokens per step, which are exact counts, and the time per padded token, which is noisy.
 
 - The tokens per step change at step K, and the step time follows in the same direction: INPUT.
+  The token counts are exact, so a looser test suffices for the time: its medians differ by
+  ``TIME_FACTOR`` the same way, and a step after the change is slower (faster, when the tokens
+  dropped) than one before with probability ``FOLLOWS`` or more (Mann-Whitney's statistic).
   The finding says by how much each changed, and whether the time per token stayed the same
   (the step got slower because it holds more tokens) or changed too (attention grows with the
   sequence length, a device is more efficient on larger batches).
@@ -31,7 +34,8 @@ from opentelemetry_instrumentation_deepspeed import semconv
 
 MIN_SEGMENT = 3  # steps on each side of a change point, at least
 TOKEN_FACTOR = 1.2  # tokens per step change at least this much (either way) to be a change of the input
-TIME_FACTOR = 1.2  # and the step time by at least this much, in the same direction, to have cost anything
+TIME_FACTOR = 1.15  # and the step time by at least this much, in the same direction, to have cost anything
+FOLLOWS = 0.75  # probability that a step after the change is slower (or faster) than one before
 PER_TOKEN_FACTOR = 1.5  # the time per token, with the tokens unchanged, to be a compute change
 SEPARATION = 0.85  # share of each side's steps that lies on its side of the middle
 MAX_CHANGES = 4  # change points searched per series
@@ -82,6 +86,12 @@ def _separation(before: list[float], after: list[float]) -> float:
     if second >= first:
         return min(sum(v < middle for v in before) / len(before), sum(v > middle for v in after) / len(after))
     return min(sum(v > middle for v in before) / len(before), sum(v < middle for v in after) / len(after))
+
+
+def _follows(before: list[float], after: list[float], up: bool) -> float:
+    """Probability that a value after is above (``up``) or below one before, ties counting half."""
+    wins = sum((a > b if up else a < b) + 0.5 * (a == b) for a in after for b in before)
+    return wins / (len(before) * len(after))
 
 
 def _best_split(logs: list[float], low: int, high: int) -> int | None:
@@ -217,10 +227,10 @@ def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: f
     time_factor = time_after / time_before
     tokens_factor = (statistics.median(steps[i]["padded"] for i in after) /
                      statistics.median(steps[i]["padded"] for i in before))
-    separated = _separation([seconds[i] for i in before], [seconds[i] for i in after])
+    follows = _follows([seconds[i] for i in before], [seconds[i] for i in after], tokens_factor > 1)
     same_way = (time_factor >= TIME_FACTOR and tokens_factor > 1) or (time_factor <= 1 / TIME_FACTOR and
                                                                       tokens_factor < 1)
-    if not same_way or separated < SEPARATION:
+    if not same_way or follows < FOLLOWS:
         return None  # the input changed, the step time did not follow: it holds nothing back
     change_step = steps[at]["step"]
     length_before = statistics.median(steps[i]["length"] for i in before)
@@ -240,8 +250,8 @@ def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: f
                 f"in steps {steps[before[0]]['step']}-{steps[before[-1]]['step']}, "
                 f"{_median_padded(steps, after):.0f} in steps "
                 f"{steps[after[0]]['step']}-{steps[after[-1]]['step']}",
-                f"step time: median {time_before * 1e3:.1f} ms before, {time_after * 1e3:.1f} ms after; "
-                f"{separated:.0%} of the steps on each side lie on their side of the middle",
+                f"step time: median {time_before * 1e3:.1f} ms before, {time_after * 1e3:.1f} ms after; a step "
+                f"after is {'slower' if tokens_factor > 1 else 'faster'} than one before in {follows:.0%} of pairs",
                 f"time per padded token: {_duration(time_before / _median_padded(steps, before))} before, "
                 f"{_duration(time_after / _median_padded(steps, after))} after"]
     real = _real_share(steps, before, after)
@@ -251,7 +261,7 @@ def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: f
         evidence.append(f"only rank {rank}'s input changed; the other ranks wait for it")
     return {"layer": "INPUT", "summary": summary, "evidence": evidence, "remedies": REMEDIES["INPUT"],
             "rank": rank, "step": change_step, "change_step": change_step, "cost_seconds": cost,
-            "share_of_run": cost / run_seconds if run_seconds else None, "confidence": round(separated, 3),
+            "share_of_run": cost / run_seconds if run_seconds else None, "confidence": round(follows, 3),
             "trace_ids": [steps[at - 1]["trace_id"], steps[at]["trace_id"]]}
 
 

@@ -15,7 +15,7 @@ from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
 from opentelemetry_instrumentation_deepspeed.diagnose.inputs import FOLLOWS, change_points
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
-SEEDS = range(25)
+SEEDS = range(12)
 
 
 def run_spans(rng: random.Random, steps: int, lengths, per_token=lambda step: 1.0, *, ranks=2, samples=8,

@@ -53,7 +53,7 @@ def left_loader(recorder, batch) -> None:
             return
         samples, length = shape
         padded = samples * length
-        if getattr(mask, "shape", None) == shape:
+        if mask is not None and getattr(mask, "shape", None) == shape:
             tokens = int(mask.count_nonzero()) if mask.is_cpu else None
         elif recorder.pad_token_id is not None:
             tokens = padded - int((ids == recorder.pad_token_id).count_nonzero()) if ids.is_cpu else None

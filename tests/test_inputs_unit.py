@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections import UserDict, deque
+from collections import UserDict, deque, namedtuple
 from types import SimpleNamespace
 
 import pytest
@@ -49,6 +49,13 @@ def test_a_padding_id_gives_the_real_tokens_when_there_is_no_mask():
 def test_without_mask_or_padding_id_every_token_is_real():
     ids = torch.ones(4, 32, dtype=torch.int32)
     assert counted([ids, torch.zeros(4)]) == (4, 32, 128)
+    Pair = namedtuple("Pair", "input_ids labels")
+    assert counted(Pair(ids, ids)) == (4, 32, 128)
+
+
+def test_a_mask_that_is_not_a_torch_tensor_is_not_read():
+    ids, mask = padded_batch([1, 2], 4)
+    assert counted({"input_ids": ids, "attention_mask": mask.numpy()}) == (2, 4, 8)
 
 
 def test_what_is_not_a_batch_of_token_ids_queues_a_placeholder():

@@ -20,10 +20,10 @@ from opentelemetry_instrumentation_deepspeed.runtime import environment_variable
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
 # Seconds, from a millisecond step to a ten-minute one.
-# Tokens, for padded sequence lengths: powers of two from 16 to 128k.
-SEQUENCE_LENGTH_BUCKETS = tuple(float(2**power) for power in range(4, 18))
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
                     120.0, 300.0, 600.0)
+# Tokens, for padded sequence lengths: powers of two from 16 to 128k.
+SEQUENCE_LENGTH_BUCKETS = tuple(float(2**power) for power in range(4, 18))
 
 # Dense peak FLOP/s of one device for bf16/fp16 matmuls, by a substring of the NVML/torch name.
 _PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12),

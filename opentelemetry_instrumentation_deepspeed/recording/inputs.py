@@ -35,7 +35,7 @@ def left_loader(recorder, batch) -> None:
         mask = None
         if type(batch) is dict or isinstance(batch, Mapping):
             ids, mask = batch.get("input_ids"), batch.get("attention_mask")
-        elif type(batch) in (tuple, list):
+        elif isinstance(batch, (tuple, list)):
             ids = batch[0] if batch else None
         else:
             ids = batch
@@ -53,7 +53,7 @@ def left_loader(recorder, batch) -> None:
             return
         samples, length = shape
         padded = samples * length
-        if mask is not None and getattr(mask, "shape", None) == shape:
+        if mask is not None and getattr(mask, "shape", None) == shape and hasattr(mask, "is_cpu"):  # a torch mask
             tokens = int(mask.count_nonzero()) if mask.is_cpu else None
         elif recorder.pad_token_id is not None:
             tokens = padded - int((ids == recorder.pad_token_id).count_nonzero()) if ids.is_cpu else None

@@ -54,6 +54,8 @@ def render_text(report: dict) -> str:
     lines.append(f"Verdict: {verdict['layer'].upper()}: {verdict['summary']}")
     lines += [f"  evidence: {item}" for item in verdict.get("evidence", [])]
     lines += [f"  remedy: {item}" for item in verdict.get("remedies", [])]
+    # the input layer's other findings (diagnose/inputs.py)
+    lines += [f"Also: {f['layer']}: {f['summary']}" for f in report.get("findings", []) if f != verdict]
     job = report.get("job") or {}
     if job:
         shares = job["shares"]

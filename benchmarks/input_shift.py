@@ -73,11 +73,13 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=12)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default="input-shift-runs")
+    parser.add_argument("--kinds", default="shift,shift,healthy,slowdown",
+                        help="the kinds of run, in turn (shift, healthy, slowdown)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kinds = ["shift", "shift", "healthy", "slowdown"]  # shifts in several factors; the others to stay quiet on
+    kinds = args.kinds.split(",")  # by default shifts in several factors, and two kinds to stay quiet on
     tally: dict[str, list[int]] = {}
     for index in range(args.runs):
         kind = kinds[index % len(kinds)]

@@ -47,6 +47,14 @@ TRAINING_MEMORY_PEAK = "training.memory.peak"
 TRAINING_MEMORY_PHASE_PEAK = "training.memory.{phase}.peak"  # on training.step, per phase
 TRAINING_MEMORY_ALLOC_RETRIES = "training.memory.alloc_retries"  # in the step: cudaMalloc retries (cache flushes)
 TRAINING_MEMORY_OOM = "training.memory.oom"  # on training.step: the phase an out-of-memory error ended
+# What a micro-batch held as it left the DataLoader: on its training.forward and training.backward
+TRAINING_BATCH_SAMPLES = "training.batch.samples"
+TRAINING_BATCH_SEQUENCE_LENGTH = "training.batch.sequence_length"  # padded: the token ids' second dimension
+TRAINING_BATCH_TOKENS = "training.batch.tokens"  # real: not padding
+# ... and summed over the step's micro-batches, on training.step
+TRAINING_STEP_TOKENS = "training.step.tokens"
+TRAINING_STEP_PADDED_TOKENS = "training.step.padded_tokens"
+TRAINING_STEP_SEQUENCE_LENGTH = "training.step.sequence_length"  # the longest of its micro-batches
 
 # Collective spans (comm.<op>) and their metric attributes
 SPAN_COMM_PREFIX = "comm."  # a collective's span is this prefix and its op: comm.all_reduce
@@ -77,6 +85,8 @@ PHASE_OPTIMIZER_STEP = "optimizer.step"
 PHASES = (PHASE_DATA_WAIT, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER_STEP)
 METRIC_SAMPLES = "training.samples"
 METRIC_TOKENS = "training.tokens"
+METRIC_BATCH_SEQUENCE_LENGTH = "training.batch.sequence_length"
+METRIC_BATCH_TOKENS = "training.batch.tokens"
 METRIC_SKIPPED_STEPS = "training.steps.skipped"
 METRIC_LOSS_SCALE = "training.loss_scale"
 METRIC_GRAD_NORM = "training.grad_norm"

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import inputs  # the input layer
 from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
@@ -64,6 +65,7 @@ class Analysis:
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
         self.model = ModelFindings()  # model and memory layers
+        self._inputs = inputs.InputSeries()  # the input layer
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -80,6 +82,7 @@ class Analysis:
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.seen = True
+                self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
@@ -121,10 +124,14 @@ class Analysis:
         result["verdict"] = _verdict(result)
         # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
         model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
-        result.setdefault("findings", []).extend(model)
         result["model_series"] = model_series(self.model, job)
-        if model and result["verdict"]["layer"] == "none":
-            result["verdict"] = max(model, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
+        # -- the input layer (diagnose/inputs.py): INPUT / COMPUTE change points
+        findings = model + inputs.findings(self._inputs, job, by_rank)
+        findings.sort(key=lambda f: (-(f["cost_seconds"] or 0.0), -f["confidence"]))
+        result["findings"] = findings
+        if findings and result["verdict"]["layer"] == "none":
+            result["verdict"] = findings[0]
+        # --
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

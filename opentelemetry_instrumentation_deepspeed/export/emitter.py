@@ -34,7 +34,7 @@ from collections import deque
 from opentelemetry.trace import Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import kernels, sdk, trace_ids
+from opentelemetry_instrumentation_deepspeed.export import batches, kernels, sdk, trace_ids
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
@@ -279,7 +279,8 @@ class Emitter(Component):
         step = writer.child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: record.number, **facts.static},
                             record.start)
         intervals: list | None = [] if record.profile is not None and step.recording else None
-        phases = self._phases(record, step, intervals, writers)
+        by_micro_step, batch_sums, counted = batches.summarize(list(record.phases))
+        phases = self._phases(record, step, intervals, writers, by_micro_step)
         for collective in list(record.collectives):
             spanned = step.recording and collective.spanned
             parent_context = phases.get(collective.parent, step.context) if spanned else None
@@ -287,12 +288,13 @@ class Emitter(Component):
                              writers)
 
         facts.metrics.batches(record.samples, record.tokens)
-        more = {}
+        facts.metrics.inputs(counted, record.end, step.context)
+        more = dict(batch_sums)
         if record.failure is None:
             micro_batch_size = facts.static[semconv.TRAINING_MICRO_BATCH_SIZE]
-            more = {semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size,
-                    semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
-                    semconv.TRAINING_STEP_SKIPPED: record.skipped}
+            more.update({semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size,
+                         semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
+                         semconv.TRAINING_STEP_SKIPPED: record.skipped})
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)
             self._model(record, more)
         self._memory(record, more)
@@ -328,7 +330,8 @@ class Emitter(Component):
             sampled = trace_ids.sampled(writer.provider, trace_id, semconv.SPAN_GLOBAL_STEP)
         return None, None, remote_parent(trace_id, root_span_id, sampled)
 
-    def _phases(self, record: StepRecord, step, intervals: list | None, writers: set) -> dict:
+    def _phases(self, record: StepRecord, step, intervals: list | None, writers: set,
+                by_micro_step: dict) -> dict:
         """Data wait and phase spans and durations; each phase's span context (the step's, when not sampled)."""
         writer, metrics, recording = record.facts.writer, record.facts.metrics, step.recording
         for wait_start, wait_end, micro_step in record.waits:
@@ -343,7 +346,8 @@ class Emitter(Component):
         for phase in list(record.phases):
             context, end = step.context, phase.end or record.end
             if recording:
-                context = self._phase_span(record, phase, step.context, end, intervals, writers)
+                context = self._phase_span(record, phase, step.context, end, intervals, writers,
+                                           by_micro_step.get(phase.micro_step))
                 contexts[phase] = context
             metrics.phase(phase.name, phase.start, end, context)
             if phase.memory is not None:
@@ -351,9 +355,12 @@ class Emitter(Component):
         return contexts
 
     def _phase_span(self, record: StepRecord, phase: Phase, parent, end: int,  # noqa: PLR0917
-                    intervals: list | None, writers: set):
+                    intervals: list | None, writers: set, batch: dict | None = None):
+        """``batch``: what the phase's micro-batch held (forward and backward)."""
         writer = record.facts.writer
         attributes = {} if phase.micro_step is None else {semconv.TRAINING_MICRO_STEP: phase.micro_step}
+        if batch:
+            attributes.update(batch)
         if phase.direct:
             attributes[semconv.TRAINING_BACKWARD_DIRECT] = True
         started = writer.child(_PHASE_SPANS[phase.name], parent, attributes, phase.start)

@@ -25,6 +25,8 @@ from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, ob
 # Seconds, from a millisecond step to a ten-minute one.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
                     120.0, 300.0, 600.0)
+# Tokens, for padded sequence lengths: powers of two from 16 to 128k.
+SEQUENCE_LENGTH_BUCKETS = tuple(float(2**power) for power in range(4, 18))
 
 # Dense peak FLOP/s of one device for bf16/fp16 matmuls, by a substring of the NVML/torch name.
 _PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12),
@@ -67,6 +69,7 @@ class TrainingMetrics:
         self._engine = weakref.ref(engine) if engine is not None else lambda: None
         self.samples = 0
         self.tokens = 0
+        self.real_tokens = 0
         self.skipped = 0
         self.loss_scale: float | None = None
         self.loss: float | None = None
@@ -83,12 +86,19 @@ class TrainingMetrics:
             semconv.METRIC_PHASE_DURATION, unit="s",
             description="Duration of a phase of a step (data wait, forward, backward, optimizer step)",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS))
+        self._sequence_length = TimedHistogram(meter.create_histogram(
+            semconv.METRIC_BATCH_SEQUENCE_LENGTH, unit="{token}",
+            description="Padded sequence length of each micro-batch, as it left the DataLoader",
+            explicit_bucket_boundaries_advisory=SEQUENCE_LENGTH_BUCKETS))
         self._phase_attributes = {name: {semconv.TRAINING_PHASE: name} for name in semconv.PHASES}
         self._observers = Component("training metrics")
         meter.create_observable_counter(semconv.METRIC_SAMPLES, [self._total("samples")], unit="{sample}",
                                         description="Samples this rank trained on")
         meter.create_observable_counter(semconv.METRIC_TOKENS, [self._total("tokens")], unit="{token}",
                                         description="Tokens this rank trained on (token ids, padding included)")
+        meter.create_observable_counter(semconv.METRIC_BATCH_TOKENS, [self._total("real_tokens")], unit="{token}",
+                                        description="Real (non-padding) tokens of the micro-batches this rank took "
+                                                    "from its DataLoader, where countable on the host")
         meter.create_observable_counter(semconv.METRIC_SKIPPED_STEPS, [self._total("skipped")], unit="{step}",
                                         description="Optimizer steps skipped (fp16 overflow)")
         meter.create_observable_gauge(semconv.METRIC_LOSS_SCALE, [self._from_engine("loss_scale", _loss_scale)],
@@ -185,6 +195,13 @@ class TrainingMetrics:
     def batches(self, samples: int, tokens: int) -> None:
         self.samples += samples
         self.tokens += tokens
+
+    def inputs(self, batches: list, taken: int, span_context) -> None:
+        """The step's counted micro-batches: (samples, padded length, real tokens or None) each."""
+        for _samples, length, tokens in batches:
+            self._sequence_length.record(length, taken, span_context)
+            if tokens is not None:
+                self.real_tokens += tokens
 
     def step(self, start: int, end: int, span_context, tokens: int, skipped: bool) -> None:
         """A step that closed normally (a failed one counts its phases and batches, not itself)."""

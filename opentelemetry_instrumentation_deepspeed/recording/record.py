@@ -39,8 +39,8 @@ class Interrupted:
 class Phase:
     """One forward, backward or optimizer step of the open step."""
 
-    __slots__ = ("comm_count", "comm_dropped", "direct", "end", "failure", "gpu_end", "gpu_start", "memory",
-                 "micro_step", "name", "start")
+    __slots__ = ("comm_count", "comm_dropped", "direct", "end", "failure", "gpu_end", "gpu_start", "inputs",
+                 "memory", "micro_step", "name", "start")
 
     def __init__(self, name: str, micro_step: int | None, start: int, gpu_start=None, direct: bool = False):
         self.name = name  # semconv.PHASE_*
@@ -54,6 +54,7 @@ class Phase:
         self.gpu_start = gpu_start  # CUDA events bracketing the phase's GPU work, or None
         self.gpu_end = None
         self.memory = None  # the caching allocator at its end (recording.allocator.Memory), on CUDA
+        self.inputs: tuple | None = None  # a forward's batch: (samples, padded length, real tokens or None)
 
 
 class Collective:

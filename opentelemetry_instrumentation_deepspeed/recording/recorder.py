@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.recording import inputs as input_batches
 from opentelemetry_instrumentation_deepspeed.recording import scalars, state
 from opentelemetry_instrumentation_deepspeed.recording.batches import batch_shape
 from opentelemetry_instrumentation_deepspeed.recording.record import Failure, Interrupted, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.recording.state import Event, State
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open
 
 _PHASE_NAMES = {Event.FORWARD: semconv.PHASE_FORWARD, Event.BACKWARD: semconv.PHASE_BACKWARD,
@@ -44,6 +47,9 @@ class StepRecorder(Component):
         # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
         self._max_waits = max(1, engine.gradient_accumulation_steps())
         self._waits: list[tuple[int, int, bool]] = []
+        # What each fetched micro-batch holds (recording/inputs.py), until the forward that takes it.
+        self.inputs: deque = deque(maxlen=self._max_waits + 1)
+        self.pad_token_id = input_batches.pad_token_id(engine, env.pad_token_id())
         self._skipped_before = 0
         self.state = State.IDLE
         self.open: StepRecord | None = None
@@ -69,7 +75,8 @@ class StepRecorder(Component):
 
     @fail_open
     def not_training(self) -> None:
-        """An evaluation forward: waits so far fed it, not the next step."""
+        """An evaluation forward: waits (and batches) so far fed it, not the next step."""
+        self.inputs.clear()
         self._fire(Event.EVALUATION)
 
     @fail_open
@@ -265,6 +272,8 @@ class StepRecorder(Component):
             self._memory.phase_started()
         phase = Phase(_PHASE_NAMES[event], micro_step, now, None if self._gpu is None else self._gpu.event(),
                       event == Event.DIRECT_BACKWARD)
+        if event == Event.FORWARD and self.inputs:
+            phase.inputs = self.inputs.popleft()
         record.phases.append(phase)
         record.phase = phase
 

@@ -102,6 +102,12 @@ peak (``training.memory.peak``). ``torch.cuda.max_memory_allocated()`` then tell
 last phase start. ``false``: the peak is left alone, and phases report the running peak. Default: ``true``.
 """
 
+OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID = "OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID"
+"""The token id that pads sequences, for counting real tokens in batches that carry no
+``attention_mask``. Default: the model's ``config.pad_token_id`` (Hugging Face models), else none
+(every token of such a batch counts as real).
+"""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
@@ -317,9 +323,24 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
+def _token_id(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+    if not 0 <= value < 2**31:
+        raise ValueError("expected 0 to 2147483647")
+    return value
+
+
+@cache
+def pad_token_id() -> int | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID, None, _token_id)
+
+
 _READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, job_id, job_id_timeout, comm_mode, comm_span_limit,
             flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
-            profile_slow_factor, memory_peak_reset)
+            profile_slow_factor, memory_peak_reset, pad_token_id)
 
 
 # The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).

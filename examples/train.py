@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import time
 
 import torch
@@ -58,6 +59,9 @@ def parse_args(argv=None):
                              "with SGD: each step's large gradient all-reduce dominates")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
+    faults.add_argument("--block-in-step", type=int, default=0, metavar="K",
+                        help="the forward of step K blocks on rank 0 until a signal arrives, after printing "
+                             "'blocked in step K': a SIGTERM sent then lands inside a step")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -122,6 +126,9 @@ class TinyLM(nn.Module):
     def forward(self, input_ids, labels):
         if getattr(self, "crash", False):
             raise RuntimeError("injected crash in forward")
+        if getattr(self, "block", None):
+            print(f"blocked in step {self.block}", flush=True)
+            signal.pause()
         if self.delay:
             time.sleep(self.delay)
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
@@ -183,6 +190,13 @@ def write_comms_counts(prefix: str, rank: int) -> None:
     pathlib.Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(counts))
 
 
+def inject_faults(args, model, rank: int, step: int) -> None:
+    """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks, when asked to."""
+    if rank == 0:
+        model.crash = bool(args.crash_after) and step == args.crash_after
+        model.block = step + 1 if args.block_in_step and step + 1 == args.block_in_step else None
+
+
 def make_loader(args, engine, dataset) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
@@ -224,8 +238,7 @@ def main(argv=None):
     step_seconds = []
     for step in range(args.steps):
         started = time.perf_counter()
-        if args.crash_after and step == args.crash_after and engine.global_rank == 0:
-            model.crash = True
+        inject_faults(args, model, engine.global_rank, step)
         step_loss = 0.0
         for _ in range(args.grad_accum):
             batch = next(batches)

@@ -31,27 +31,39 @@ def _steps(spans) -> dict[int, list]:
     return steps
 
 
-def _terminated_mid_run(workdir, **env) -> tuple[int, str]:
-    """A long 1-process run, sent SIGTERM once its first spans are on disk: (return code, output).
+BLOCKED_STEP = 8
 
-    Each forward sleeps 100 ms (the example's straggler option), so the signal lands inside a step,
-    not in the fraction of a millisecond between two, whatever the machine's load."""
+
+def _terminated_mid_run(workdir, *, after_export: bool = False, **env) -> tuple[int, str]:
+    """A 1-process run sent SIGTERM inside step 8: (return code, output).
+
+    The forward of step 8 blocks until a signal arrives (the example's ``--block-in-step``) after
+    saying so: the signal lands inside that step, whatever the machine's load. ``after_export``:
+    once the batch processor has written the earlier steps' spans (it runs while the step blocks)."""
     process = subprocess.Popen([str(BIN / "opentelemetry-instrument"), str(BIN / "python"), str(TRAIN),
-                                "--steps", "100000", "--slow-rank", "0", "--slow-ms", "100"],
+                                "--steps", "100", "--block-in-step", str(BLOCKED_STEP)],
                                cwd=workdir, env=clean_env(MASTER_PORT=str(free_port()), **env),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
     try:
-        # Training is under way once the first spans are written (after the batch delay, 5 s).
-        deadline = time.monotonic() + 240
-        while not list(workdir.glob("telemetry/*/traces-rank0.jsonl")):
-            assert process.poll() is None, process.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "no spans written"
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(f"blocked in step {BLOCKED_STEP}"):
+                deadline = time.monotonic() + 60
+                while after_export and not list(workdir.glob("telemetry/*/traces-rank0.jsonl")):
+                    assert time.monotonic() < deadline, "no spans exported while the step blocked"
+                    time.sleep(0.1)
+                sent = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                break
+        else:
+            pytest.fail("the run ended before blocking: " + "".join(lines)[-3000:])
+        output, _ = process.communicate(timeout=120)
+        # Dead within the exit budget (5 s) of the signal, with room for a loaded machine.
+        assert time.monotonic() - sent < 30, "".join(lines) + output
     finally:
         process.kill()
-    return process.returncode, output
+    return process.returncode, "".join(lines) + output
 
 
 def test_sigterm_flushes_completed_steps_and_marks_the_interrupted_one(workdir):
@@ -61,21 +73,22 @@ def test_sigterm_flushes_completed_steps_and_marks_the_interrupted_one(workdir):
     _whole_lines(workdir)
     (traces,) = workdir.glob("telemetry/*/traces-rank0.jsonl")
     steps = _steps(read_spans(traces))
-    last = max(steps)
-    # Every step before the interrupted one arrived, complete; the interrupted one says why it ended.
-    assert sorted(steps) == list(range(1, last + 1))
-    assert last > 5, "the steps since the last periodic export were flushed at the signal"
-    assert all(span.status != 2 for number in range(1, last) for span in steps[number])
-    (interrupted,) = steps[last]
+    # Every step before the interrupted one arrived, complete (most were still queued at the signal);
+    # the interrupted one says why it ended.
+    assert sorted(steps) == list(range(1, BLOCKED_STEP + 1))
+    assert all(span.status != 2 for number in range(1, BLOCKED_STEP) for span in steps[number])
+    (interrupted,) = steps[BLOCKED_STEP]
     assert (interrupted.status, interrupted.status_message) == (2, "terminated by SIGTERM")
     assert list(workdir.glob("telemetry/*/metrics-rank0.jsonl")), "the metrics were flushed too"
 
 
 def test_sigterm_is_left_alone_when_asked(workdir):
-    returncode, output = _terminated_mid_run(workdir, OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH="false")
+    returncode, output = _terminated_mid_run(workdir, after_export=True, OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH="false")
     assert returncode == -signal.SIGTERM, output[-3000:]
     (traces,) = workdir.glob("telemetry/*/traces-rank0.jsonl")
-    assert not any(span.status_message == "terminated by SIGTERM" for span in read_spans(traces))
+    spans = read_spans(traces)
+    assert spans and not any(span.status_message == "terminated by SIGTERM" for span in spans)
+    assert BLOCKED_STEP not in _steps(spans), "nothing ran at the signal: the step in progress was never written"
 
 
 def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step(workdir):

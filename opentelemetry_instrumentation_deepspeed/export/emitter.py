@@ -110,8 +110,10 @@ def _status(failure) -> Status | None:
 def _exception(failure) -> dict | None:
     if not isinstance(failure, Failure):
         return None
-    return {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
-            semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
+    # Message and stack trace only where OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL kept them.
+    attributes = {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
+                  semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
+    return {key: value for key, value in attributes.items() if value}
 
 
 class Emitter(Component):

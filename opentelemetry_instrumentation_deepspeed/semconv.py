@@ -117,21 +117,43 @@ METRIC_COMM_BUS_SIZE = "training.comm.bus.size"
 # GPU metrics (gpu_metrics.py, from NVML): OpenTelemetry's hardware semantic conventions where they
 # define a name...
 METRIC_HW_GPU_UTILIZATION = "hw.gpu.utilization"
-METRIC_HW_GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"
+METRIC_HW_GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"  # the fraction of the GPU's memory in use
 METRIC_HW_GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
 METRIC_HW_GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
 METRIC_HW_GPU_IO = "hw.gpu.io"  # PCIe
 METRIC_HW_POWER = "hw.power"
 METRIC_HW_ENERGY = "hw.energy"
 METRIC_HW_TEMPERATURE = "hw.temperature"
-METRIC_HW_ERRORS = "hw.errors"  # ECC errors, by error.type (ERROR_TYPE): ECC_CORRECTED or ECC_UNCORRECTED
-# ... and extensions in their style
-METRIC_HW_GPU_CLOCK_SM = "hw.gpu.clock.sm"
-METRIC_HW_GPU_CLOCK_MEMORY = "hw.gpu.clock.memory"
-METRIC_HW_GPU_NVLINK_IO = "hw.gpu.nvlink.io"
-METRIC_HW_GPU_THROTTLE = "hw.gpu.throttle"  # per HW_GPU_THROTTLE_REASON
-METRIC_HW_GPU_PROCESS_MEMORY_USAGE = "hw.gpu.process.memory.usage"
-METRIC_HW_GPU_SM_ACTIVITY = "hw.gpu.sm.activity"
+METRIC_HW_ERRORS = "hw.errors"  # by error.type (ERROR_TYPE): ECC_CORRECTED, ECC_UNCORRECTED, PCIE_REPLAY, XID
+METRIC_HW_STATUS = "hw.status"  # 1 for the GPU's current hw.state, 0 for the others
+HW_STATE = "hw.state"
+HW_STATE_OK = "ok"
+HW_STATE_DEGRADED = "degraded"
+HW_STATE_FAILED = "failed"
+HW_STATES = (HW_STATE_OK, HW_STATE_DEGRADED, HW_STATE_FAILED)
+# ... and NVML's own readings, ours, under nvidia.gpu.* (outside the conventions' hw.* namespace)
+METRIC_NVIDIA_GPU_MEMORY_CONTROLLER_UTILIZATION = "nvidia.gpu.memory_controller.utilization"
+METRIC_NVIDIA_GPU_CLOCK_SM = "nvidia.gpu.clock.sm"
+METRIC_NVIDIA_GPU_CLOCK_MEMORY = "nvidia.gpu.clock.memory"
+METRIC_NVIDIA_GPU_NVLINK_IO = "nvidia.gpu.nvlink.io"
+METRIC_NVIDIA_GPU_THROTTLE = "nvidia.gpu.throttle"  # per NVIDIA_GPU_THROTTLE_REASON
+METRIC_NVIDIA_GPU_PROCESS_MEMORY_USAGE = "nvidia.gpu.process.memory.usage"
+METRIC_NVIDIA_GPU_SM_ACTIVITY = "nvidia.gpu.sm.activity"
+METRIC_NVIDIA_GPU_XID = "nvidia.gpu.xid"  # the last XID error's code
+METRIC_NVIDIA_GPU_REMAPPED_ROWS = "nvidia.gpu.memory.remapped_rows"  # by error.type: corrected, uncorrected
+METRIC_NVIDIA_GPU_RETIRED_PAGES = "nvidia.gpu.memory.retired_pages"  # by error.type: corrected, uncorrected
+NVIDIA_GPU_THROTTLE_REASON = "nvidia.gpu.throttle.reason"
+# The names these had until version 0.1 (inside hw.gpu.*, where a convention may come to define them):
+# still emitted, with the same values, for one release; then removed.
+ALIASES = {
+    METRIC_NVIDIA_GPU_CLOCK_SM: "hw.gpu.clock.sm",
+    METRIC_NVIDIA_GPU_CLOCK_MEMORY: "hw.gpu.clock.memory",
+    METRIC_NVIDIA_GPU_NVLINK_IO: "hw.gpu.nvlink.io",
+    METRIC_NVIDIA_GPU_THROTTLE: "hw.gpu.throttle",
+    METRIC_NVIDIA_GPU_PROCESS_MEMORY_USAGE: "hw.gpu.process.memory.usage",
+    METRIC_NVIDIA_GPU_SM_ACTIVITY: "hw.gpu.sm.activity",
+}
+HW_GPU_THROTTLE_REASON = "hw.gpu.throttle.reason"  # the reason's attribute on the alias hw.gpu.throttle
 # Attributes of every GPU point (hw.parent: a MIG instance's GPU), with their fixed values
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
@@ -147,7 +169,9 @@ DIRECTION_RECEIVE = "receive"
 # error.type of hw.errors
 ECC_CORRECTED = "corrected"
 ECC_UNCORRECTED = "uncorrected"
-# On hw.gpu.throttle: NVML's clock event (throttle) reasons
+PCIE_REPLAY = "pcie_replay"
+XID = "xid"
+# On nvidia.gpu.throttle: NVML's clock event (throttle) reasons
 HW_GPU_THROTTLE_REASON = "hw.gpu.throttle.reason"
 THROTTLE_GPU_IDLE = "gpu_idle"
 THROTTLE_APPLICATIONS_CLOCKS_SETTING = "applications_clocks_setting"

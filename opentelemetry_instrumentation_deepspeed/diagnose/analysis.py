@@ -186,7 +186,7 @@ class Analysis:
                 by_part[self._part_at(sample.time, steps)].append(sample.value)
             throttle = defaultdict(list)
             for sample in samples:
-                if sample.metric == semconv.METRIC_HW_GPU_THROTTLE:
+                if sample.metric == semconv.METRIC_NVIDIA_GPU_THROTTLE:
                     throttle[sample.detail].append(sample.value)
             found[rank] = {
                 "utilization_mean": statistics.fmean(s.value for s in utilization) if utilization else None,

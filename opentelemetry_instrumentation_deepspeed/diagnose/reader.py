@@ -45,7 +45,9 @@ class Span:
 
 
 # GPU metrics the analysis lines up with the steps.
-GPU_METRICS = (semconv.METRIC_HW_GPU_UTILIZATION, semconv.METRIC_HW_GPU_THROTTLE, semconv.METRIC_HW_ERRORS)
+GPU_METRICS = (semconv.METRIC_HW_GPU_UTILIZATION, semconv.METRIC_NVIDIA_GPU_THROTTLE, semconv.METRIC_HW_ERRORS)
+# Names metrics had before their rename, read as the new ones (files written by an older version).
+_RENAMED = {old: new for new, old in semconv.ALIASES.items()}
 
 
 @dataclass(frozen=True)
@@ -135,15 +137,18 @@ def samples_of_request(request: dict) -> Iterator[Sample]:
             continue
         for scope_metrics in resource_metrics.get("scopeMetrics") or ():
             for metric in scope_metrics.get("metrics") or ():
-                if metric.get("name") not in GPU_METRICS:
+                name = _RENAMED.get(metric.get("name"), metric.get("name"))
+                if name not in GPU_METRICS:
                     continue
                 data = metric.get("gauge") or metric.get("sum") or {}
                 for point in data.get("dataPoints") or ():
                     attributes = _attributes(point.get("attributes"),
-                                             (semconv.HW_GPU_THROTTLE_REASON, semconv.ERROR_TYPE))
+                                             (semconv.NVIDIA_GPU_THROTTLE_REASON, semconv.HW_GPU_THROTTLE_REASON,
+                                              semconv.ERROR_TYPE))
                     value = point.get("asDouble", point.get("asInt", 0))
-                    yield Sample(int(resource[semconv.TRAINING_RANK]), metric["name"],
+                    yield Sample(int(resource[semconv.TRAINING_RANK]), name,
                                  int(point.get("timeUnixNano", 0)), float(value),
+                                 attributes.get(semconv.NVIDIA_GPU_THROTTLE_REASON) or
                                  attributes.get(semconv.HW_GPU_THROTTLE_REASON) or
                                  attributes.get(semconv.ERROR_TYPE) or "")
 

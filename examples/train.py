@@ -56,6 +56,15 @@ def parse_args(argv=None):
     faults.add_argument("--comm-heavy", action="store_true",
                         help="add 8M parameters that cost no compute, as a large embedding does, and update "
                              "with SGD: each step's large gradient all-reduce dominates")
+    faults.add_argument("--hang-rank", type=int, default=-1, metavar="R",
+                        help="rank R blocks forever in --hang-phase of step --hang-step (the others then wait for "
+                             "it in their next collective)")
+    faults.add_argument("--hang-step", type=int, default=0, metavar="N", help="optimizer step (1-based) of the hang")
+    faults.add_argument("--hang-phase", choices=("forward", "backward"), default="forward")
+    faults.add_argument("--desync-rank", type=int, default=-1, metavar="R",
+                        help="at step --desync-step every rank all-reduces a small float32 tensor, rank R an int32 "
+                             "one of the same size: the same collective with another dtype on one rank")
+    faults.add_argument("--desync-step", type=int, default=0, metavar="N")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
     parser.add_argument("--seed", type=int, default=1234)
@@ -124,12 +133,37 @@ class TinyLM(nn.Module):
             raise RuntimeError("injected crash in forward")
         if self.delay:
             time.sleep(self.delay)
+        hang = getattr(self, "hang", None)
+        if hang == "forward":
+            block_forever()
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
+        if hang == "backward":
+            hidden.register_hook(lambda _gradient: block_forever())
         mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
+
+
+def block_forever():
+    """An injected hang: this rank never returns, the others wait for it in their next collective."""
+    while True:
+        time.sleep(3600)
+
+
+def desync(rank: int, bad_rank: int) -> None:
+    """A collective whose dtype differs on one rank (same bytes, so gloo completes it)."""
+    dtype = torch.int32 if rank == bad_rank else torch.float32
+    torch.distributed.all_reduce(torch.ones(4, dtype=dtype))
+
+
+def inject_faults(args, model, rank: int, step: int) -> None:
+    """Arm the faults asked for at the start of loop iteration ``step`` (global step ``step + 1``)."""
+    if args.crash_after and step == args.crash_after and rank == 0:
+        model.crash = True
+    if step + 1 == args.hang_step and rank == args.hang_rank:
+        model.hang = args.hang_phase
 
 
 def deepspeed_config(args) -> dict:
@@ -224,8 +258,7 @@ def main(argv=None):
     step_seconds = []
     for step in range(args.steps):
         started = time.perf_counter()
-        if args.crash_after and step == args.crash_after and engine.global_rank == 0:
-            model.crash = True
+        inject_faults(args, model, engine.global_rank, step)
         step_loss = 0.0
         for _ in range(args.grad_accum):
             batch = next(batches)
@@ -237,6 +270,8 @@ def main(argv=None):
                 loss.backward()
             if args.average_loss != "off":
                 average_loss(loss, asynchronous=args.average_loss == "async")
+            if step + 1 == args.desync_step:
+                desync(engine.global_rank, args.desync_rank)
             engine.step()
             step_loss += loss.item() / args.grad_accum
         losses.append(step_loss)

@@ -66,7 +66,12 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     step_profiler = profiler.from_environment()
     facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
                       step_profiler.top if step_profiler is not None else 0)
-    return StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(engine, cuda), env.comm_span_limit())
+    recorder = StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(engine, cuda),
+                            env.comm_span_limit())
+    from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+
+    watchdog.watch(recorder, meter)  # its own thread reads the open record: nothing per step here
+    return recorder
 
 
 def _gpu_timeline(engine, cuda):

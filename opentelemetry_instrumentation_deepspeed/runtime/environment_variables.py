@@ -83,6 +83,18 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_TOP = "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP"
 OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"
 """Profile the next step when one takes more than this times the recent median; 0 turns it off."""
 
+OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT"
+"""The hang watchdog's floor, in seconds: a step open longer than the larger of this and 10 times the
+slowest recent step (10 times this before a step has closed) is reported as a hang: the open step, its
+phase, the collective in flight and the training thread's stack (docs/telemetry.md, ``training.hang``).
+0 turns the watchdog off. Default: 30.
+"""
+
+OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW = "OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW"
+"""For tests only: ``<rank>:<seconds>`` moves that rank's ``time.time_ns()`` by that many seconds, as a
+skewed host clock would (the clock alignment's tests). Unset: nothing changes.
+"""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
@@ -95,6 +107,7 @@ DEFAULT_PROFILE_EVERY = 1000
 DEFAULT_PROFILE_TRIGGER = "otel-profile-trigger"
 DEFAULT_PROFILE_TOP = 64
 DEFAULT_PROFILE_SLOW_FACTOR = 3.0
+DEFAULT_HANG_TIMEOUT = 30.0
 
 
 def _warn_default(name: str, raw: str, default: object, why: str) -> None:
@@ -277,9 +290,39 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
+def _seconds_or_off(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 <= value <= 86_400:
+        raise ValueError("expected 0 (off) or seconds up to 86400")
+    return value
+
+
+@cache
+def hang_timeout() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT, _seconds_or_off)
+
+
+def _rank_and_seconds(raw: str) -> tuple[int, float]:
+    rank, separator, seconds = raw.partition(":")
+    try:
+        if not separator or not -86_400 <= float(seconds) <= 86_400:
+            raise ValueError
+        return int(rank), float(seconds)
+    except ValueError:
+        raise ValueError("expected <rank>:<seconds>, seconds within a day") from None
+
+
+@cache
+def test_clock_skew() -> tuple[int, float] | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW, None, _rank_and_seconds)
+
+
 _READERS = (output_dir, output_max_mb, sigterm_flush, job_id, job_id_timeout, comm_mode, comm_span_limit,
             flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
-            profile_slow_factor)
+            profile_slow_factor, hang_timeout, test_clock_skew)
 
 
 def check_all() -> None:

@@ -85,14 +85,15 @@ class Watchdog(Component):
     # -- the training thread, once per engine -------------------------------------------------------
 
     @fail_open
-    def watch(self, recorder, meter=None) -> None:
+    def watch(self, recorder, meter=None, start: bool = True) -> None:
+        """``start``: the thread and the signals (False: tests call ``check`` themselves)."""
         self._watched.append(_Watched(recorder, threading.get_ident()))
         if meter is not None and not any(known is meter for known in self._meters):
             self._meters.append(meter)
             meter.create_observable_gauge(
                 semconv.METRIC_STEP_OPEN_DURATION, [observing(self, self._observe_open)], unit="s",
                 description="How long the step open now on this rank has been running; 0 between steps")
-        if self._thread is None:
+        if self._thread is None and start:
             self._listen_for_signals()
             lifecycle.at_exit(lifecycle.REPORT_HANGS, self._at_exit)
             lifecycle.in_forked_child(lifecycle.FORGET, self._forget)
@@ -210,15 +211,18 @@ class Watchdog(Component):
             return
         if signum == signal.SIGINT and self._positions() != before:
             return  # the training thread moved: KeyboardInterrupt reached it, the program decides
+        # SIGTERM: its handler did not start within the grace period; the default action is death anyway.
         _logger.warning("opentelemetry-instrumentation-deepspeed: %s while the training thread is blocked; "
                         "writing the telemetry from the watchdog's thread", signal.Signals(signum).name)
         lifecycle.finish_elsewhere(signum, reason)
 
     def _positions(self) -> list:
+        """Where each watched thread is: its innermost frame and instruction, with a step open; else None."""
+        frames = sys._current_frames()
         found = []
         for watched in self._watched:
-            record = watched.recorder.open
-            found.append(None if record is None else (id(record), len(record.phases), len(record.collectives)))
+            frame = frames.get(watched.thread)
+            found.append(None if frame is None or watched.recorder.open is None else (id(frame), frame.f_lasti))
         return found
 
     # -- any thread ---------------------------------------------------------------------------------

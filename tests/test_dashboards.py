@@ -42,7 +42,7 @@ RANKS = 2
 TRAIN = ("--zero-stage", "2", "--grad-accum", "2")
 ALERTS = ("TrainingStepTimeRegression", "TrainingDataWaitHigh", "TrainingStragglerRank",
           "TrainingCollectiveBandwidthDrop", "TrainingGpuIdle", "TrainingGpuThrottled", "TrainingGpuEccErrors",
-          "TrainingTelemetryDropped")
+          "TrainingTelemetryDropped", "TrainingNoStepProgress")
 LAYERS = ("Business", "Model", "Framework", "Hardware", "Host", "Telemetry")
 # A window that holds many 1 s scrapes of a run of a minute, as Grafana's $__rate_interval would.
 RATE_INTERVAL = "30s"

@@ -192,7 +192,10 @@ def test_a_skewed_clock_changes_neither_the_waits_nor_the_verdict(workdir, tmp_p
             assert ours == pytest.approx(exact, abs=0.01), (rank, part)
     lateness = aligned["straggler"]["mean_arrival_lateness_seconds"]
     assert lateness == pytest.approx(truth["straggler"]["mean_arrival_lateness_seconds"], abs=0.002)
+    # The collectives joined by sequence end together once aligned: what is left of the offset is small.
+    assert abs(aligned["clocks"]["1"]["residual_seconds"]) < 0.005 and aligned["clocks"]["1"]["collectives"] > 20
     # Without the offset, rank 0 seems to wait seconds in every collective, and the verdict changes.
+    assert unaligned["clocks"]["1"]["residual_seconds"] == pytest.approx(skew, abs=0.01)
     assert unaligned["ranks"]["0"]["shares"]["comm_wait"] > 0.5
     assert unaligned["verdict"] != aligned["verdict"]
 

@@ -253,7 +253,7 @@ def test_the_reader_moves_a_rank_onto_rank_0s_clock_and_keeps_the_hang_stack():
 
 def test_the_watchdog_thread_reports_within_its_poll_interval():
     recorder, engine, emitted = recorder_on(0, job="live")
-    dog = watchdog.Watchdog(floor=0.2)
+    dog = watchdog.Watchdog(floor=0.05)
     dog.watch(recorder, start=False)
     dog._thread = threading.Thread(target=dog._run, daemon=True)  # without the signal wiring
     recorder.forward_started(engine)
@@ -262,6 +262,21 @@ def test_the_watchdog_thread_reports_within_its_poll_interval():
     while not dog.reports and time.monotonic() - opened < 10:
         time.sleep(0.01)
     dog.broken = True  # stops its loop
-    # Threshold: 10 floors before any step closed (2 s), then at most one poll (0.05 s) and the flush.
-    assert dog.reports and time.monotonic() - opened < 4
+    # Threshold: 10 floors before any step closed (0.5 s), then at most one poll (0.0125 s) and the flush.
+    assert dog.reports and time.monotonic() - opened < 2
     assert any(s.name == semconv.SPAN_HANG for s in emitted.get_finished_spans())
+
+
+def test_clock_residuals_come_from_collectives_that_end_together():
+    from opentelemetry_instrumentation_deepspeed.diagnose.clocks import Clocks
+
+    clocks = Clocks()
+    for sequence in range(9):
+        for rank, late in ((0, 0.0), (1, 0.003)):
+            clocks.add(_span("comm.all_reduce", rank, 10 + sequence, 10.5 + sequence + late,
+                             **{semconv.COMM_OP: "all_reduce", semconv.COMM_SEQUENCE: sequence}))
+        # Broadcasts and async calls do not end together: not used.
+        clocks.add(_span("comm.broadcast", 1, 30, 31, **{semconv.COMM_OP: "broadcast", semconv.COMM_SEQUENCE: 99}))
+    (rank, residual), = clocks.residuals("job").items()
+    assert rank == 1 and residual["collectives"] == 9
+    assert residual["residual_seconds"] == pytest.approx(0.003, abs=1e-6)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import hangs  # HANG and DESYNC (hangs.py)
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs  # HANG and DESYNC (hangs.py), clocks.py
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -63,6 +63,7 @@ class Analysis:
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
         self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
+        self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -72,6 +73,7 @@ class Analysis:
         for span in spans:
             self.jobs[span.job] += 1
             self.hangs.add(span)  # HANG and DESYNC (hangs.py)
+            self.clocks.add(span)  # clocks.py
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -123,7 +125,8 @@ class Analysis:
         if found:
             result["findings"] = found + result.get("findings", [])
             result["verdict"] = found[0]
-        # -- end HANG and DESYNC
+        result["clocks"] = self.clocks.residuals(job)
+        # -- end HANG and DESYNC, clocks
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

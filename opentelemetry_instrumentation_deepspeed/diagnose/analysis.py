@@ -16,7 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs  # HANG and DESYNC (hangs.py), clocks.py
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs  # clocks, HANG/DESYNC, input layer
+from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -64,6 +66,8 @@ class Analysis:
         self._samples: list = []
         self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
         self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
+        self.model = ModelFindings()  # model and memory layers
+        self._inputs = inputs.InputSeries()  # the input layer
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -74,6 +78,7 @@ class Analysis:
             self.jobs[span.job] += 1
             self.hangs.add(span)  # HANG and DESYNC (hangs.py)
             self.clocks.add(span)  # clocks.py
+            self.model.add(span)  # model and memory layers
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -81,6 +86,7 @@ class Analysis:
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.seen = True
+                self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
@@ -120,6 +126,16 @@ class Analysis:
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
         result["verdict"] = _verdict(result)
+        # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
+        model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
+        result["model_series"] = model_series(self.model, job)
+        # -- the input layer (diagnose/inputs.py): INPUT / COMPUTE change points
+        findings = model + inputs.findings(self._inputs, job, by_rank)
+        findings.sort(key=lambda f: (-(f["cost_seconds"] or 0.0), -f["confidence"]))
+        result["findings"] = findings
+        if findings and result["verdict"]["layer"] == "none":
+            result["verdict"] = findings[0]
+        # --
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
         found = self.hangs.findings(job)
         if found:

@@ -19,6 +19,15 @@ _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, se
          # hangs and desyncs (diagnose/hangs.py)
          semconv.COMM_DTYPE, semconv.TRAINING_PHASE, semconv.HANG_REASON, semconv.HANG_DURATION,
          semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES)
+# The model and memory layers (diagnose/model.py)
+_MODEL_TYPES = {semconv.TRAINING_LOSS: (int, float), semconv.TRAINING_GRAD_NORM: (int, float),
+                semconv.TRAINING_MEMORY_OOM: str, semconv.TRAINING_MEMORY_ALLOCATED: int,
+                semconv.TRAINING_MEMORY_RESERVED: int,
+                **{semconv.TRAINING_MEMORY_PHASE_PEAK.format(phase=phase): int for phase in semconv.PHASES[1:]}}
+# The input layer (diagnose/inputs.py)
+_INPUT_TYPES = {semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_TOKENS: int,
+                semconv.TRAINING_STEP_SEQUENCE_LENGTH: int}
+_KEPT += tuple(_MODEL_TYPES) + tuple(_INPUT_TYPES)
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,7 @@ _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.
           semconv.COMM_DTYPE: str, semconv.TRAINING_PHASE: str, semconv.HANG_REASON: str,
           semconv.HANG_DURATION: (int, float), semconv.HANG_THRESHOLD: (int, float),
           semconv.HANG_COMM_DURATION: (int, float), semconv.HANG_COMM_SEQUENCES: tuple,
-          semconv.CODE_STACKTRACE: str}
+          semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES}
 _MAX_TIME = 2**64 - 1  # OTLP's fixed64
 
 

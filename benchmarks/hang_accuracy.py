@@ -3,9 +3,10 @@
 Each case starts the example on 2 ranks under torchrun with one rank blocking forever at a random
 step and phase (`--hang-rank R --hang-step N --hang-phase P`, ZeRO stage and gradient accumulation
 varied too), runs `opentelemetry-deepspeed diagnose --json` on the live directory every second, and
-stops the job once the verdict is HANG (or after a timeout). Healthy runs of the same shapes check
-that the watchdog raises no HANG. Time to verdict: from the hang threshold's crossing (the stuck
-phase's start plus the threshold, from the reports) to the first HANG verdict.
+stops the job once the verdict is HANG with every rank's report in (or a minute after the first
+HANG). Healthy runs of the same shapes check that the watchdog raises no HANG. Times: from the hang
+threshold's crossing (the stuck phase's start plus the threshold, from the reports) to the first
+HANG verdict (rank and step), and to the complete one (the phase and frames of the stopped rank).
 
     python benchmarks/hang_accuracy.py --cases 6 --healthy 2 --seed 1 [--json out.json]
 """
@@ -74,7 +75,7 @@ def run_case(case: dict, floor: str, timeout: float) -> dict:
     with open(workdir / "job.log", "w") as log:
         job = subprocess.Popen(command, cwd=workdir, env=_env(floor), stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
-    verdict, found_at, started = None, None, time.monotonic()
+    verdict, first, found_at, complete_at, started = None, None, None, None, time.monotonic()
     try:
         while time.monotonic() - started < timeout:
             ended = job.poll() is not None
@@ -82,8 +83,11 @@ def run_case(case: dict, floor: str, timeout: float) -> dict:
                 report = _diagnose(workdir)
                 verdict = report.get("verdict")
                 if verdict and verdict.get("layer") == "HANG":
-                    found_at = time.time()
-                    break
+                    if found_at is None:
+                        first, found_at = verdict, time.time()
+                    if verdict.get("confidence", 0) >= 0.9 or time.time() - found_at > 60:
+                        complete_at = time.time()  # every rank reported (or a minute passed)
+                        break
             if ended:
                 break
             time.sleep(1)
@@ -100,10 +104,13 @@ def run_case(case: dict, floor: str, timeout: float) -> dict:
     if case["rank"] is None:
         result["right"] = result["verdict"] != "HANG"
     else:
+        # First HANG verdict: the right rank and step. Once every rank reported: the phase too.
+        result["first_right"] = bool(first) and first.get("rank") == case["rank"] and first.get("step") == case["step"]
         expected = f"rank {case['rank']} stopped in {case['phase']} of step {case['step']}"
         result["right"] = result["verdict"] == "HANG" and verdict.get("rank") == case["rank"] and \
             result["summary"].startswith(expected)
         result["seconds_to_verdict"] = round(found_at - crossing, 1) if found_at and crossing else None
+        result["seconds_to_complete"] = round(complete_at - crossing, 1) if complete_at and crossing else None
     shutil.rmtree(workdir, ignore_errors=True)
     return result
 
@@ -130,7 +137,11 @@ def main() -> int:
     hung = [r for r in results if r["rank"] is not None]
     healthy = [r for r in results if r["rank"] is None]
     delays = sorted(r["seconds_to_verdict"] for r in hung if r.get("seconds_to_verdict") is not None)
-    summary = {"hang_right": f"{sum(r['right'] for r in hung)}/{len(hung)}",
+    complete = sorted(r["seconds_to_complete"] for r in hung if r.get("seconds_to_complete") is not None)
+    summary = {"first_verdict_rank_and_step_right": f"{sum(r['first_right'] for r in hung)}/{len(hung)}",
+               "hang_right": f"{sum(r['right'] for r in hung)}/{len(hung)}",
+               "seconds_to_complete_verdict": {"min": complete[0], "median": complete[len(complete) // 2],
+                                               "max": complete[-1]} if complete else None,
                "healthy_without_hang": f"{sum(r['right'] for r in healthy)}/{len(healthy)}",
                "seconds_to_verdict": {"min": delays[0], "median": delays[len(delays) // 2], "max": delays[-1]}
                if delays else None,

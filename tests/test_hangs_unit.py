@@ -174,8 +174,8 @@ def test_a_rank_without_a_report_is_named_by_the_sequence_it_never_reached():
     for rank in (0, 1):
         hangs.add(_report(rank, phase="backward", stack=STACK_RANK0, collective=("all_reduce", 49)))
     (finding,) = hangs.findings("job")
-    assert finding["rank"] == 2
-    assert "rank 2 never reached collective (group: sequence) 1: 49" in finding["summary"]
+    assert finding["rank"] == 2 and finding["step"] == 8
+    assert "rank 2 stopped in step 8 before collective (group: sequence) 1: 49" in finding["summary"]
 
 
 def test_every_rank_in_the_same_collective_is_a_collective_that_does_not_complete():

@@ -166,11 +166,14 @@ class Hangs:
         trace_ids = sorted({r.trace_id for r in latest.values()})
         reported_all = set(latest) >= set(ranks)
         if stopped:
-            culprits = "; ".join(self._stopped_text(rank, latest.get(rank), missing.get(rank)) for rank in stopped)
+            culprits = "; ".join(self._stopped_text(job, rank, latest.get(rank), missing.get(rank))
+                                 for rank in stopped)
             waits = "; ".join(f"rank {rank} waits for {_plural(sorted(r for r in stopped if r != rank))} in "
                               f"{_collective_text(report)}{_during(report)}" for rank, report in sorted(waiting.items())
                               if any(r != rank for r in stopped))
             summary = f"{culprits}" + (f"; {waits}" if waits else "")
+            if len(stopped) == 1 and stopped[0] not in latest and (job, stopped[0]) in self._last_step:
+                step = self._last_step[job, stopped[0]] + 1  # the step it is in: the one after its last closed
             return [_finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
                              step, lost, 0.9 if reported_all else 0.7, trace_ids)]
         report = next(iter(waiting.values()))
@@ -179,11 +182,14 @@ class Hangs:
         return [_finding("HANG", summary, evidence, REMEDIES["HANG_COMM"], None, step, lost,
                          0.8 if reported_all else 0.5, trace_ids)]
 
-    def _stopped_text(self, rank: int, report: Span | None, never: set | None) -> str:
+    def _stopped_text(self, job: str, rank: int, report: Span | None, never: set | None) -> str:
         if report is None:
             reached = ", ".join(f"{group}: {sequence}" for group, sequence in sorted(never or ()))
-            return (f"rank {rank} never reached {'collective' if len(never or ()) == 1 else 'collectives'} "
-                    f"(group: sequence) {reached} and sent no hang report (dead, or its watchdog off)")
+            last = self._last_step.get((job, rank))
+            in_step = f" in step {last + 1}" if last is not None else ""
+            return (f"rank {rank} stopped{in_step} before {'collective' if len(never or ()) == 1 else 'collectives'} "
+                    f"(group: sequence) {reached}, with no hang report of its own (not yet past its threshold, "
+                    "dead, or its watchdog off)")
         attributes = report.attributes
         phase = attributes.get(semconv.TRAINING_PHASE)
         place = f"{phase} of step {attributes.get(semconv.TRAINING_STEP)}" if phase else \

@@ -57,6 +57,15 @@ def parse_args(argv=None):
     faults.add_argument("--comm-heavy", action="store_true",
                         help="add 8M parameters that cost no compute, as a large embedding does, and update "
                              "with SGD: each step's large gradient all-reduce dominates")
+    faults.add_argument("--hang-rank", type=int, default=-1, metavar="R",
+                        help="rank R blocks forever in --hang-phase of step --hang-step (the others then wait for "
+                             "it in their next collective)")
+    faults.add_argument("--hang-step", type=int, default=0, metavar="N", help="optimizer step (1-based) of the hang")
+    faults.add_argument("--hang-phase", choices=("forward", "backward"), default="forward")
+    faults.add_argument("--desync-rank", type=int, default=-1, metavar="R",
+                        help="at step --desync-step every rank all-reduces a small float32 tensor, rank R an int32 "
+                             "one of the same size: the same collective with another dtype on one rank")
+    faults.add_argument("--desync-step", type=int, default=0, metavar="N")
     faults.add_argument("--shift-seq-len", type=int, default=0, metavar="N",
                         help="from optimizer step --shift-at on, batches hold sequences of N tokens instead of "
                              "--seq-len (the input changes: more or fewer tokens per step)")
@@ -177,8 +186,13 @@ class TinyLM(nn.Module):
             signal.pause()
         if self.delay:
             time.sleep(self.delay)
+        hang = getattr(self, "hang", None)
+        if hang == "forward":
+            block_forever()
         started = time.perf_counter()
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
+        if hang == "backward":
+            hidden.register_hook(lambda _gradient: block_forever())
         mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
@@ -186,6 +200,18 @@ class TinyLM(nn.Module):
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
         return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
+
+
+def block_forever():
+    """An injected hang: this rank never returns, the others wait for it in their next collective."""
+    while True:
+        time.sleep(3600)
+
+
+def desync(rank: int, bad_rank: int) -> None:
+    """A collective whose dtype differs on one rank (same bytes, so gloo completes it)."""
+    dtype = torch.int32 if rank == bad_rank else torch.float32
+    torch.distributed.all_reduce(torch.ones(4, dtype=dtype))
 
 
 class _RaiseOutOfMemory(torch.autograd.Function):
@@ -285,13 +311,15 @@ def write_comms_counts(prefix: str, rank: int) -> None:
 
 
 def inject_faults(args, model, rank: int, step: int) -> None:
-    """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks, when asked to;
-    every rank's compute slows down from --slowdown-at on."""
+    """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks until a signal,
+    when asked to; every rank's compute slows down from --slowdown-at on; one rank hangs for good."""
     if rank == 0:
         model.crash = bool(args.crash_after) and step == args.crash_after
         model.block = step + 1 if args.block_in_step and step + 1 == args.block_in_step else None
     if args.slowdown_at and step + 1 >= args.slowdown_at:
         model.slowdown = args.slowdown_factor
+    if step + 1 == args.hang_step and rank == args.hang_rank:
+        model.hang = args.hang_phase
 
 
 def make_loader(args, engine, dataset) -> DataLoader:
@@ -365,6 +393,8 @@ def main(argv=None):
                 loss.backward()
             if args.average_loss != "off":
                 average_loss(loss, asynchronous=args.average_loss == "async")
+            if step + 1 == args.desync_step:
+                desync(engine.global_rank, args.desync_rank)
             engine.step()
             step_loss += loss.item() / args.grad_accum
         losses.append(step_loss)

@@ -16,6 +16,8 @@ SPAN_FORWARD = "training.forward"
 SPAN_BACKWARD = "training.backward"
 SPAN_OPTIMIZER_STEP = "training.optimizer.step"
 SPAN_PHASE_GPU = "training.{phase}.gpu"  # on CUDA: a phase's GPU-side interval, child of the phase
+# The watchdog's report of a step that does not close: in the step's trace, from its start to the report
+SPAN_HANG = "training.hang"
 
 # The exception event of a span that raised, as OpenTelemetry's exception conventions name it
 EVENT_EXCEPTION = "exception"
@@ -23,6 +25,21 @@ EXCEPTION_TYPE = "exception.type"
 EXCEPTION_MESSAGE = "exception.message"
 EXCEPTION_STACKTRACE = "exception.stacktrace"
 EXCEPTION_ESCAPED = "exception.escaped"
+
+# A hang report's stack: one event per reported thread, with OpenTelemetry's thread and code attributes
+EVENT_HANG_STACK = "training.hang.stack"
+THREAD_ID = "thread.id"
+THREAD_NAME = "thread.name"
+CODE_STACKTRACE = "code.stacktrace"
+
+# On training.hang (with training.step, training.phase, training.micro_step, and comm.op, comm.group.name,
+# comm.sequence, comm.bytes, comm.dtype for the collective in flight, when there is one)
+HANG_REASON = "training.hang.reason"  # HANG_REASON_WATCHDOG, or the exit's reason (terminated by SIGTERM)
+HANG_REASON_WATCHDOG = "no step progress"
+HANG_DURATION = "training.hang.duration"  # seconds since the open phase (else the step) started
+HANG_THRESHOLD = "training.hang.threshold"  # the watchdog's threshold when it reported, seconds
+HANG_COMM_DURATION = "training.hang.comm.duration"  # seconds the collective in flight has been running
+HANG_COMM_SEQUENCES = "training.hang.comm.sequences"  # ["<group>:<last sequence issued>", ...]
 
 # Span attributes
 TRAINING_STEP = "training.step"
@@ -76,6 +93,7 @@ COMM_SPANS_DROPPED = "comm.spans_dropped"
 
 # Metrics
 METRIC_STEP_DURATION = "training.step.duration"
+METRIC_STEP_OPEN_DURATION = "training.step.open.duration"  # gauge: how long the open step has run (0: none)
 METRIC_PHASE_DURATION = "training.phase.duration"
 TRAINING_PHASE = "training.phase"  # its attribute: one of PHASES
 PHASE_DATA_WAIT = "data.wait"
@@ -227,3 +245,7 @@ TRAINING_WORLD_SIZE = "training.world_size"
 TRAINING_FRAMEWORK = "training.framework"
 TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
 DEEPSPEED_VERSION = "deepspeed.version"
+# This rank's clock minus rank 0's, estimated at start through the process group's store (nanoseconds),
+# and the half round trip that bounds the estimate's error
+TRAINING_CLOCK_OFFSET = "training.clock.offset"
+TRAINING_CLOCK_OFFSET_ERROR = "training.clock.offset.error"

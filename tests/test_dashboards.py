@@ -43,7 +43,7 @@ TRAIN = ("--zero-stage", "2", "--grad-accum", "2")
 ALERTS = ("TrainingStepTimeRegression", "TrainingDataWaitHigh", "TrainingStragglerRank",
           "TrainingCollectiveBandwidthDrop", "TrainingGpuIdle", "TrainingGpuThrottled", "TrainingGpuEccErrors",
           "TrainingTelemetryDropped", "TrainingNumericsNonFinite", "TrainingNumericsAnomaly", "TrainingGpuOutOfMemory",
-          "TrainingAllocatorCacheFlushes")
+          "TrainingAllocatorCacheFlushes", "TrainingNoStepProgress")
 # The model layer has three rows: the step's phases, loss and numerics, GPU memory.
 LAYERS = ("Business", "Model", "Model", "Model", "Framework", "Hardware", "Host", "Telemetry")
 # A window that holds many 1 s scrapes of a run of a minute, as Grafana's $__rate_interval would.

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import inputs  # the input layer
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs  # clocks, HANG/DESYNC, input layer
 from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
@@ -64,6 +64,8 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
+        self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
         self.model = ModelFindings()  # model and memory layers
         self._inputs = inputs.InputSeries()  # the input layer
 
@@ -74,6 +76,8 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.hangs.add(span)  # HANG and DESYNC (hangs.py)
+            self.clocks.add(span)  # clocks.py
             self.model.add(span)  # model and memory layers
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
@@ -132,6 +136,13 @@ class Analysis:
         if findings and result["verdict"]["layer"] == "none":
             result["verdict"] = findings[0]
         # --
+        # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
+        found = self.hangs.findings(job)
+        if found:
+            result["findings"] = found + result.get("findings", [])
+            result["verdict"] = found[0]
+        result["clocks"] = self.clocks.residuals(job)
+        # -- end HANG and DESYNC, clocks
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

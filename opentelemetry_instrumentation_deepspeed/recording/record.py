@@ -136,3 +136,22 @@ class StepRecord:
     @property
     def closed(self) -> bool:
         return self.end is not None
+
+
+@dataclass(slots=True)
+class HangReport:
+    """What the watchdog saw of a step that does not close, for the emitter to write as a ``training.hang``
+    span: plain data copied from the open record, and the training thread's stack as text."""
+
+    facts: object  # the step's engine facts: where the span goes, the step's trace ids
+    number: int  # the open step
+    step_start: int
+    at: int  # when the report was made
+    reason: str
+    threshold: float  # seconds
+    phase: str | None  # semconv.PHASE_* of the open phase; None between phases
+    micro_step: int | None
+    phase_start: int | None
+    collective: Collective | None  # the latest one not completed (in flight), if any
+    sequences: dict  # group name -> last sequence issued on this rank
+    stacks: list  # (thread id, thread name, formatted stack)

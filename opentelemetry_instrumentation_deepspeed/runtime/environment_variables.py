@@ -108,6 +108,18 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_TOP = "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP"
 OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"
 """Profile the next step when one takes more than this times the recent median; 0 turns it off."""
 
+OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT"
+"""The hang watchdog's floor, in seconds: a step open longer than the larger of this and 10 times the
+slowest recent step (10 times this before a step has closed) is reported as a hang: the open step, its
+phase, the collective in flight and the training thread's stack (docs/telemetry.md, ``training.hang``).
+0 turns the watchdog off. Default: 30.
+"""
+
+OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW = "OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW"
+"""For tests only: ``<rank>:<seconds>`` moves that rank's ``time.time_ns()`` by that many seconds, as a
+skewed host clock would (the clock alignment's tests). Unset: nothing changes.
+"""
+
 OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET = "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET"
 """On CUDA: reset the caching allocator's peak at each phase start, so every phase reports its own
 peak (``training.memory.peak``). ``torch.cuda.max_memory_allocated()`` then tells the peak since the
@@ -135,6 +147,7 @@ DEFAULT_PROFILE_EVERY = 1000
 DEFAULT_PROFILE_TRIGGER = "otel-profile-trigger"
 DEFAULT_PROFILE_TOP = 64
 DEFAULT_PROFILE_SLOW_FACTOR = 3.0
+DEFAULT_HANG_TIMEOUT = 30.0
 
 
 _deferred: dict[str, tuple] = {}  # variable -> its warning's arguments, until this process trains
@@ -350,6 +363,16 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
+def _seconds_or_off(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 <= value <= 86_400:
+        raise ValueError("expected 0 (off) or seconds up to 86400")
+    return value
+
+
 def _token_id(raw: str) -> int:
     try:
         value = int(raw)
@@ -361,13 +384,34 @@ def _token_id(raw: str) -> int:
 
 
 @cache
+def hang_timeout() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT, _seconds_or_off)
+
+
+def _rank_and_seconds(raw: str) -> tuple[int, float]:
+    rank, separator, seconds = raw.partition(":")
+    try:
+        if not separator or not -86_400 <= float(seconds) <= 86_400:
+            raise ValueError
+        return int(rank), float(seconds)
+    except ValueError:
+        raise ValueError("expected <rank>:<seconds>, seconds within a day") from None
+
+
+@cache
+def test_clock_skew() -> tuple[int, float] | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW, None, _rank_and_seconds)
+
+
+@cache
 def pad_token_id() -> int | None:
     return _read(OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID, None, _token_id)
 
 
 _READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, exception_detail, job_id, job_id_timeout,
             comm_mode, comm_span_limit, flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every,
-            profile_trigger, profile_top, profile_slow_factor, memory_peak_reset, pad_token_id)
+            profile_trigger, profile_top, profile_slow_factor, memory_peak_reset, pad_token_id, hang_timeout,
+            test_clock_skew)
 
 
 # The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).

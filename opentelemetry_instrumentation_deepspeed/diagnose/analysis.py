@@ -17,6 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs  # clocks, HANG/DESYNC, input layer
+from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -135,6 +138,10 @@ class Analysis:
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
         self._arrivals: dict[tuple[str, str, int], int] = {}  # filled by result(), from _collectives
+        self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
+        self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
+        self.model = ModelFindings()  # model and memory layers
+        self._inputs = inputs.InputSeries()  # the input layer
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -143,6 +150,9 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.hangs.add(span)  # HANG and DESYNC (hangs.py)
+            self.clocks.add(span)  # clocks.py
+            self.model.add(span)  # model and memory layers
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -150,6 +160,7 @@ class Analysis:
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.seen = True
+                self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
@@ -189,6 +200,23 @@ class Analysis:
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
         result["verdict"] = _verdict(result)
+        # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
+        model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
+        result["model_series"] = model_series(self.model, job)
+        # -- the input layer (diagnose/inputs.py): INPUT / COMPUTE change points
+        findings = model + inputs.findings(self._inputs, job, by_rank)
+        findings.sort(key=lambda f: (-(f["cost_seconds"] or 0.0), -f["confidence"]))
+        result["findings"] = findings
+        if findings and result["verdict"]["layer"] == "none":
+            result["verdict"] = findings[0]
+        # --
+        # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
+        found = self.hangs.findings(job)
+        if found:
+            result["findings"] = found + result.get("findings", [])
+            result["verdict"] = found[0]
+        result["clocks"] = self.clocks.residuals(job)
+        # -- end HANG and DESYNC, clocks
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)
@@ -241,7 +269,7 @@ class Analysis:
                 by_part[self._part_at(sample.time, steps)].append(sample.value)
             throttle = defaultdict(list)
             for sample in samples:
-                if sample.metric == semconv.METRIC_HW_GPU_THROTTLE:
+                if sample.metric == semconv.METRIC_NVIDIA_GPU_THROTTLE:
                     throttle[sample.detail].append(sample.value)
             found[rank] = {
                 "utilization_mean": statistics.fmean(s.value for s in utilization) if utilization else None,

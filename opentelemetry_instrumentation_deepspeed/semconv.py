@@ -34,6 +34,11 @@ TRAINING_GRADIENT_ACCUMULATION_STEPS = "training.gradient_accumulation_steps"
 TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
 TRAINING_ZERO_STAGE = "training.zero_stage"
 TRAINING_BACKWARD_DIRECT = "training.backward.direct"
+# Pipeline parallelism (PipelineEngine): on training.step, and on the resource of the rank
+TRAINING_PIPELINE_STAGE = "training.pipeline.stage"  # this rank's stage, 0-based
+TRAINING_PIPELINE_STAGES = "training.pipeline.stages"  # stages in the pipeline
+TRAINING_DATA_PARALLEL_RANK = "training.data_parallel.rank"  # this rank's pipeline among the data-parallel ones
+TRAINING_DATA_PARALLEL_SIZE = "training.data_parallel.size"
 
 # Collective spans (comm.<op>) and their metric attributes
 SPAN_COMM_PREFIX = "comm."  # a collective's span is this prefix and its op: comm.all_reduce
@@ -48,6 +53,8 @@ COMM_SEQUENCE = "comm.sequence"
 COMM_ALGBW = "comm.algbw"
 COMM_BUSBW = "comm.busbw"
 COMM_TIMING = "comm.timing"
+COMM_PEER_RANK = "comm.peer.rank"  # send / recv: the global rank at the other end
+COMM_PEER_STAGE = "training.pipeline.peer_stage"  # a pipeline's send / recv: the stage at the other end
 COMM_TIMING_GPU = "gpu"  # its value when CUDA events timed the call; absent for host times
 # On phase and step spans: collectives issued within them, and those beyond the span limit
 COMM_COUNT = "comm.count"

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import pipeline
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -61,6 +62,7 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self.pipeline = pipeline.PipelineAnalysis()  # pipeline parallelism (diagnose/pipeline.py)
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -69,6 +71,7 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.pipeline.add(span)  # pipeline parallelism (diagnose/pipeline.py)
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -78,7 +81,7 @@ class Analysis:
                     step.seen = True
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
-            elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
+            elif span.name.startswith(semconv.SPAN_COMM_PREFIX) and not pipeline.is_transfer(span):  # pipeline: bubble
                 attributes = span.attributes
                 group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
                 if not attributes.get(semconv.COMM_ASYNC):
@@ -115,6 +118,8 @@ class Analysis:
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
         result["verdict"] = _verdict(result)
+        result["pipeline"] = self.pipeline.result(job)  # pipeline parallelism (diagnose/pipeline.py)
+        pipeline.reconcile(result, result["pipeline"])  # pipeline parallelism (diagnose/pipeline.py)
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

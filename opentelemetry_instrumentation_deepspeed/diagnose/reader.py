@@ -15,7 +15,10 @@ from pathlib import Path
 from opentelemetry_instrumentation_deepspeed import semconv
 
 _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, semconv.COMM_BYTES, semconv.COMM_ASYNC,
-         semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED)
+         semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED,
+         # pipeline parallelism (diagnose/pipeline.py)
+         semconv.TRAINING_PIPELINE_STAGE, semconv.TRAINING_PIPELINE_STAGES, semconv.TRAINING_STEP_MICRO_BATCHES,
+         semconv.COMM_PEER_STAGE)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ class Shape(ValueError):
 # The attributes the analysis uses, and the types it can take for them.
 _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.COMM_OP: str, semconv.COMM_BYTES: int,
           semconv.COMM_ASYNC: bool, semconv.COMM_SEQUENCE: int, semconv.COMM_GROUP_NAME: str,
-          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool}
+          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool,
+          semconv.TRAINING_PIPELINE_STAGE: int, semconv.TRAINING_PIPELINE_STAGES: int,
+          semconv.TRAINING_STEP_MICRO_BATCHES: int, semconv.COMM_PEER_STAGE: int}
 _MAX_TIME = 2**64 - 1  # OTLP's fixed64
 
 

@@ -34,6 +34,9 @@ class StepRecorder(Component):
         self.profiler = profiler
         self._gpu = gpu  # a GpuTimeline on CUDA: each phase also gets its GPU-side interval
         self._comm_span_limit = comm_span_limit
+        # A pipeline stage runs several forwards before the first backward (1F1B): its backwards are
+        # numbered in their own order, which the schedule keeps in micro-batch order.
+        self.pipelined = False
         self._micro_batch_size = engine.train_micro_batch_size_per_gpu()
         # Waits kept before a step opens: the ones that fetch its micro-batches, no older.
         self._max_waits = max(1, engine.gradient_accumulation_steps())
@@ -92,6 +95,21 @@ class StepRecorder(Component):
         managed = getattr(engine, "managed_gradient_accumulation", None)
         if (managed is None or managed()) and not engine.is_gradient_accumulation_boundary():
             return None
+        self._skipped_before = engine.skipped_steps
+        return self._start(Event.OPTIMIZER, (engine,))
+
+    @fail_open
+    def batch_started(self, engine) -> None:
+        """A pipeline's ``train_batch()``: the whole step, from its first load to the loss it returns."""
+        self._fire(Event.BATCH, (engine,))
+
+    @fail_open
+    def batch_ended(self, engine) -> None:
+        self._fire(Event.BATCH_END, engine)
+
+    @fail_open
+    def pipeline_optimizer_started(self, engine) -> Phase | None:
+        """The pipeline schedule's optimizer step (always a boundary); it ends through ``phase_ended``."""
         self._skipped_before = engine.skipped_steps
         return self._start(Event.OPTIMIZER, (engine,))
 
@@ -213,6 +231,9 @@ class StepRecorder(Component):
                 record.tokens += tokens
         elif event == Event.OPTIMIZER:
             micro_step = None
+        elif self.pipelined:
+            micro_step = record.backwards
+            record.backwards += 1
         else:
             micro_step = max(record.micro_batches - 1, 0)
         phase = Phase(_PHASE_NAMES[event], micro_step, now, None if self._gpu is None else self._gpu.event(),

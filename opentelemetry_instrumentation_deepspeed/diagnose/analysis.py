@@ -119,7 +119,7 @@ class Analysis:
         }
         result["verdict"] = _verdict(result)
         result["pipeline"] = self.pipeline.result(job)  # pipeline parallelism (diagnose/pipeline.py)
-        pipeline.reconcile(result, result["pipeline"])  # pipeline parallelism (diagnose/pipeline.py)
+        pipeline.reconcile(result, result["pipeline"], _verdict)  # pipeline parallelism (diagnose/pipeline.py)
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

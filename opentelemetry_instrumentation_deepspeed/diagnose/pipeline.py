@@ -25,6 +25,7 @@ LAYER = "PIPELINE"
 IMBALANCE_RATIO = 1.3  # the slowest stage computes at least this many times the other stages' median
 IMBALANCE_SHARE = 0.10  # ... and that much more than them is at least this share of the median step
 CONSISTENCY = 0.7  # ... in at least this share of the steps
+STRAGGLER_SHARE = 0.20  # a rank computing this much longer than its stage's other ranks, per step (as analysis.py)
 
 _COMPUTE = (semconv.SPAN_FORWARD, semconv.SPAN_BACKWARD)
 _OTHER_WORK = (semconv.SPAN_OPTIMIZER_STEP, semconv.SPAN_DATA_WAIT)
@@ -103,8 +104,10 @@ class PipelineAnalysis:
         stages = {stage: _stage_summary(sorted(r for r, s in stage_of.items() if s == stage), by_number)
                   for stage, by_number in sorted(per_stage.items())}
         found = _imbalance(stages, per_stage, by_rank)
+        compute_by_rank = {rank: _seconds(statistics.median(s.compute for s in steps[1:] or steps))
+                           for rank, steps in by_rank.items()}
         return {"stages": stages, "ranks": {rank: stage_of[rank] for rank in sorted(stage_of)},
-                "findings": [found] if found else []}
+                "compute_by_rank": compute_by_rank, "findings": [found] if found else []}
 
 
 def _seconds(ns: float) -> float:
@@ -181,21 +184,28 @@ def _imbalance(stages: dict, per_stage: dict, by_rank: dict) -> dict | None:
     }
 
 
-def reconcile(result: dict, pipeline: dict) -> None:
-    """In a pipeline job, stages differ by design: a rank is a straggler only against its own stage's
-    data-parallel peers, and the imbalanced stage is the verdict where nothing else stands out."""
+def reconcile(result: dict, pipeline: dict, verdict_of) -> None:
+    """In a pipeline job stages differ by design: a rank is a straggler only against its own stage's
+    data-parallel peers (``verdict_of`` decides again without one that is not); the imbalanced stage
+    is the verdict where nothing else stands out."""
     if not pipeline:
         return
     straggler = result.get("straggler")
-    if straggler is not None:
-        stage = pipeline["ranks"].get(straggler["rank"])
-        peers = [rank for rank, other in pipeline["ranks"].items() if other == stage and rank != straggler["rank"]]
-        if not peers:
-            result["straggler"] = None
-            if result["verdict"].get("layer") == "straggler":
-                result["verdict"] = {"layer": "none", "summary": "no layer stands out", "evidence": [],
-                                     "remedies": []}
+    if straggler is not None and not _straggles_in_its_stage(straggler["rank"], pipeline):
+        result["straggler"] = None
+        result["verdict"] = verdict_of(result)
     findings = pipeline["findings"]
     result.setdefault("findings", []).extend(findings)
     if findings and result["verdict"].get("layer") == "none":
         result["verdict"] = findings[0]
+
+
+def _straggles_in_its_stage(rank: int, pipeline: dict) -> bool:
+    stage = pipeline["ranks"].get(rank)
+    compute = pipeline["compute_by_rank"]
+    peers = [compute[other] for other, other_stage in pipeline["ranks"].items()
+             if other_stage == stage and other != rank and other in compute]
+    if not peers or rank not in compute:
+        return False
+    step = pipeline["stages"][stage]["step_seconds"]
+    return compute[rank] - statistics.median(peers) >= STRAGGLER_SHARE * step

@@ -34,6 +34,8 @@ TRAINING_GRADIENT_ACCUMULATION_STEPS = "training.gradient_accumulation_steps"
 TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
 TRAINING_ZERO_STAGE = "training.zero_stage"
 TRAINING_BACKWARD_DIRECT = "training.backward.direct"
+# A plain PyTorch loop's data parallelism, on training.step: "ddp", "fsdp", or "none" (trace_training())
+TRAINING_PARALLELISM = "training.parallelism"
 # Pipeline parallelism (PipelineEngine): on training.step, and on the resource of the rank
 TRAINING_PIPELINE_STAGE = "training.pipeline.stage"  # this rank's stage, 0-based
 TRAINING_PIPELINE_STAGES = "training.pipeline.stages"  # stages in the pipeline
@@ -170,4 +172,5 @@ TRAINING_LOCAL_RANK = "training.local_rank"
 TRAINING_WORLD_SIZE = "training.world_size"
 TRAINING_FRAMEWORK = "training.framework"
 TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
+TRAINING_FRAMEWORK_PYTORCH = "pytorch"  # its value for a plain PyTorch loop (instrumentors/torch_loop.py)
 DEEPSPEED_VERSION = "deepspeed.version"

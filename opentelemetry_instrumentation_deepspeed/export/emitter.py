@@ -234,8 +234,10 @@ class Emitter(Component):
         facts.metrics.batches(record.samples, record.tokens)
         more = {}
         if record.failure is None:
-            micro_batch_size = facts.static[semconv.TRAINING_MICRO_BATCH_SIZE]
-            more = {semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size,
+            # A plain PyTorch loop has no configured micro-batch size: its samples are counted per forward.
+            micro_batch_size = facts.static.get(semconv.TRAINING_MICRO_BATCH_SIZE)
+            more = {semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size
+                    if micro_batch_size is not None else record.samples,
                     semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
                     semconv.TRAINING_STEP_SKIPPED: record.skipped}
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)

@@ -70,7 +70,8 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     session.end_with_the_process()
     sink = emitter()
     sink.watch_collections(meter)
-    metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None, engine)
+    module = getattr(engine, "module", None)
+    metrics = TrainingMetrics(meter, flops_per_token(module) if module is not None else None, engine)
     step_profiler = profiler.from_environment()
     facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
                       step_profiler.top if step_profiler is not None else 0)

@@ -14,6 +14,9 @@ only then does the process start its telemetry and observe backwards and optimiz
 ``torch.optim``'s global step hooks), so a process that does not train (``torchrun`` itself) only
 holds two untouched wrappers. A process with a DeepSpeed engine is traced by the engine's
 instrumentor alone: no loop starts there, and one started before an engine stops recording.
+
+DDP's gradient all-reduce runs in its C++ reducer: no Python wrapper sees it, so it has no span of
+its own; its exposed part is inside the last micro-batch's backward.
 """
 
 from __future__ import annotations

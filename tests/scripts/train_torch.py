@@ -92,6 +92,7 @@ def main(argv=None):
     if rank == 0:
         print(f"losses {' '.join(f'{loss:.6f}' for loss in losses)}", flush=True)
         print(f"trained {args.steps} steps (0 skipped)", flush=True)
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 

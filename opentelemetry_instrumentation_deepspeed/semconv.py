@@ -72,6 +72,13 @@ TRAINING_BATCH_TOKENS = "training.batch.tokens"  # real: not padding
 TRAINING_STEP_TOKENS = "training.step.tokens"
 TRAINING_STEP_PADDED_TOKENS = "training.step.padded_tokens"
 TRAINING_STEP_SEQUENCE_LENGTH = "training.step.sequence_length"  # the longest of its micro-batches
+# A plain PyTorch loop's data parallelism, on training.step: "ddp", "fsdp", or "none" (trace_training())
+TRAINING_PARALLELISM = "training.parallelism"
+# Pipeline parallelism (PipelineEngine): on training.step, and on the resource of the rank
+TRAINING_PIPELINE_STAGE = "training.pipeline.stage"  # this rank's stage, 0-based
+TRAINING_PIPELINE_STAGES = "training.pipeline.stages"  # stages in the pipeline
+TRAINING_DATA_PARALLEL_RANK = "training.data_parallel.rank"  # this rank's pipeline among the data-parallel ones
+TRAINING_DATA_PARALLEL_SIZE = "training.data_parallel.size"
 
 # Collective spans (comm.<op>) and their metric attributes
 SPAN_COMM_PREFIX = "comm."  # a collective's span is this prefix and its op: comm.all_reduce
@@ -86,6 +93,8 @@ COMM_SEQUENCE = "comm.sequence"
 COMM_ALGBW = "comm.algbw"
 COMM_BUSBW = "comm.busbw"
 COMM_TIMING = "comm.timing"
+COMM_PEER_RANK = "comm.peer.rank"  # send / recv: the global rank at the other end
+COMM_PEER_STAGE = "training.pipeline.peer_stage"  # a pipeline's send / recv: the stage at the other end
 COMM_TIMING_GPU = "gpu"  # its value when CUDA events timed the call; absent for host times
 # On phase and step spans: collectives issued within them, and those beyond the span limit
 COMM_COUNT = "comm.count"
@@ -244,6 +253,7 @@ TRAINING_LOCAL_RANK = "training.local_rank"
 TRAINING_WORLD_SIZE = "training.world_size"
 TRAINING_FRAMEWORK = "training.framework"
 TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
+TRAINING_FRAMEWORK_PYTORCH = "pytorch"  # its value for a plain PyTorch loop (instrumentors/torch_loop.py)
 DEEPSPEED_VERSION = "deepspeed.version"
 # This rank's clock minus rank 0's, estimated at start through the process group's store (nanoseconds),
 # and the half round trip that bounds the estimate's error

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs  # clocks, HANG/DESYNC, input layer
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs, pipeline
 from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
@@ -142,6 +142,7 @@ class Analysis:
         self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
         self.model = ModelFindings()  # model and memory layers
         self._inputs = inputs.InputSeries()  # the input layer
+        self.pipeline = pipeline.PipelineAnalysis()  # pipeline parallelism (diagnose/pipeline.py)
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -153,6 +154,7 @@ class Analysis:
             self.hangs.add(span)  # HANG and DESYNC (hangs.py)
             self.clocks.add(span)  # clocks.py
             self.model.add(span)  # model and memory layers
+            self.pipeline.add(span)  # pipeline parallelism (diagnose/pipeline.py)
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -163,7 +165,7 @@ class Analysis:
                 self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
-            elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
+            elif span.name.startswith(semconv.SPAN_COMM_PREFIX) and not pipeline.is_transfer(span):  # pipeline: bubble
                 attributes = span.attributes
                 group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
                 if not attributes.get(semconv.COMM_ASYNC):
@@ -200,11 +202,13 @@ class Analysis:
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
         }
         result["verdict"] = _verdict(result)
+        result["pipeline"] = self.pipeline.result(job)  # pipeline parallelism (diagnose/pipeline.py)
+        pipeline.reconcile(result, result["pipeline"], _verdict)  # pipeline parallelism (diagnose/pipeline.py)
         # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
         model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
         result["model_series"] = model_series(self.model, job)
         # -- the input layer (diagnose/inputs.py): INPUT / COMPUTE change points
-        findings = model + inputs.findings(self._inputs, job, by_rank)
+        findings = result.get("findings", []) + model + inputs.findings(self._inputs, job, by_rank)
         findings.sort(key=lambda f: (-(f["cost_seconds"] or 0.0), -f["confidence"]))
         result["findings"] = findings
         if findings and result["verdict"]["layer"] == "none":

@@ -109,6 +109,10 @@ def _text_lines(report: dict) -> list[str]:
                      f"p95 {seconds['p95'] * 1e3:.1f} ms, max {seconds['max'] * 1e3:.1f} ms"
                      + (f"; slowest step {summary['slowest']['step']} (trace {summary['slowest']['trace_id']})"
                         if summary.get("slowest") else ""))
+    for stage, summary in (report.get("pipeline") or {}).get("stages", {}).items():  # diagnose/pipeline.py
+        lines.append(f"  pipeline stage {stage} (ranks {', '.join(map(str, summary['ranks']))}): compute "
+                     f"{summary['compute_seconds'] * 1e3:.1f} ms, bubble {summary['bubble_seconds'] * 1e3:.1f} ms "
+                     f"({summary['bubble_share']:.0%}) per step")
     for rank, gpu in report.get("gpu", {}).items():
         if gpu["utilization_mean"] is not None:
             parts = ", ".join(f"{part.replace('_', ' ')} {value:.0%}"

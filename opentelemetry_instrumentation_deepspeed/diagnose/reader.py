@@ -22,7 +22,10 @@ _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, se
          semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED,
          # hangs and desyncs (diagnose/hangs.py)
          semconv.COMM_DTYPE, semconv.TRAINING_PHASE, semconv.HANG_REASON, semconv.HANG_DURATION,
-         semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES)
+         semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES,
+         # pipeline parallelism (diagnose/pipeline.py)
+         semconv.TRAINING_PIPELINE_STAGE, semconv.TRAINING_PIPELINE_STAGES, semconv.TRAINING_STEP_MICRO_BATCHES,
+         semconv.COMM_PEER_STAGE)
 # The model and memory layers (diagnose/model.py)
 _MODEL_TYPES = {semconv.TRAINING_LOSS: (int, float), semconv.TRAINING_GRAD_NORM: (int, float),
                 semconv.TRAINING_MEMORY_OOM: str, semconv.TRAINING_MEMORY_ALLOCATED: int,
@@ -169,7 +172,9 @@ _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.
           semconv.COMM_DTYPE: str, semconv.TRAINING_PHASE: str, semconv.HANG_REASON: str,
           semconv.HANG_DURATION: (int, float), semconv.HANG_THRESHOLD: (int, float),
           semconv.HANG_COMM_DURATION: (int, float), semconv.HANG_COMM_SEQUENCES: tuple,
-          semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES}
+          semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES,
+          semconv.TRAINING_PIPELINE_STAGE: int, semconv.TRAINING_PIPELINE_STAGES: int,
+          semconv.TRAINING_STEP_MICRO_BATCHES: int, semconv.COMM_PEER_STAGE: int}
 
 
 def _checked(span: dict, attributes: dict) -> tuple[int, int]:

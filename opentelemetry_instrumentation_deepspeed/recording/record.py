@@ -82,8 +82,8 @@ class Collective:
     """One collective call. ``end`` is set when it completed on the host (a synchronous call's return,
     an async one's ``wait()``); the GPU events, when there are any, give the times it ran there."""
 
-    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "in_step", "is_async", "parent",
-                 "remaining", "route", "sequence", "spanned", "start", "timeline")
+    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "in_step", "is_async", "parent", "peer",
+                 "peer_stage", "remaining", "route", "sequence", "spanned", "start", "timeline")
 
     def __init__(self, route, sequence: int, data_bytes: int, dtype: str, is_async: bool,  # noqa: PLR0917
                  start: int):
@@ -102,6 +102,8 @@ class Collective:
         self.gpu_end = None
         self.timeline = None  # the GpuTimeline of its events
         self.remaining = 1  # async work handles not waited for yet
+        self.peer: int | None = None  # send / recv: the global rank at the other end
+        self.peer_stage: int | None = None  # ... and its pipeline stage, set by the emitter
 
 
 @dataclass(slots=True)
@@ -115,6 +117,7 @@ class StepRecord:
     phases: list  # Phase, in the order they started
     collectives: list  # Collective, in the order they were issued
     micro_batches: int = 0
+    backwards: int = 0  # backward phases started (a pipeline numbers its backwards by this)
     samples: int = 0
     tokens: int = 0
     skipped: bool = False

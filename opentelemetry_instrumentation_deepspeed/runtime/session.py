@@ -69,11 +69,12 @@ def defer_sdk(arguments: dict) -> None:
     _deferred_sdk_arguments = dict(arguments)
 
 
-def start() -> JobIdentity:
+def start(resource: dict | None = None) -> JobIdentity:
     """Identify this process in its job and, when deferred, set the SDK up. Idempotent.
 
     Collective on first call (the job id may be agreed through the process group's store),
-    which is why it runs while every rank builds its engine.
+    which is why it runs while every rank builds its engine. ``resource``: more attributes of the
+    process's resource (a pipeline rank's coordinates), used if this call sets the SDK up.
     """
     global _identity, silent  # noqa: PLW0603 - one training identity per process
     if _identity is None:
@@ -83,7 +84,7 @@ def start() -> JobIdentity:
 
         output.use_identity(identity)
         if _deferred_sdk_arguments is not None:
-            _configure_sdk(identity)
+            _configure_sdk(identity, resource)
         _identity = identity
         from opentelemetry_instrumentation_deepspeed.export import sdk
 
@@ -93,7 +94,7 @@ def start() -> JobIdentity:
     return _identity
 
 
-def _configure_sdk(identity: JobIdentity) -> None:
+def _configure_sdk(identity: JobIdentity, resource: dict | None = None) -> None:
     global _deferred_sdk_arguments
     arguments, _deferred_sdk_arguments = _deferred_sdk_arguments, None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -108,7 +109,7 @@ def _configure_sdk(identity: JobIdentity) -> None:
         prometheus.assign_port(identity.local_rank)
     _leave_unusable_endpoints()
     delivery.install()
-    sdk.initialize(arguments, identity.resource_attributes())
+    sdk.initialize(arguments, identity.resource_attributes(resource))
     tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
     try:
         delivery.watch(tracer_provider, meter_provider)

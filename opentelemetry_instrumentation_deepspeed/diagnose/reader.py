@@ -222,7 +222,12 @@ def _hang_stack(events) -> dict:
 
 def _resource(attributes, keys) -> tuple:
     """(job id, rank, the attributes ``keys``) of a resource; the rank is None when it is not a training rank's."""
-    resource = _attributes(attributes, keys)
+    resource = _attributes(attributes, tuple(key for key in keys if key != semconv.TRAINING_CLOCK_OFFSET))
+    if semconv.TRAINING_CLOCK_OFFSET in keys:
+        try:  # a correction, not a fact: one that is not an int64 is left out, the spans are read
+            resource.update(_attributes(attributes, (semconv.TRAINING_CLOCK_OFFSET,)))
+        except Shape:
+            pass
     job, rank = resource.get(semconv.TRAINING_JOB_ID), resource.get(semconv.TRAINING_RANK)
     if rank is None:
         return job, None, resource

@@ -322,6 +322,7 @@ def named(report: dict, rank: int) -> list[str]:
 
 def show(label: str, run: tuple, args) -> None:
     report, seconds, cpu, peak = run
+    (Path(args.out) / f"report-{label.split(maxsplit=1)[0].lower()}.json").write_text(json.dumps(report, indent=1))
     verdict = report["verdict"]
     print(f"{label}: {report['input']['spans']} spans in {seconds:.1f} s ({cpu:.1f} s of CPU), peak RSS {peak:.0f} MiB")
     print(f"  verdict: {verdict['layer'].upper()}: {verdict['summary']}")

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import BROKEN_RUN, ModelFindings  # model, memory
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
@@ -123,8 +123,9 @@ class Analysis:
         model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
         result.setdefault("findings", []).extend(model)
         result["model_series"] = model_series(self.model, job)
-        if model and result["verdict"]["layer"] == "none":
-            result["verdict"] = max(model, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
+        if model and (result["verdict"]["layer"] == "none" or any(f["confidence"] >= BROKEN_RUN for f in model)):
+            result["verdict"] = max(model, key=lambda f: (f["confidence"] >= BROKEN_RUN, f["cost_seconds"] or 0.0,
+                                                          f["confidence"]))
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

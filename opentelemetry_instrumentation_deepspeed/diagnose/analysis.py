@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs, pipeline
-from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import BROKEN_RUN, ModelFindings  # model, memory
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
@@ -214,6 +214,9 @@ class Analysis:
         if findings and result["verdict"]["layer"] == "none":
             result["verdict"] = findings[0]
         # --
+        broken = [f for f in model if f["confidence"] >= BROKEN_RUN]  # a NaN or an OOM: broken, not slow
+        if broken:
+            result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
         found = self.hangs.findings(job)
         if found:

@@ -36,6 +36,20 @@ def recorded():
         instrumentor.uninstrument()
 
 
+def test_uninstrument_restores_accelerate_s_loaders():
+    from accelerate import data_loader
+
+    classes = (data_loader.DataLoaderShard, data_loader.DataLoaderDispatcher, data_loader.SkipDataLoader)
+    original = [vars(cls)["__iter__"] for cls in classes]
+    instrumentor = DataLoaderInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider())
+    try:
+        assert [vars(cls)["__iter__"].__wrapped__ for cls in classes] == original
+    finally:
+        instrumentor.uninstrument()
+    assert [vars(cls)["__iter__"] for cls in classes] == original
+
+
 @pytest.mark.parametrize("loader", ["DataLoaderShard", "SkipDataLoader"])
 def test_an_accelerate_loader_is_one_wait_per_batch_it_hands_over(recorded, loader):
     from accelerate import data_loader

@@ -26,7 +26,7 @@ from opentelemetry.metrics import Observation, get_meter
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
-from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.recording import inputs, registry
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
@@ -58,6 +58,7 @@ def _next(wrapped, instance, args, kwargs):
     finally:
         _nesting.inside = False
     recorder.data_waited(start, time.time_ns())
+    inputs.left_loader(recorder, batch)
     return batch
 
 

@@ -237,14 +237,21 @@ def _resource(attributes, keys) -> tuple:
     return job, _integer(rank, 0, _MAX_RANK, "training.rank")
 
 
+def _clock_offset(attributes) -> int | None:
+    """The rank's clock offset; None where it is no 64-bit integer (the spans are read as they are)."""
+    try:
+        return _attributes(attributes, (semconv.TRAINING_CLOCK_OFFSET,)).get(semconv.TRAINING_CLOCK_OFFSET)
+    except Shape:
+        return None
+
+
 def spans_of_request(request: dict) -> Iterator[Span]:
     for resource_spans in request.get("resourceSpans") or ():
         job, rank = _resource((resource_spans.get("resource") or {}).get("attributes"),
                               (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK))
         if job is None or rank is None:
             continue  # not a training rank's telemetry
-        offset = _attributes((resource_spans.get("resource") or {}).get("attributes"),
-                             (semconv.TRAINING_CLOCK_OFFSET,)).get(semconv.TRAINING_CLOCK_OFFSET)
+        offset = _clock_offset((resource_spans.get("resource") or {}).get("attributes"))
         for scope_spans in resource_spans.get("scopeSpans") or ():
             for span in scope_spans.get("spans") or ():
                 attributes = _attributes(span.get("attributes"), _KEPT)

@@ -182,6 +182,7 @@ class Analysis:
         if not self.jobs:
             return {"job_id": None, "ranks": {}, "verdict": _verdict_none("no training spans in the input")}
         job = job if job is not None else max(self.jobs, key=self.jobs.get)
+        self._waits_where_they_happened(job)  # data waits fetched ahead (issue 19)
         by_rank: dict[int, list[dict]] = defaultdict(list)
         for (step_job, rank, _trace), step in self._steps.items():
             if step_job == job and step.seen:
@@ -228,6 +229,25 @@ class Analysis:
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)
         return result
+
+    def _waits_where_they_happened(self, job: str) -> None:
+        """A data wait fetched ahead (a loader's look-ahead) is the child of the step whose micro-batch
+        it fetched, but the loop was blocked on it before that step started: its time counts in the
+        step of the same rank that was running then."""
+        by_rank: dict[int, list[_Step]] = defaultdict(list)
+        for (step_job, rank, _trace), step in self._steps.items():
+            if step_job == job and step.seen:
+                by_rank[rank].append(step)
+        for steps in by_rank.values():
+            steps.sort(key=lambda s: s.start)
+            starts = [s.start for s in steps]
+            for step in steps:
+                ahead = [p for p in step.phases if p[0] == "data_wait" and p[2] <= step.start]
+                for phase in ahead:
+                    index = bisect.bisect_right(starts, phase[1]) - 1
+                    if index >= 0 and phase[1] < steps[index].end and steps[index] is not step:
+                        step.phases.remove(phase)
+                        steps[index].phases.append(phase)
 
     def _timelines(self, job: str, by_rank: dict[int, list[dict]]) -> dict:
         """The slowest and a typical step, on every rank: phases and collectives on one clock."""

@@ -16,7 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import pipeline
+from opentelemetry_instrumentation_deepspeed.diagnose import (
+    inputs,  # the input layer
+    pipeline,  # pipeline parallelism
+)
+from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -62,6 +67,8 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self.model = ModelFindings()  # model and memory layers
+        self._inputs = inputs.InputSeries()  # the input layer
         self.pipeline = pipeline.PipelineAnalysis()  # pipeline parallelism (diagnose/pipeline.py)
 
     def add_samples(self, samples) -> None:
@@ -71,6 +78,7 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.model.add(span)  # model and memory layers
             self.pipeline.add(span)  # pipeline parallelism (diagnose/pipeline.py)
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
@@ -79,6 +87,7 @@ class Analysis:
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.seen = True
+                self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX) and not pipeline.is_transfer(span):  # pipeline: bubble
@@ -120,6 +129,17 @@ class Analysis:
         result["verdict"] = _verdict(result)
         result["pipeline"] = self.pipeline.result(job)  # pipeline parallelism (diagnose/pipeline.py)
         pipeline.reconcile(result, result["pipeline"], _verdict)  # pipeline parallelism (diagnose/pipeline.py)
+        # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
+        model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
+        result["model_series"] = model_series(self.model, job)
+        # -- the input layer (diagnose/inputs.py): INPUT / COMPUTE change points
+        findings = model + inputs.findings(self._inputs, job, by_rank)
+        findings += result["pipeline"].get("findings", [])  # pipeline parallelism (diagnose/pipeline.py)
+        findings.sort(key=lambda f: (-(f["cost_seconds"] or 0.0), -f["confidence"]))
+        result["findings"] = findings
+        if findings and result["verdict"]["layer"] == "none":
+            result["verdict"] = findings[0]
+        # --
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)

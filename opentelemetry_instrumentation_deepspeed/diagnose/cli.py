@@ -54,6 +54,9 @@ def render_text(report: dict) -> str:
     lines.append(f"Verdict: {verdict['layer'].upper()}: {verdict['summary']}")
     lines += [f"  evidence: {item}" for item in verdict.get("evidence", [])]
     lines += [f"  remedy: {item}" for item in verdict.get("remedies", [])]
+    # Findings beyond the verdict (diagnose/model.py, ...), and the traces to open
+    lines += [f"  traces: {', '.join(verdict['trace_ids'][:3])}"] if verdict.get("trace_ids") else []
+    lines += [f"Also: {item['layer']}: {item['summary']}" for item in report.get("findings", []) if item != verdict]
     job = report.get("job") or {}
     if job:
         shares = job["shares"]

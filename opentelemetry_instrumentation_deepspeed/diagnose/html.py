@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS
+from opentelemetry_instrumentation_deepspeed.diagnose.model import charts_html
 
 COLORS = {"data_wait": "#e4572e", "forward": "#4c9be8", "backward": "#2e5aac", "optimizer": "#8e6bbf",
           "exposed_comm": "#f3a712", "comm_wait": "#f6d186", "unaccounted": "#b8b8b8", "comm": "#f3a712"}
@@ -108,6 +109,9 @@ def render_html(report: dict) -> str:
         "<h2>Where step time goes</h2>" + _breakdown(job.get("shares", {})),
         "<h2>Step time</h2>" + _series(report.get("step_series", {}), job.get("anomaly")),
     ]
+    model_charts = charts_html(report)  # the model layer beside step time (diagnose/model.py)
+    if model_charts:
+        sections.append("<h2>Loss and gradient norm</h2>" + model_charts)
     for label in ("slowest", "typical"):
         if label in timelines:
             timeline = timelines[label]

@@ -16,8 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import (
-    inputs,  # the input layer
+from opentelemetry_instrumentation_deepspeed.diagnose import (  # clocks, HANG/DESYNC, input layer
+    clocks,
+    hangs,
+    inputs,
     pipeline,  # pipeline parallelism
 )
 from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
@@ -67,6 +69,8 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
+        self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
         self.model = ModelFindings()  # model and memory layers
         self._inputs = inputs.InputSeries()  # the input layer
         self.pipeline = pipeline.PipelineAnalysis()  # pipeline parallelism (diagnose/pipeline.py)
@@ -78,6 +82,8 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.hangs.add(span)  # HANG and DESYNC (hangs.py)
+            self.clocks.add(span)  # clocks.py
             self.model.add(span)  # model and memory layers
             self.pipeline.add(span)  # pipeline parallelism (diagnose/pipeline.py)
             key = (span.job, span.rank, span.trace_id)
@@ -140,6 +146,13 @@ class Analysis:
         if findings and result["verdict"]["layer"] == "none":
             result["verdict"] = findings[0]
         # --
+        # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
+        found = self.hangs.findings(job)
+        if found:
+            result["findings"] = found + result.get("findings", [])
+            result["verdict"] = found[0]
+        result["clocks"] = self.clocks.residuals(job)
+        # -- end HANG and DESYNC, clocks
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)
@@ -194,7 +207,7 @@ class Analysis:
                 by_part[self._part_at(sample.time, steps)].append(sample.value)
             throttle = defaultdict(list)
             for sample in samples:
-                if sample.metric == semconv.METRIC_HW_GPU_THROTTLE:
+                if sample.metric == semconv.METRIC_NVIDIA_GPU_THROTTLE:
                     throttle[sample.detail].append(sample.value)
             found[rank] = {
                 "utilization_mean": statistics.fmean(s.value for s in utilization) if utilization else None,

@@ -15,7 +15,10 @@ from pathlib import Path
 from opentelemetry_instrumentation_deepspeed import semconv
 
 _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, semconv.COMM_BYTES, semconv.COMM_ASYNC,
-         semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED)
+         semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED,
+         # hangs and desyncs (diagnose/hangs.py)
+         semconv.COMM_DTYPE, semconv.TRAINING_PHASE, semconv.HANG_REASON, semconv.HANG_DURATION,
+         semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES)
 # The model and memory layers (diagnose/model.py)
 _MODEL_TYPES = {semconv.TRAINING_LOSS: (int, float), semconv.TRAINING_GRAD_NORM: (int, float),
                 semconv.TRAINING_MEMORY_OOM: str, semconv.TRAINING_MEMORY_ALLOCATED: int,
@@ -49,7 +52,9 @@ class Span:
 
 
 # GPU metrics the analysis lines up with the steps.
-GPU_METRICS = (semconv.METRIC_HW_GPU_UTILIZATION, semconv.METRIC_HW_GPU_THROTTLE, semconv.METRIC_HW_ERRORS)
+GPU_METRICS = (semconv.METRIC_HW_GPU_UTILIZATION, semconv.METRIC_NVIDIA_GPU_THROTTLE, semconv.METRIC_HW_ERRORS)
+# Names metrics had before their rename, read as the new ones (files written by an older version).
+_RENAMED = {old: new for new, old in semconv.ALIASES.items()}
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ def _value(value: dict):
         return int(inner)
     if kind == "doubleValue":
         return float(inner)  # OTLP JSON writes NaN and the infinities as strings
+    if kind == "arrayValue":
+        return tuple(_value(item) for item in (inner or {}).get("values") or ())
     return inner if kind in ("stringValue", "boolValue", "doubleValue") else None
 
 
@@ -100,7 +107,11 @@ class Shape(ValueError):
 # The attributes the analysis uses, and the types it can take for them.
 _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.COMM_OP: str, semconv.COMM_BYTES: int,
           semconv.COMM_ASYNC: bool, semconv.COMM_SEQUENCE: int, semconv.COMM_GROUP_NAME: str,
-          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool, **_MODEL_TYPES, **_INPUT_TYPES,
+          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool,
+          semconv.COMM_DTYPE: str, semconv.TRAINING_PHASE: str, semconv.HANG_REASON: str,
+          semconv.HANG_DURATION: (int, float), semconv.HANG_THRESHOLD: (int, float),
+          semconv.HANG_COMM_DURATION: (int, float), semconv.HANG_COMM_SEQUENCES: tuple,
+          semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES,
           **_PIPELINE_TYPES}
 _MAX_TIME = 2**64 - 1  # OTLP's fixed64
 
@@ -118,17 +129,38 @@ def _checked(span: dict, attributes: dict) -> tuple[int, int]:
     return start, end
 
 
+_DAY = 86_400 * 10**9
+
+
+def aligned(start: int, end: int, offset) -> tuple[int, int]:
+    """A span's times on rank 0's clock: less the rank's ``training.clock.offset``, when it has one."""
+    if type(offset) is not int or not -_DAY < offset < _DAY:  # beyond a day: a broken clock, left as it is
+        return start, end
+    return start - offset, end - offset
+
+
+def _hang_stack(events) -> dict:
+    """The first ``training.hang.stack`` event's stack, as the attribute ``code.stacktrace``."""
+    for event in events if isinstance(events, list) else ():
+        if isinstance(event, dict) and event.get("name") == semconv.EVENT_HANG_STACK:
+            return _attributes(event.get("attributes"), (semconv.CODE_STACKTRACE,))
+    return {}
+
+
 def spans_of_request(request: dict) -> Iterator[Span]:
     for resource_spans in request.get("resourceSpans") or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"),
-                               (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK))
+                               (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK, semconv.TRAINING_CLOCK_OFFSET))
         job, rank = resource.get(semconv.TRAINING_JOB_ID), resource.get(semconv.TRAINING_RANK)
         if job is None or rank is None:
             continue  # not a training rank's telemetry
+        offset = resource.get(semconv.TRAINING_CLOCK_OFFSET)
         for scope_spans in resource_spans.get("scopeSpans") or ():
             for span in scope_spans.get("spans") or ():
                 attributes = _attributes(span.get("attributes"), _KEPT)
-                start, end = _checked(span, attributes)
+                if span.get("name") == semconv.SPAN_HANG:
+                    attributes.update(_hang_stack(span.get("events")))
+                start, end = aligned(*_checked(span, attributes), offset)
                 yield Span(span["name"], span["traceId"], span["spanId"], span.get("parentSpanId", ""),
                            start, end, str(job), int(rank), attributes)
 
@@ -140,15 +172,18 @@ def samples_of_request(request: dict) -> Iterator[Sample]:
             continue
         for scope_metrics in resource_metrics.get("scopeMetrics") or ():
             for metric in scope_metrics.get("metrics") or ():
-                if metric.get("name") not in GPU_METRICS:
+                name = _RENAMED.get(metric.get("name"), metric.get("name"))
+                if name not in GPU_METRICS:
                     continue
                 data = metric.get("gauge") or metric.get("sum") or {}
                 for point in data.get("dataPoints") or ():
                     attributes = _attributes(point.get("attributes"),
-                                             (semconv.HW_GPU_THROTTLE_REASON, semconv.ERROR_TYPE))
+                                             (semconv.NVIDIA_GPU_THROTTLE_REASON, semconv.HW_GPU_THROTTLE_REASON,
+                                              semconv.ERROR_TYPE))
                     value = point.get("asDouble", point.get("asInt", 0))
-                    yield Sample(int(resource[semconv.TRAINING_RANK]), metric["name"],
+                    yield Sample(int(resource[semconv.TRAINING_RANK]), name,
                                  int(point.get("timeUnixNano", 0)), float(value),
+                                 attributes.get(semconv.NVIDIA_GPU_THROTTLE_REASON) or
                                  attributes.get(semconv.HW_GPU_THROTTLE_REASON) or
                                  attributes.get(semconv.ERROR_TYPE) or "")
 

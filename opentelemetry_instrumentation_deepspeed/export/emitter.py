@@ -34,11 +34,11 @@ from collections import deque
 from opentelemetry.trace import Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import batches, kernels, sdk, trace_ids
+from opentelemetry_instrumentation_deepspeed.export import batches, hangs, kernels, sdk, trace_ids
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
-from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, Phase, StepRecord
+from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, HangReport, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 
 _logger = logging.getLogger(__name__)
@@ -115,8 +115,10 @@ def _status(failure) -> Status | None:
 def _exception(failure) -> dict | None:
     if not isinstance(failure, Failure):
         return None
-    return {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
-            semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
+    # Message and stack trace only where OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL kept them.
+    attributes = {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
+                  semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
+    return {key: value for key, value in attributes.items() if value}
 
 
 class Emitter(Component):
@@ -192,6 +194,8 @@ class Emitter(Component):
                         queue.appendleft(item)  # its successors wait with it: steps stay in order
                         break
                     self._step(item, writers)
+                elif type(item) is HangReport:  # the hang watchdog's (runtime/watchdog.py)
+                    hangs.emit(item, writers)
                 else:
                     self._collective(item, None, None, None, writers)
                 done += 1

@@ -76,8 +76,12 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
                       step_profiler.top if step_profiler is not None else 0)
     on_cuda = _on_cuda(engine, cuda)
-    return StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), env.comm_span_limit(),
-                        _allocator(on_cuda), _device_scalars(on_cuda))
+    recorder = StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), env.comm_span_limit(),
+                            _allocator(on_cuda), _device_scalars(on_cuda))
+    from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+
+    watchdog.watch(recorder, meter)  # its own thread reads the open record: nothing per step here
+    return recorder
 
 
 def _on_cuda(engine, cuda):

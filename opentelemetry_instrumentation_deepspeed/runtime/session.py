@@ -132,20 +132,21 @@ def _leave_unusable_endpoints() -> None:
 
     The OTLP exporters take such an endpoint for a collector that is down: every batch is retried
     until its timeout and lost, and the variable is never named."""
+    unusable: dict[tuple[str, str, str], list[str]] = {}  # (variable, value, why) -> its signals
     for signal, variable in (*_EXPORTER_VARIABLES, ("logs", "OTEL_LOGS_EXPORTER")):
         names = [name.strip() for name in os.environ.get(variable, "").split(",")]
-        if "otlp" not in names:
+        problem = env.unusable_otlp_endpoint(signal) if "otlp" in names else None
+        if problem is None:
             continue
-        unusable = env.unusable_otlp_endpoint(signal)
-        if unusable is None:
-            continue
-        endpoint, value, why = unusable
         instead = "none" if signal == "logs" else env.EMBEDDED_EXPORTER
         os.environ[variable] = ",".join(dict.fromkeys(instead if name == "otlp" else name for name in names))
-        where = ("are not exported" if signal == "logs"
-                 else f"go to the embedded default ({env.EMBEDDED_EXPORTER}: OTLP JSON lines under "
-                      f"{env.output_dir()}/) instead")
-        _logger.warning("%s=%r cannot be used (%s): the %s of this process %s.", endpoint, value, why, signal, where)
+        unusable.setdefault(problem, []).append(signal)
+    for (variable, value, why), signals in unusable.items():
+        written = [signal for signal in signals if signal != "logs"]
+        where = (f"the {' and '.join(written)} of this process go to the embedded default "
+                 f"({env.EMBEDDED_EXPORTER}: OTLP JSON lines under {env.output_dir()}/) instead" if written else "")
+        logs = "logs are not exported" if "logs" in signals else ""
+        _logger.warning("%s=%r cannot be used (%s): %s.", variable, value, why, "; ".join(filter(None, (where, logs))))
 
 
 _ends_with_the_process = False

@@ -186,14 +186,18 @@ def _imbalance(stages: dict, per_stage: dict, by_rank: dict) -> dict | None:
 
 def reconcile(result: dict, pipeline: dict, verdict_of) -> None:
     """In a pipeline job stages differ by design: a rank is a straggler only against its own stage's
-    data-parallel peers (``verdict_of`` decides again without one that is not). The imbalanced
-    stage's finding joins the others' (``pipeline["findings"]``), ranked by time lost."""
+    data-parallel peers (``verdict_of`` decides again without one that is not); the imbalanced stage
+    is the verdict where nothing else stands out."""
     if not pipeline:
         return
     straggler = result.get("straggler")
     if straggler is not None and not _straggles_in_its_stage(straggler["rank"], pipeline):
         result["straggler"] = None
         result["verdict"] = verdict_of(result)
+    findings = pipeline["findings"]
+    result.setdefault("findings", []).extend(findings)
+    if findings and result["verdict"].get("layer") == "none":
+        result["verdict"] = findings[0]
 
 
 def _straggles_in_its_stage(rank: int, pipeline: dict) -> bool:

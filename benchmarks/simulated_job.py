@@ -2,6 +2,7 @@
 
     python benchmarks/simulated_job.py OUT                 # write OUT/<job id>/{traces,metrics}-rank<N>.jsonl
     python benchmarks/simulated_job.py OUT --diagnose      # ... then time diagnose on it, both ways
+                                                           # (again on OUT: diagnosed, not written again)
 
 The job: ZeRO-2 data parallelism, one micro-batch per step. Each step a rank waits for its batch,
 runs forward, then backward with two gradient buckets all-reduced synchronously (the second at its
@@ -351,11 +352,16 @@ def main():
     args = parser.parse_args()
     out = Path(args.out)
     started = time.perf_counter()
-    job = simulate(out, args)
+    name = f"sim-{args.ranks}-ranks-{args.seed}"
+    if (out / name).is_dir():  # written by an earlier run with the same arguments: diagnosed again
+        job = {"job": name, "folder": out / name, "tempo": out / "tempo"}
+    else:
+        job = simulate(out, args)
+        print(f"{args.ranks} ranks x {args.steps} steps: {job['spans']} spans in {job['folder']} "
+              f"({time.perf_counter() - started:.0f} s); rank {args.slow_rank} slow in {job['slow_steps']} steps, "
+              f"rank {args.stall_rank} stalls in {job['stalled_steps']}")
     size = sum(p.stat().st_size for p in job["folder"].iterdir())
-    print(f"{args.ranks} ranks x {args.steps} steps: {job['spans']} spans, {size / 2**20:.0f} MiB in "
-          f"{job['folder']} ({time.perf_counter() - started:.0f} s); rank {args.slow_rank} slow in "
-          f"{job['slow_steps']} steps, rank {args.stall_rank} stalls in {job['stalled_steps']}")
+    print(f"{size / 2**20:.0f} MiB of OTLP JSON lines in {len(list(job['folder'].iterdir()))} files")
     if not args.diagnose:
         return
     show("files", diagnose(str(job["folder"])), args)

@@ -200,6 +200,12 @@ def _checked(span: dict, attributes: dict) -> tuple[int, int]:
     return start, end
 
 
+def _time(value) -> int:
+    if type(value) is str and 0 < len(value) <= 20 and value.isascii() and value.isdigit():
+        return int(value)  # as every exporter writes it: the fast path
+    return _integer(value, -_MAX_TIME, _MAX_TIME, "a time in nanoseconds")
+
+
 _DAY = 86_400 * 10**9
 
 
@@ -218,40 +224,31 @@ def _hang_stack(events) -> dict:
     return {}
 
 
-def _time(value) -> int:
-    if type(value) is str and 0 < len(value) <= 20 and value.isascii() and value.isdigit():
-        return int(value)  # as every exporter writes it: the fast path
-    return _integer(value, -_MAX_TIME, _MAX_TIME, "a time in nanoseconds")
-
-
 def _resource(attributes, keys) -> tuple:
-    """(job id, rank) of a resource; (None, None) when it is not a training rank's."""
-    resource = _attributes(attributes, keys)
+    """(job id, rank, the attributes ``keys``) of a resource; the rank is None when it is not a training rank's."""
+    resource = _attributes(attributes, tuple(key for key in keys if key != semconv.TRAINING_CLOCK_OFFSET))
+    if semconv.TRAINING_CLOCK_OFFSET in keys:
+        try:  # a correction, not a fact: one that is not an int64 is left out, the spans are read
+            resource.update(_attributes(attributes, (semconv.TRAINING_CLOCK_OFFSET,)))
+        except Shape:
+            pass
     job, rank = resource.get(semconv.TRAINING_JOB_ID), resource.get(semconv.TRAINING_RANK)
     if rank is None:
-        return job, None
+        return job, None, resource
     if isinstance(job, int) and not isinstance(job, bool):
         job = str(job)
     if job is not None and not isinstance(job, str):
         raise Shape(f"training.job.id is a {type(job).__name__}, not a string")
-    return job, _integer(rank, 0, _MAX_RANK, "training.rank")
-
-
-def _clock_offset(attributes) -> int | None:
-    """The rank's clock offset; None where it is no 64-bit integer (the spans are read as they are)."""
-    try:
-        return _attributes(attributes, (semconv.TRAINING_CLOCK_OFFSET,)).get(semconv.TRAINING_CLOCK_OFFSET)
-    except Shape:
-        return None
+    return job, _integer(rank, 0, _MAX_RANK, "training.rank"), resource
 
 
 def spans_of_request(request: dict) -> Iterator[Span]:
     for resource_spans in request.get("resourceSpans") or ():
-        job, rank = _resource((resource_spans.get("resource") or {}).get("attributes"),
-                              (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK))
+        job, rank, resource = _resource((resource_spans.get("resource") or {}).get("attributes"),
+                                        (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK, semconv.TRAINING_CLOCK_OFFSET))
         if job is None or rank is None:
             continue  # not a training rank's telemetry
-        offset = _clock_offset((resource_spans.get("resource") or {}).get("attributes"))
+        offset = resource.get(semconv.TRAINING_CLOCK_OFFSET)
         for scope_spans in resource_spans.get("scopeSpans") or ():
             for span in scope_spans.get("spans") or ():
                 attributes = _attributes(span.get("attributes"), _KEPT)
@@ -264,7 +261,7 @@ def spans_of_request(request: dict) -> Iterator[Span]:
 
 def samples_of_request(request: dict) -> Iterator[Sample]:
     for resource_metrics in request.get("resourceMetrics") or ():
-        _job, rank = _resource((resource_metrics.get("resource") or {}).get("attributes"), (semconv.TRAINING_RANK,))
+        _job, rank, _ = _resource((resource_metrics.get("resource") or {}).get("attributes"), (semconv.TRAINING_RANK,))
         if rank is None:
             continue
         for scope_metrics in resource_metrics.get("scopeMetrics") or ():
@@ -284,8 +281,8 @@ def samples_of_request(request: dict) -> Iterator[Sample]:
                     time = _time(point.get("timeUnixNano", 0))
                     if value is None:
                         continue  # no reading: NaN, an infinity, beyond a double
-                    detail = (attributes.get(semconv.NVIDIA_GPU_THROTTLE_REASON)
-                              or attributes.get(semconv.HW_GPU_THROTTLE_REASON) or attributes.get(semconv.ERROR_TYPE))
+                    detail = (attributes.get(semconv.NVIDIA_GPU_THROTTLE_REASON) or
+                              attributes.get(semconv.HW_GPU_THROTTLE_REASON) or attributes.get(semconv.ERROR_TYPE))
                     yield Sample(rank, name, time, value, detail if isinstance(detail, str) else "")
 
 

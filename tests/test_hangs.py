@@ -134,13 +134,23 @@ def test_hang_in_forward_is_diagnosed_live_and_sigterm_reaches_the_rank_blocked_
     assert final["verdict"]["layer"] == "HANG" and final["verdict"]["rank"] == 1, final["verdict"]
 
 
-def test_hang_in_backward_with_an_earlier_desync(workdir):
+def test_hang_in_backward_with_an_earlier_desync_and_sigint_to_the_rank_that_waits(workdir):
     job = start(workdir, "--steps", "20", "--hang-rank", "0", "--hang-step", "6", "--hang-phase", "backward",
                 "--desync-rank", "1", "--desync-step", "3", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
     try:
         report, when = wait_for_hang(workdir, job)
+        # Ctrl-C reaches rank 1 blocked in gloo: KeyboardInterrupt cannot be raised there, the watchdog's
+        # thread writes the telemetry and the rank dies by SIGINT.
+        rank1 = int(_resources(workdir)[1]["process.pid"])
+        os.kill(rank1, signal.SIGINT)
+        job.wait(timeout=90)
     finally:
-        _stop(job, workdir)
+        output = _stop(job, workdir)
+    assert "SIGINT while the training thread is blocked" in output, output[-4000:]
+    assert f"exitcode  : -2 (pid: {rank1})" in output, output[-4000:]
+    assert any(rank == 1 and any(a["key"] == "training.hang.reason" and a["value"]["stringValue"] ==
+                                 "interrupted by SIGINT" for a in span["attributes"])
+               for rank, span in _hang_spans(workdir))
     hang, desync = report["findings"][:2]
     assert report["verdict"] == hang
     assert hang["rank"] == 0 and hang["step"] == 6, hang

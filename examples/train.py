@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import time
 
 import torch
@@ -91,6 +92,9 @@ def parse_args(argv=None):
     parser.add_argument("--print-steps", action="store_true",
                         help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
                              "optimizer step, exactly (repr)")
+    faults.add_argument("--block-in-step", type=int, default=0, metavar="K",
+                        help="the forward of step K blocks on rank 0 until a signal arrives, after printing "
+                             "'blocked in step K': a SIGTERM sent then lands inside a step")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -177,6 +181,9 @@ class TinyLM(nn.Module):
         # attention_mask needs no use here (the labels of padding are -100).
         if getattr(self, "crash", False):
             raise RuntimeError("injected crash in forward")
+        if getattr(self, "block", None):
+            print(f"blocked in step {self.block}", flush=True)
+            signal.pause()
         if self.delay:
             time.sleep(self.delay)
         hang = getattr(self, "hang", None)
@@ -303,10 +310,12 @@ def write_comms_counts(prefix: str, rank: int) -> None:
     pathlib.Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(counts))
 
 
-def inject_model_faults(args, model, step: int, rank: int) -> None:
-    """Before optimizer step ``step`` + 1: a crash on rank 0, every rank's slower compute, or one rank's hang."""
-    if args.crash_after and step == args.crash_after and rank == 0:
-        model.crash = True
+def inject_faults(args, model, rank: int, step: int) -> None:
+    """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks until a signal,
+    when asked to; every rank's compute slows down from --slowdown-at on; one rank hangs for good."""
+    if rank == 0:
+        model.crash = bool(args.crash_after) and step == args.crash_after
+        model.block = step + 1 if args.block_in_step and step + 1 == args.block_in_step else None
     if args.slowdown_at and step + 1 >= args.slowdown_at:
         model.slowdown = args.slowdown_factor
     if step + 1 == args.hang_step and rank == args.hang_rank:
@@ -371,7 +380,7 @@ def main(argv=None):
     injection = Injection(args, engine.global_rank)
     for step in range(args.steps):
         started = time.perf_counter()
-        inject_model_faults(args, model, step, engine.global_rank)
+        inject_faults(args, model, engine.global_rank, step)
         step_loss = 0.0
         for _ in range(args.grad_accum):
             batch = next(batches)

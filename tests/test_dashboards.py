@@ -325,7 +325,7 @@ def test_gpu_alerts_fire_for_the_sick_gpu_only(runs):
     sick = runs.jobs["straggler"]
     assert _ranks(_alert(runs, "TrainingGpuIdle", sick)) == {"1"}
     throttled = _alert(runs, "TrainingGpuThrottled", sick)
-    assert {(s["metric"]["training_rank"], s["metric"]["hw_gpu_throttle_reason"]) for s in throttled} == {
+    assert {(s["metric"]["training_rank"], s["metric"]["nvidia_gpu_throttle_reason"]) for s in throttled} == {
         ("1", "hw_thermal_slowdown"), ("1", "hw_power_brake_slowdown")}
     (ecc,) = _alert(runs, "TrainingGpuEccErrors", sick)
     assert ecc["metric"]["training_rank"] == "1" and ecc["value"] >= 1

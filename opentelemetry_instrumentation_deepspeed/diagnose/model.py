@@ -12,7 +12,6 @@ error with its rank, step, phase and memory figures (MEMORY).
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict, deque
 
 from opentelemetry_instrumentation_deepspeed import semconv
@@ -34,12 +33,19 @@ class _Baseline:
         """``value`` over the median when it is a spike, else None; ``value`` then joins the baseline."""
         found = None
         if len(self.values) >= MIN_BASELINE:
-            median = statistics.median(self.values)
-            spread = 1.4826 * statistics.median(abs(v - median) for v in self.values)
-            if median > 0 and value > self.factor * median and value - median > SPREAD_FACTOR * spread:
-                found = value / median
+            median = _median(sorted(self.values))
+            # The spread (a second sort) only for a candidate: this runs on the emitter's thread every step.
+            if median > 0 and value > self.factor * median:
+                spread = 1.4826 * _median(sorted(abs(v - median) for v in self.values))
+                if value - median > SPREAD_FACTOR * spread:
+                    found = value / median
         self.values.append(value)
         return found
+
+
+def _median(ordered: list) -> float:
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class NumericsWatch:

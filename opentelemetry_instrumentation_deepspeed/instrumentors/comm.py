@@ -123,6 +123,8 @@ class CommObserver(Component):
         route = group.routes.get(id(spec)) or self._route(spec, group)
         call = Collective(route, group.sequence, data_bytes, self._dtype(tensor), is_async, time.time_ns())
         group.sequence += 1
+        if spec.peer_name is not None:
+            call.peer = spec.peer(args, kwargs)
         recorder = registry.active()
         if recorder is not None:
             recorder.comm_issued(call, self._spans)

@@ -27,8 +27,9 @@ class JobIdentity:
     world_size: int
     clock: tuple[int, int] | None = None  # (offset, error) to rank 0's clock, nanoseconds (clock.py)
 
-    def resource_attributes(self) -> dict[str, object]:
-        """Ours, less what the user set in ``OTEL_RESOURCE_ATTRIBUTES`` or ``OTEL_SERVICE_NAME``: theirs wins."""
+    def resource_attributes(self, extra: dict | None = None) -> dict[str, object]:
+        """Ours (and ``extra``), less what the user set in ``OTEL_RESOURCE_ATTRIBUTES`` or ``OTEL_SERVICE_NAME``:
+        theirs wins."""
         attributes: dict[str, object] = {
             semconv.SERVICE_NAME: _script_name(),
             semconv.SERVICE_INSTANCE_ID: f"{self.job_id}-rank{self.rank}",
@@ -45,6 +46,7 @@ class JobIdentity:
         deepspeed = sys.modules.get("deepspeed")
         if deepspeed is not None:
             attributes[semconv.DEEPSPEED_VERSION] = getattr(deepspeed, "__version__", "unknown")
+        attributes.update(extra or {})
         user_keys = set(_user_resource_attributes())
         if os.environ.get("OTEL_SERVICE_NAME", "").strip():
             user_keys.add(semconv.SERVICE_NAME)

@@ -196,12 +196,17 @@ def test_a_skewed_clock_changes_neither_the_waits_nor_the_verdict(workdir, tmp_p
     unaligned = diagnose(_with_offset(workdir, tmp_path / "unaligned", 1, None))
     assert aligned["verdict"]["layer"] == truth["verdict"]["layer"] == "straggler"
     assert aligned["verdict"]["rank"] == truth["verdict"]["rank"] == 1
+    # Each synchronous collective's wait moves by at most the estimate's own error (a loaded machine's
+    # round trips make it up to a millisecond or so): the shares agree within that, per step.
+    miss = abs(estimated - skew * 1e9) / 1e9
+    per_step = aligned["clocks"]["1"]["collectives"] / aligned["ranks"]["1"]["steps"]
     for rank in ("0", "1"):
+        allowed = 0.01 + per_step * miss / aligned["ranks"][rank]["step_seconds"]["p50"]
         for part in ("comm_wait", "exposed_comm"):
             ours, exact = aligned["ranks"][rank]["shares"][part], truth["ranks"][rank]["shares"][part]
-            assert ours == pytest.approx(exact, abs=0.01), (rank, part)
+            assert ours == pytest.approx(exact, abs=allowed), (rank, part, miss)
     lateness = aligned["straggler"]["mean_arrival_lateness_seconds"]
-    assert lateness == pytest.approx(truth["straggler"]["mean_arrival_lateness_seconds"], abs=0.002)
+    assert lateness == pytest.approx(truth["straggler"]["mean_arrival_lateness_seconds"], abs=miss + 0.001)
     # The collectives joined by sequence end together once aligned: what is left of the offset is small.
     assert abs(aligned["clocks"]["1"]["residual_seconds"]) < 0.005 and aligned["clocks"]["1"]["collectives"] > 20
     # Without the offset, rank 0 seems to wait seconds in every collective, and the verdict changes.

@@ -184,6 +184,8 @@ class TinyLM(nn.Module):
         if getattr(self, "block", None):
             print(f"blocked in step {self.block}", flush=True)
             signal.pause()
+        if getattr(self, "out_of_memory", False):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         if self.delay:
             time.sleep(self.delay)
         hang = getattr(self, "hang", None)
@@ -242,9 +244,9 @@ class Injection:
         self.nan = parse(args.inject_nan, 2)
         self.oom = parse(args.inject_oom, 3)
 
-    def forward(self, step: int) -> None:
-        if self.oom and self.oom[0] == step and self.oom[1] == "forward":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    def forward(self, step: int, model) -> None:
+        """Arms the model's forward to run out of memory inside DeepSpeed's forward, as a real one would."""
+        model.out_of_memory = bool(self.oom and self.oom[0] == step and self.oom[1] == "forward")
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.loss_spike and self.loss_spike[0] == step:
@@ -385,7 +387,7 @@ def main(argv=None):
         for _ in range(args.grad_accum):
             batch = next(batches)
             batch = {name: value.to(engine.device) for name, value in batch.items()}
-            injection.forward(step + 1)
+            injection.forward(step + 1, model)
             loss = injection.loss(step + 1, engine(**batch))
             if args.backward == "engine":
                 engine.backward(loss)

@@ -134,13 +134,23 @@ def test_hang_in_forward_is_diagnosed_live_and_sigterm_reaches_the_rank_blocked_
     assert final["verdict"]["layer"] == "HANG" and final["verdict"]["rank"] == 1, final["verdict"]
 
 
-def test_hang_in_backward_with_an_earlier_desync(workdir):
+def test_hang_in_backward_with_an_earlier_desync_and_sigint_to_the_rank_that_waits(workdir):
     job = start(workdir, "--steps", "20", "--hang-rank", "0", "--hang-step", "6", "--hang-phase", "backward",
                 "--desync-rank", "1", "--desync-step", "3", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
     try:
         report, when = wait_for_hang(workdir, job)
+        # Ctrl-C reaches rank 1 blocked in gloo: KeyboardInterrupt cannot be raised there, the watchdog's
+        # thread writes the telemetry and the rank dies by SIGINT.
+        rank1 = int(_resources(workdir)[1]["process.pid"])
+        os.kill(rank1, signal.SIGINT)
+        job.wait(timeout=90)
     finally:
-        _stop(job, workdir)
+        output = _stop(job, workdir)
+    assert "SIGINT while the training thread is blocked" in output, output[-4000:]
+    assert f"exitcode  : -2 (pid: {rank1})" in output, output[-4000:]
+    assert any(rank == 1 and any(a["key"] == "training.hang.reason" and a["value"]["stringValue"] ==
+                                 "interrupted by SIGINT" for a in span["attributes"])
+               for rank, span in _hang_spans(workdir))
     hang, desync = report["findings"][:2]
     assert report["verdict"] == hang
     assert hang["rank"] == 0 and hang["step"] == 6, hang
@@ -186,12 +196,17 @@ def test_a_skewed_clock_changes_neither_the_waits_nor_the_verdict(workdir, tmp_p
     unaligned = diagnose(_with_offset(workdir, tmp_path / "unaligned", 1, None))
     assert aligned["verdict"]["layer"] == truth["verdict"]["layer"] == "straggler"
     assert aligned["verdict"]["rank"] == truth["verdict"]["rank"] == 1
+    # Each synchronous collective's wait moves by at most the estimate's own error (a loaded machine's
+    # round trips make it up to a millisecond or so): the shares agree within that, per step.
+    miss = abs(estimated - skew * 1e9) / 1e9
+    per_step = aligned["clocks"]["1"]["collectives"] / aligned["ranks"]["1"]["steps"]
     for rank in ("0", "1"):
+        allowed = 0.01 + per_step * miss / aligned["ranks"][rank]["step_seconds"]["p50"]
         for part in ("comm_wait", "exposed_comm"):
             ours, exact = aligned["ranks"][rank]["shares"][part], truth["ranks"][rank]["shares"][part]
-            assert ours == pytest.approx(exact, abs=0.01), (rank, part)
+            assert ours == pytest.approx(exact, abs=allowed), (rank, part, miss)
     lateness = aligned["straggler"]["mean_arrival_lateness_seconds"]
-    assert lateness == pytest.approx(truth["straggler"]["mean_arrival_lateness_seconds"], abs=0.002)
+    assert lateness == pytest.approx(truth["straggler"]["mean_arrival_lateness_seconds"], abs=miss + 0.001)
     # The collectives joined by sequence end together once aligned: what is left of the offset is small.
     assert abs(aligned["clocks"]["1"]["residual_seconds"]) < 0.005 and aligned["clocks"]["1"]["collectives"] > 20
     # Without the offset, rank 0 seems to wait seconds in every collective, and the verdict changes.

@@ -32,12 +32,13 @@ def diagnose(workdir) -> dict:
 
 def test_each_stage_traces_its_steps_micro_batches_and_transfers(tmp_path):
     args = ("--steps", str(STEPS), "--micro-batches", str(MICRO_BATCHES), "--eval")
-    (tmp_path / "traced").mkdir()
-    (tmp_path / "bare").mkdir()
-    run = launch(tmp_path / "traced", "deepspeed", *args, script=PIPELINE).check()
-    bare = launch(tmp_path / "bare", "deepspeed", *args, script=PIPELINE, instrument=False).check()
-    assert losses(run) == losses(bare), "the instrumentation changed the numbers"
+    run = launch(tmp_path, "deepspeed", *args, script=PIPELINE).check()
     assert run.trained() == (STEPS, 0)
+    # Each step's loss, as train_batch() returned it, is the step's training.loss on the last stage.
+    returned = [float(loss) for loss in losses(run).split()]
+    last_stage = sorted((s for s in run.by_rank()[1] if s.name == "training.step"),
+                        key=lambda s: s.attributes["training.step"])
+    assert [s.attributes["training.loss"] for s in last_stage] == pytest.approx(returned, abs=2e-6)
 
     ranks = run.by_rank()
     assert set(ranks) == {0, 1}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs, pipeline
-from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import BROKEN_RUN, ModelFindings  # model, memory
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
@@ -137,12 +137,12 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
-        self._arrivals: dict[tuple[str, str, int], int] = {}  # filled by result(), from _collectives
         self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
         self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
         self.model = ModelFindings()  # model and memory layers
         self._inputs = inputs.InputSeries()  # the input layer
         self.pipeline = pipeline.PipelineAnalysis()  # pipeline parallelism (diagnose/pipeline.py)
+        self._arrivals: dict[tuple[str, str, int], int] = {}  # filled by result(), from _collectives
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -182,6 +182,7 @@ class Analysis:
         if not self.jobs:
             return {"job_id": None, "ranks": {}, "verdict": _verdict_none("no training spans in the input")}
         job = job if job is not None else max(self.jobs, key=self.jobs.get)
+        self._waits_where_they_happened(job)  # data waits fetched ahead (issue 19)
         by_rank: dict[int, list[dict]] = defaultdict(list)
         for (step_job, rank, _trace), step in self._steps.items():
             if step_job == job and step.seen:
@@ -214,6 +215,9 @@ class Analysis:
         if findings and result["verdict"]["layer"] == "none":
             result["verdict"] = findings[0]
         # --
+        broken = [f for f in model if f["confidence"] >= BROKEN_RUN]  # a NaN or an OOM: broken, not slow
+        if broken:
+            result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
         found = self.hangs.findings(job)
         if found:
@@ -225,6 +229,25 @@ class Analysis:
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)
         return result
+
+    def _waits_where_they_happened(self, job: str) -> None:
+        """A data wait fetched ahead (a loader's look-ahead) is the child of the step whose micro-batch
+        it fetched, but the loop was blocked on it before that step started: its time counts in the
+        step of the same rank that was running then."""
+        by_rank: dict[int, list[_Step]] = defaultdict(list)
+        for (step_job, rank, _trace), step in self._steps.items():
+            if step_job == job and step.seen:
+                by_rank[rank].append(step)
+        for steps in by_rank.values():
+            steps.sort(key=lambda s: s.start)
+            starts = [s.start for s in steps]
+            for step in steps:
+                ahead = [p for p in step.phases if p[0] == "data_wait" and p[2] <= step.start]
+                for phase in ahead:
+                    index = bisect.bisect_right(starts, phase[1]) - 1
+                    if index >= 0 and phase[1] < steps[index].end and steps[index] is not step:
+                        step.phases.remove(phase)
+                        steps[index].phases.append(phase)
 
     def _timelines(self, job: str, by_rank: dict[int, list[dict]]) -> dict:
         """The slowest and a typical step, on every rank: phases and collectives on one clock."""

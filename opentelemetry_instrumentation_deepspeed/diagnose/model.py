@@ -108,6 +108,9 @@ _TITLES = {semconv.NUMERICS_NONFINITE_LOSS: "non-finite loss", semconv.NUMERICS_
            "non-finite gradient norm", semconv.NUMERICS_LOSS_SPIKE: "loss spike",
            semconv.NUMERICS_GRAD_NORM_SPIKE: "gradient-norm spike", semconv.NUMERICS_SKIPPED_RUN:
            "run of skipped steps"}
+# Findings this sure (non-finite numerics, an out-of-memory error) mean a broken run, not a slow one: they
+# are the verdict even where a time-based layer stands out.
+BROKEN_RUN = 0.95
 _CONFIDENCE = {semconv.NUMERICS_NONFINITE_LOSS: 0.95, semconv.NUMERICS_NONFINITE_GRAD_NORM: 0.95,
                semconv.NUMERICS_LOSS_SPIKE: 0.8, semconv.NUMERICS_GRAD_NORM_SPIKE: 0.7,
                semconv.NUMERICS_SKIPPED_RUN: 0.8}

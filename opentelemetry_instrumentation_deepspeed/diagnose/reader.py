@@ -138,8 +138,12 @@ def _value(value: dict):
         if isinstance(inner, bool) or not isinstance(inner, (int, float, str)):
             raise Shape(f"doubleValue {_shown(inner)} is not a number")
         return float(inner) if not isinstance(inner, int) else inner  # OTLP JSON writes NaN, inf as strings
-    if kind == "arrayValue":
-        return tuple(_value(item) for item in (inner or {}).get("values") or ())
+    if kind == "arrayValue":  # one level: a hang report's sequences per group
+        items = inner.get("values") if isinstance(inner, dict) else None
+        if not isinstance(items, list):
+            return None
+        return tuple(_value(item) if not (isinstance(item, dict) and "arrayValue" in item) else None
+                     for item in items)
     return inner if kind in ("stringValue", "boolValue") else None
 
 

@@ -80,7 +80,8 @@ def patch_schedule(module) -> None:
     """Wrap the forward, backward and optimizer-step instructions of ``PipelineEngine``'s map, once."""
     schedule = sys.modules["deepspeed.runtime.pipe.schedule"]
     starts = {schedule.ForwardPass: lambda recorder, engine: recorder.forward_started(engine),
-              schedule.BackwardPass: lambda recorder, engine: recorder.backward_started(engine),
+              schedule.BackwardPass: lambda recorder, engine: recorder.backward_started(
+                  engine, loss=engine.loss if engine.is_last_stage() else None),
               schedule.OptimizerStep: lambda recorder, engine: recorder.pipeline_optimizer_started(engine)}
     instructions = module.PipelineEngine._INSTRUCTION_MAP
     for kind, start in starts.items():

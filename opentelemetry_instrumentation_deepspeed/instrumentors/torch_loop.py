@@ -43,6 +43,7 @@ _logger = logging.getLogger(__name__)
 _DDP_MODULE = "torch.nn.parallel.distributed"
 _FSDP_MODULES = ("torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed.fsdp._fully_shard",
                  "torch.distributed.fsdp")
+_MAX_MICRO_BATCHES = 1024
 _depth = threading.local()  # forwards of hooked modules running on this thread: the outermost is the micro-batch's
 
 
@@ -69,7 +70,8 @@ class TorchLoop:
         return 0  # unknown: samples are counted from each forward's batch
 
     def gradient_accumulation_steps(self):
-        return 1
+        # Undeclared: every fetch inside a step is one of its micro-batches, up to this many.
+        return _MAX_MICRO_BATCHES
 
     def train_batch_size(self):
         return 0
@@ -182,7 +184,7 @@ def _ddp_forward(wrapped, instance, args, kwargs):
         raise
     finally:
         _depth.value = 0
-    recorder.phase_ended(phase)
+    recorder.forward_ended(phase, result)
     return result
 
 
@@ -214,7 +216,7 @@ def _hook_forward(module) -> None:
             return
         _depth.phase = recorder.forward_started(loop, args, kwargs)
 
-    def after(_hooked, _args, _output):
+    def after(_hooked, _args, output):
         _depth.value = depth = getattr(_depth, "value", 1) - 1
         if depth:
             return
@@ -226,7 +228,7 @@ def _hook_forward(module) -> None:
         if error is not None:
             recorder.phase_failed(phase, error)
         else:
-            recorder.phase_ended(phase)
+            recorder.forward_ended(phase, output)
 
     _state.hooks.append(module.register_forward_pre_hook(before, prepend=True, with_kwargs=True))
     _state.hooks.append(module.register_forward_hook(after, always_call=True))
@@ -236,7 +238,8 @@ def _backward(wrapped, instance, args, kwargs):
     loop, recorder = _recorder()
     if recorder is None:
         return wrapped(*args, **kwargs)
-    phase = recorder.backward_started(loop)
+    tensors = args[0] if args else kwargs.get("tensors")
+    phase = recorder.backward_started(loop, loss=tensors if getattr(tensors, "ndim", None) == 0 else None)
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:

@@ -350,6 +350,7 @@ def main():
     parser.add_argument("--metric-interval", type=float, default=10.0, help="seconds between GPU samples")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--diagnose", action="store_true", help="then time diagnose from files and from Tempo")
+    parser.add_argument("--sources", default="files,tempo", help="what --diagnose reads: files, tempo or both")
     args = parser.parse_args()
     out = Path(args.out)
     started = time.perf_counter()
@@ -365,7 +366,10 @@ def main():
     print(f"{size / 2**20:.0f} MiB of OTLP JSON lines in {len(list(job['folder'].iterdir()))} files")
     if not args.diagnose:
         return
-    show("files", diagnose(str(job["folder"])), args)
+    if "files" in args.sources:
+        show("files", diagnose(str(job["folder"])), args)
+    if "tempo" not in args.sources:
+        return
     server, url = serve_tempo(job["tempo"], job["job"])
     try:
         show("Tempo API", diagnose("--tempo", url, "--job", job["job"]), args)

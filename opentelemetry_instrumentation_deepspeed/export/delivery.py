@@ -207,8 +207,9 @@ _point_pipes: list[_CountingExporter] = []
 def count_unsent_spans(_reason: str = "") -> None:
     """After the spans' last flush (ended, or left behind at its deadline): what it did not deliver is lost."""
     for processor, component, counting in _span_pipes:
-        # In-flight first: a batch taken off the queue meanwhile is refused by the settled exporter,
-        # and those spans were never counted: take the queue's length after settling.
+        # The settled exporter refuses (uncounted) a batch taken off the queue after the queue's
+        # length is read here: those spans are counted once, as queued. The SDK's shutdown has
+        # stopped its worker taking batches by now (its timeout ended before this stage's).
         counting.settle()
         LEDGER.add(LEDGER.processed, component, sdk.queued_spans(processor), EXIT_TIMEOUT)
 

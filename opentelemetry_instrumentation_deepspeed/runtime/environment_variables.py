@@ -40,9 +40,10 @@ telemetry, then die by SIGTERM as before. ``true`` or ``false``. Default: ``true
 
 OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT"
 """Most seconds the telemetry adds to a process's exit, or to its death after SIGTERM, whatever the
-collector does (refuses, never answers, answers errors, slowly): the last spans get about half of
-it, the last metrics most of the rest; what is not delivered by then is counted as lost and said
-in the summary line. 0: no last flush at all. Default: 5.
+collector does (refuses, never answers, answers errors, slowly): the last spans get 40% of it,
+the last metrics until 70%, the rest is left for the interpreter's own exit; what is not
+delivered by then is counted as lost and said in the summary line. 0: no last flush at all.
+Default: 5.
 """
 
 OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL = "OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL"

@@ -50,9 +50,14 @@ def parse_args(argv=None):
     faults.add_argument("--stall-every", type=int, default=0, metavar="K",
                         help="the data loader stalls on every K-th optimizer step (its first micro-batch)")
     faults.add_argument("--stall-ms", type=float, default=200.0, metavar="D", help="length of each stall")
+    faults.add_argument("--stall-rank", type=int, default=-1, metavar="R",
+                        help="only rank R's data loader stalls (default: every rank's)")
     faults.add_argument("--slow-rank", type=int, default=-1, metavar="R",
-                        help="rank R computes --slow-ms longer in each forward (a straggler)")
+                        help="rank R computes --slow-ms longer in each --slow-phase (a straggler)")
     faults.add_argument("--slow-ms", type=float, default=50.0, metavar="D")
+    faults.add_argument("--slow-phase", choices=("forward", "backward", "optimizer"), default="forward",
+                        help="where the slow rank spends its extra time: each forward, each backward, or each "
+                             "optimizer step")
     faults.add_argument("--comm-heavy", action="store_true",
                         help="add 8M parameters that cost no compute, as a large embedding does, and update "
                              "with SGD: each step's large gradient all-reduce dominates")
@@ -105,11 +110,26 @@ class StallingCollate:
         return torch.utils.data.default_collate(samples)
 
 
+class _SlowBackward(torch.autograd.Function):
+    """The identity forward; its backward sleeps first: extra backward time on one rank."""
+
+    @staticmethod
+    def forward(ctx, tensor, seconds):
+        ctx.seconds = seconds
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, d_model: int, layers: int, seq_len: int, *, delay_ms: float = 0.0,
-                 ballast: int = 0):
+                 backward_delay_ms: float = 0.0, ballast: int = 0):
         super().__init__()
         self.delay = delay_ms / 1000
+        self.backward_delay = backward_delay_ms / 1000
         self.ballast = nn.Parameter(torch.zeros(ballast)) if ballast else None
         self.embed = nn.Embedding(vocab, d_model)
         self.position = nn.Parameter(torch.zeros(1, seq_len, d_model))
@@ -129,6 +149,8 @@ class TinyLM(nn.Module):
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        if self.backward_delay:
+            loss = _SlowBackward.apply(loss, self.backward_delay)
         return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
 
 
@@ -165,12 +187,23 @@ def average_loss(loss: torch.Tensor, asynchronous: bool) -> float:
     return total.item() / torch.distributed.get_world_size()
 
 
-def make_optimizer(args, model):
+def make_optimizer(args, model, delay_ms: float = 0.0):
     """A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU. The
-    communication-heavy configuration updates with plain SGD, so its large gradients dominate."""
+    communication-heavy configuration updates with plain SGD, so its large gradients dominate.
+    ``delay_ms``: each of its steps takes that much longer (a slow optimizer on one rank)."""
     if args.comm_heavy:
-        return torch.optim.SGD(model.parameters(), lr=1e-2)
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if delay_ms:
+        step = optimizer.step
+
+        def slow_step(*args, **kwargs):
+            time.sleep(delay_ms / 1000)
+            return step(*args, **kwargs)
+
+        optimizer.step = slow_step
+    return optimizer
 
 
 def write_comms_counts(prefix: str, rank: int) -> None:
@@ -185,8 +218,9 @@ def write_comms_counts(prefix: str, rank: int) -> None:
 
 def make_loader(args, engine, dataset) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
+    every = args.stall_every if args.stall_rank in (-1, engine.global_rank) else 0
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
-                      collate_fn=StallingCollate(args.stall_every, args.stall_ms, args.grad_accum))
+                      collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum))
 
 
 def main(argv=None):
@@ -203,9 +237,10 @@ def main(argv=None):
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
-    model = TinyLM(args.vocab, args.d_model, args.layers, args.seq_len, delay_ms=delay,
-                   ballast=8 * 2**20 if args.comm_heavy else 0)
-    optimizer = make_optimizer(args, model)
+    delays = {phase: delay if phase == args.slow_phase else 0.0 for phase in ("forward", "backward", "optimizer")}
+    model = TinyLM(args.vocab, args.d_model, args.layers, args.seq_len, delay_ms=delays["forward"],
+                   backward_delay_ms=delays["backward"], ballast=8 * 2**20 if args.comm_heavy else 0)
+    optimizer = make_optimizer(args, model, delays["optimizer"])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dataset = SyntheticTokens(args.steps * args.grad_accum * args.micro_batch_size * world_size,
                               args.seq_len, args.vocab, args.seed)

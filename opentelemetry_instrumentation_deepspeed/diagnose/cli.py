@@ -47,13 +47,24 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
                       "bad_lines": stats.bad_lines, "problems": stats.problems}}
 
 
+def _cost(finding: dict) -> list[str]:
+    if finding.get("cost_seconds") is None:
+        return []
+    share = f" ({finding['cost_share']:.0%} of the run)" if finding.get("cost_share") is not None else ""
+    return [f"  cost: {finding['cost_seconds']:.2f} s{share}; confidence {finding.get('confidence', 1.0):.1%}"]
+
+
 def render_text(report: dict) -> str:
     lines = []
     verdict = report["verdict"]
     lines.append(f"Job {report['job_id']}: {report['job'].get('ranks', 0) if report.get('job') else 0} rank(s)")
     lines.append(f"Verdict: {verdict['layer'].upper()}: {verdict['summary']}")
+    lines += _cost(verdict)
     lines += [f"  evidence: {item}" for item in verdict.get("evidence", [])]
     lines += [f"  remedy: {item}" for item in verdict.get("remedies", [])]
+    for other in report.get("findings", [])[1:]:  # the rest, by the time they cost
+        lines.append(f"Also: {other['layer'].upper()}: {other['summary']}")
+        lines += _cost(other)
     job = report.get("job") or {}
     if job:
         shares = job["shares"]

@@ -9,6 +9,8 @@ rank, right period/step (or phase), all three, and the seconds `diagnose` took.
 
     python benchmarks/accuracy.py --repeat 6 --healthy 20            # every class
     python benchmarks/accuracy.py --classes loader-stall-rank --repeat 3 --seed 7
+    python benchmarks/accuracy.py --keep runs/ ...; python benchmarks/accuracy.py --rescore runs/
+                                                       # diagnose kept runs again (after a change)
 
 A new class (a hang, an input shift, a desync) is one more entry: a ``draw(rng)`` returning the
 example's arguments, the launcher and the expected diagnosis, and optionally its own ``judge``.
@@ -125,6 +127,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def diagnose(workdir: Path) -> tuple[dict, float, str]:
+    started = time.perf_counter()
+    diagnosed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=workdir,
+                               capture_output=True, text=True, timeout=600, check=False)
+    return json.loads(diagnosed.stdout), time.perf_counter() - started, diagnosed.stderr[-500:]
+
+
 def run_once(draw: Draw, workdir: Path) -> tuple[dict | None, float, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHELASTIC_"))
            and key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -141,11 +150,48 @@ def run_once(draw: Draw, workdir: Path) -> tuple[dict | None, float, str]:
                                check=False)
     if completed.returncode:
         return None, 0.0, completed.stderr[-1500:]
-    started = time.perf_counter()
-    diagnosed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=workdir,
-                               capture_output=True, text=True, timeout=600, check=False)
-    seconds = time.perf_counter() - started
-    return json.loads(diagnosed.stdout), seconds, diagnosed.stderr[-500:]
+    return diagnose(workdir)
+
+
+def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, args) -> tuple[dict, float]:
+    if report is None:
+        score = {"layer": False, "rank": False, "pattern": False}
+        verdict = {"layer": "run failed", "summary": ""}
+    else:
+        score = fault.judge(report, draw.expected)
+        verdict = report["verdict"]
+    line = {"class": fault.name, "args": draw.args, "ranks": draw.ranks, "expected": draw.expected.__dict__,
+            "verdict": {k: verdict.get(k) for k in ("layer", "rank", "period", "offset", "phase", "cost_share",
+                                                    "confidence")},
+            "score": score, "diagnose_seconds": round(seconds, 2)}
+    print(json.dumps(line), flush=True)
+    if args.results:
+        with open(args.results, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(line) + "\n")
+    return score, seconds
+
+
+def print_table(table: dict) -> None:
+    print("\n| class | runs | right layer | right rank | right period / phase | all right | diagnose s (max) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, rows in table.items():
+        count = len(rows)
+        right = {key: sum(score[key] for score, _s in rows) for key in ("layer", "rank", "pattern")}
+        every = sum(all(score.values()) for score, _s in rows)
+        print(f"| {name} | {count} | {right['layer']}/{count} | {right['rank']}/{count} | {right['pattern']}/{count} "
+              f"| {every}/{count} | {max((s for _x, s in rows), default=0):.1f} |")
+
+
+def rescore(directory: Path, args) -> None:
+    table = {}
+    classes = {fault.name: fault for fault in CLASSES}
+    for kept in sorted(directory.iterdir(), key=lambda p: (p.name.rsplit("-", 1)[0], int(p.name.rsplit("-", 1)[1]))):
+        saved = json.loads((kept / "draw.json").read_text())
+        fault = classes[saved["class"]]
+        draw = Draw(saved["args"], Expected(**saved["expected"]), saved["ranks"])
+        report, seconds, _problem = diagnose(kept)
+        table.setdefault(fault.name, []).append(record(fault, draw, report, seconds, args))
+    print_table(table)
 
 
 def main():
@@ -156,42 +202,32 @@ def main():
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--keep", help="keep each run's telemetry under this directory")
     parser.add_argument("--results", help="append one JSON line per run to this file")
+    parser.add_argument("--rescore", metavar="DIR", help="diagnose the runs kept under DIR again; run nothing")
     args = parser.parse_args()
+    if args.rescore:
+        rescore(Path(args.rescore), args)
+        return
     rng = random.Random(args.seed)
-    table = {}
-    for fault in (c for c in CLASSES if c.name in args.classes):
-        rows = table.setdefault(fault.name, [])
-        for repetition in range(args.healthy if fault.name == "healthy" else args.repeat):
-            draw = fault.draw(rng)
-            workdir = Path(tempfile.mkdtemp(prefix=f"accuracy-{fault.name}-"))
-            report, seconds, problem = run_once(draw, workdir)
-            if report is None:
-                print(f"{fault.name} #{repetition}: the run failed: {problem}", flush=True)
-                score = {"layer": False, "rank": False, "pattern": False}
-                verdict = {"layer": "run failed", "summary": ""}
-            else:
-                score = fault.judge(report, draw.expected)
-                verdict = report["verdict"]
-            rows.append((score, seconds))
-            line = {"class": fault.name, "args": draw.args, "ranks": draw.ranks, "expected": draw.expected.__dict__,
-                    "verdict": {k: verdict.get(k) for k in ("layer", "rank", "period", "offset", "phase",
-                                                            "cost_share", "confidence")},
-                    "score": score, "diagnose_seconds": round(seconds, 2)}
-            print(json.dumps(line), flush=True)
-            if args.results:
-                with open(args.results, "a", encoding="utf-8") as handle:
-                    handle.write(json.dumps(line) + "\n")
-            if args.keep:
-                shutil.copytree(workdir, Path(args.keep) / f"{fault.name}-{repetition}", dirs_exist_ok=True)
-            shutil.rmtree(workdir, ignore_errors=True)
-    print("\n| class | runs | right layer | right rank | right period / phase | all right | diagnose s (max) |")
-    print("|---|---|---|---|---|---|---|")
-    for name, rows in table.items():
-        count = len(rows)
-        right = {key: sum(score[key] for score, _s in rows) for key in ("layer", "rank", "pattern")}
-        every = sum(all(score.values()) for score, _s in rows)
-        print(f"| {name} | {count} | {right['layer']}/{count} | {right['rank']}/{count} | {right['pattern']}/{count} "
-              f"| {every}/{count} | {max((s for _x, s in rows), default=0):.1f} |")
+    chosen = [c for c in CLASSES if c.name in args.classes]
+    table = {fault.name: [] for fault in chosen}
+    # Round robin over the classes, so that a load on the machine falls on all of them alike.
+    counts = {fault.name: args.healthy if fault.name == "healthy" else args.repeat for fault in chosen}
+    schedule = [(fault, repetition) for repetition in range(max(counts.values(), default=0))
+                for fault in chosen if repetition < counts[fault.name]]
+    for fault, repetition in schedule:
+        draw = fault.draw(rng)
+        workdir = Path(tempfile.mkdtemp(prefix=f"accuracy-{fault.name}-"))
+        report, seconds, problem = run_once(draw, workdir)
+        if report is None:
+            print(f"{fault.name} #{repetition}: the run failed: {problem}", flush=True)
+        table[fault.name].append(record(fault, draw, report, seconds, args))
+        if args.keep and (workdir / "telemetry").is_dir():
+            kept = Path(args.keep) / f"{fault.name}-{repetition}"
+            shutil.copytree(workdir / "telemetry", kept / "telemetry", dirs_exist_ok=True)
+            (kept / "draw.json").write_text(json.dumps({"class": fault.name, "args": draw.args, "ranks": draw.ranks,
+                                                        "expected": draw.expected.__dict__}))
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(table)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ least MIN_COST_SHARE of the run and holds beyond chance (a test at ALPHA, named 
   earlier collective, host work), a part that grows every k-th step (``periodic.find_period``).
   When the same pattern is on every rank it is one job-wide finding; on some ranks only, it is
   theirs, and the waits of the other ranks in those steps are its consequence;
-- **late rank**: a rank that is the last to arrive at the step's collectives in most steps (a
-  one-sided binomial test against 1/ranks), with the part of its own step that explains the wait;
-- **steady shares**: data wait or exposed communication taking a large share of most steps (a sign
-  test over the steps).
+- **late rank**: a rank whose own part of the step is longer than the other ranks' median, step
+  after step (a one-sided Wilcoxon signed-rank test on the per-step excess), costing the time the
+  others wait for it in the collectives, up to that excess;
+- **steady shares**: data wait or exposed communication above a share of the run's step time
+  (a bootstrap over the steps: the share stays above the threshold in all but ALPHA of resamples).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ MIN_COST_SHARE = 0.05  # a finding must cost at least this share of the run's st
 ALPHA = periodic.ALPHA  # and hold beyond chance at this level
 DATA_WAIT_SHARE = 0.25  # data wait above this share of a step, in most steps
 COMM_SHARE = 0.30  # exposed communication above this share of a step, in most steps
-LATE_SHARE = 0.6  # a late rank: the last to arrive in at least this share of the steps
+BOOTSTRAP = 999  # resamples of the steps for a share's test
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
 
 LAYER_OF_PART = {"data_wait": "data loading", "forward": "compute", "backward": "compute", "optimizer": "compute",
@@ -189,57 +190,59 @@ class StepFindings:
     # -- a rank the others wait for in most steps -----------------------------------------------------
 
     def late_ranks(self, covered: set) -> list[dict]:
+        """A rank whose own part (its forward, its data wait, ...) is longer than the other ranks' in
+        most steps (a sign test), and whose excess the others wait for in the collectives. Which rank
+        arrives last in a given step is noisy on a busy host; the excess of its own part is not."""
         if len(self.steady) < 2:
             return []
         numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
-        late: dict[int, list[tuple[int, float]]] = defaultdict(list)
-        trials = 0
-        for step in numbers:
-            rank, seconds = self.waits.late_rank(step)
-            if rank is not None:
-                trials += 1
-                late[rank].append((step, seconds))
         found = []
-        for rank, steps in sorted(late.items()):
-            if len(steps) < LATE_SHARE * trials:
+        excess_of = waits_module.Excess(self.parts)
+        for rank in sorted(self.steady):
+            held = self.waits.held.get(rank, {})
+            excesses = {step: excess_of.of(rank, step) for step in numbers}
+            best = None
+            for part in OWN_PARTS:
+                excess = {step: excesses[step].get(part, 0.0) for step in numbers}
+                longer = sum(value > 0 for value in excess.values())
+                p_value = waits_module.signed_rank_p(list(excess.values()))
+                # The job loses what the others wait for, up to this part's excess.
+                cost = sum(min(max(excess[step], 0.0), held.get(step, 0.0)) for step in numbers)
+                if p_value <= ALPHA and cost >= self.min_cost and (best is None or cost > best[1]):
+                    best = (part, cost, p_value, excess, longer)
+            if best is None:
                 continue
-            p_value = waits_module.binomial_tail(len(steps), trials, 1 / len(self.steady))
-            explained: dict[str, float] = defaultdict(float)
-            for step, seconds in steps:
-                for part, extra in waits_module.excess_parts(self.parts, rank, step).items():
-                    explained[part] += min(max(extra, 0.0), seconds)
-            if not explained:
-                continue
-            part = max(explained, key=explained.get)
-            cost = explained[part]
+            part, cost, p_value, excess, longer = best
             # Late because its previous collective ended later: that is communication, judged by its share.
-            if p_value > ALPHA or cost < self.min_cost or part == "exposed_comm" or (rank, part) in covered:
+            if part == "exposed_comm" or (rank, part) in covered:
                 continue
-            layer = "straggler" if part in COMPUTE else LAYER_OF_PART[part]
-            held = sum(seconds for _step, seconds in steps)
+            late = [step for step in numbers if self.waits.late_rank(step)[0] == rank]
             lateness = self.waits.lateness.get(rank, [])
             traces = self.traces.get(rank, {})
-            slowest = [step for step, _s in sorted(steps, key=lambda item: -item[1])[:5]]
-            waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step, _s in steps)
+            slowest = sorted(late, key=lambda step: -held.get(step, 0.0))[:5]
+            waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step in numbers)
                        for other in self.steady if other != rank}
+            extra = statistics.median(excess.values())
             found.append(finding(
-                layer, f"rank {rank} is late in {len(steps)} of {trials} steps: its {WHAT[part]} takes "
-                       f"{_ms(cost / len(steps))} longer than the other ranks' median; they wait for it in collectives",
-                evidence=[f"the other ranks wait {_ms(held / len(steps))} per step for it on average",
+                "straggler" if part in COMPUTE else LAYER_OF_PART[part],
+                f"rank {rank}'s {WHAT[part]} takes {_ms(extra)} longer than the other ranks' (median per step); "
+                f"they wait for it in collectives",
+                evidence=[f"longer than the other ranks' median in {longer} of {len(numbers)} steps "
+                          f"(Wilcoxon signed-rank test: p = {p_value:.2g})",
+                          f"the last to arrive at the collectives in {len(late)} of {len(numbers)} steps; the others "
+                          f"wait {_ms(sum(held.get(step, 0.0) for step in numbers) / len(numbers))} per step for it",
                           f"arrives {_ms(statistics.fmean(lateness) if lateness else 0.0)} late on average at "
-                          f"{len(lateness)} collectives joined across ranks",
-                          f"binomial test (last in {len(steps)} of {trials} steps, chance 1/{len(self.steady)}): "
-                          f"p = {p_value:.2g}"],
-                rank=rank, step=steps[0][0], cost_seconds=cost, run_seconds=self.run_seconds,
+                          f"{len(lateness)} collectives joined across ranks"],
+                rank=rank, step=numbers[0], cost_seconds=cost, run_seconds=self.run_seconds,
                 confidence=1 - p_value, trace_ids=[traces[s] for s in slowest if s in traces], phase=part,
-                steps=[step for step, _s in steps], extra_seconds=cost / len(steps), test="binomial",
-                chain={"late_ranks": [rank], "phase": part, "waiting": {str(r): s for r, s in sorted(waiting.items())
-                                                                        if s > 0}}))
+                steps=late, extra_seconds=extra, test="signed-rank",
+                chain={"late_ranks": [rank], "phase": part,
+                       "waiting": {str(r): s for r, s in sorted(waiting.items()) if s > 0}}))
         return found
 
     def straggler(self, findings: list[dict]) -> dict | None:
         """The former ``straggler`` block of the report, from a late-rank finding whose cause is compute."""
-        late = [f for f in findings if f.get("test") == "binomial" and f["phase"] in COMPUTE]
+        late = [f for f in findings if f.get("test") == "signed-rank" and f["phase"] in COMPUTE]
         if not late:
             return None
         top = max(late, key=lambda f: f["cost_seconds"])
@@ -252,7 +255,7 @@ class StepFindings:
                                                                                  for o in others))
         lateness = self.waits.lateness.get(rank, [])
         return {"rank": rank, "extra_compute_seconds": statistics.fmean(extra) if extra else 0.0,
-                "slowest_in_steps": len(top["steps"]), "steps": len(self.parts[rank]),
+                "slowest_in_steps": sum(value > 0 for value in extra), "steps": len(extra),
                 "collectives_joined": len(lateness),
                 "mean_arrival_lateness_seconds": statistics.fmean(lateness) if lateness else 0.0}
 
@@ -260,30 +263,34 @@ class StepFindings:
 
     def steady_shares(self, covered: set) -> list[dict]:
         found = []
+        numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
         for part, threshold, layer in (("data_wait", DATA_WAIT_SHARE, "data loading"),
                                        ("exposed_comm", COMM_SHARE, "communication")):
-            if part in covered:
+            if part in covered or not numbers:
                 continue
-            shares, seconds = [], []
-            for step in sorted(set.intersection(*(set(parts) for parts in self.parts.values()))):
-                per_rank = [(self.parts[rank][step][part], sum(self.parts[rank][step].values()))
-                            for rank in self.parts]
-                seconds.append(statistics.fmean(value for value, _total in per_rank))
-                shares.append(statistics.fmean(value / total if total else 0.0 for value, total in per_rank))
-            if not shares:
+            # Per step, the mean over ranks of the part and of the step.
+            seconds = [statistics.fmean(self.parts[rank][step][part] for rank in self.parts) for step in numbers]
+            totals = [statistics.fmean(sum(self.parts[rank][step].values()) for rank in self.parts) for step in numbers]
+            share = sum(seconds) / (sum(totals) or 1.0)
+            if share <= threshold or sum(seconds) < self.min_cost:
                 continue
-            share = sum(seconds) / self.run_seconds
-            above = sum(value > threshold for value in shares)
-            p_value = waits_module.binomial_tail(above, len(shares), 0.5)
-            if share <= threshold or p_value > ALPHA or sum(seconds) < self.min_cost:
+            # Bootstrap over the steps: how often a run of such steps would still be above the threshold.
+            below = 0
+            for _ in range(BOOTSTRAP):
+                picks = [self.rng.randrange(len(numbers)) for _ in numbers]
+                below += sum(seconds[i] for i in picks) <= threshold * sum(totals[i] for i in picks)
+            p_value = (below + 1) / (BOOTSTRAP + 1)
+            if p_value > ALPHA:
                 continue
+            above = sum(value > threshold * total for value, total in zip(seconds, totals, strict=True))
             found.append(finding(
                 layer, f"{share:.0%} of step time is {'data wait' if part == 'data_wait' else 'exposed communication'}",
                 evidence=[f"{_ms(statistics.median(seconds))} per step (median, mean over ranks); above "
-                          f"{threshold:.0%} of the step in {above} of {len(shares)} steps",
-                          f"sign test: p = {p_value:.2g}"],
+                          f"{threshold:.0%} of the step in {above} of {len(numbers)} steps",
+                          f"bootstrap over the steps: the share is at most {threshold:.0%} in {below} of "
+                          f"{BOOTSTRAP} resamples (p = {p_value:.3f})"],
                 cost_seconds=sum(seconds), run_seconds=self.run_seconds, confidence=1 - p_value, phase=part,
-                test="sign"))
+                test="bootstrap"))
         return found
 
 
@@ -293,7 +300,7 @@ def hardware_findings(gpu: dict, findings: list[dict]) -> list[dict]:
     hardware = {rank: issues for rank, gpu_rank in gpu.items() if (issues := _hardware_issues(gpu_rank))}
     result = []
     for rank, issues in sorted(hardware.items()):
-        late = next((f for f in findings if f["rank"] == rank and f.get("test") == "binomial"), None)
+        late = next((f for f in findings if f["rank"] == rank and f.get("test") == "signed-rank"), None)
         slow = f"rank {rank} is the one the others wait for ({late['summary']}); " if late else f"rank {rank}: "
         result.append(finding("GPU/hardware", f"{slow}its GPU reports {'; '.join(issues)}",
                               evidence=[f"rank {r}: {'; '.join(i)}" for r, i in sorted(hardware.items())]

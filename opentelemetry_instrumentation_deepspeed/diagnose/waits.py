@@ -10,8 +10,8 @@ exceed the other ranks' median for that step say what made it late.
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -66,24 +66,55 @@ def follow(comm: dict[int, dict[int, list]]) -> Waits:
     return waits
 
 
-def excess_parts(parts: dict[int, dict[int, dict]], rank: int, step: int) -> dict[str, float]:
-    """How much longer each of ``rank``'s own parts took in ``step`` than the other ranks' median."""
-    mine = parts.get(rank, {}).get(step)
-    others = [by_step[step] for other, by_step in parts.items() if other != rank and step in by_step]
-    if mine is None or not others:
-        return {}
-    return {part: mine[part] - statistics.median(other[part] for other in others) for part in OWN_PARTS}
+class Excess:
+    """How much longer each of a rank's own parts took in a step than the other ranks' median.
+
+    Each step's values of each part are sorted once; the median without one rank is then read off
+    the sorted list around that rank's value, so a query costs O(log ranks), not a sort."""
+
+    def __init__(self, parts: dict[int, dict[int, dict]]):
+        self.parts = parts
+        self.sorted: dict[int, dict[str, list[float]]] = {}
+        for by_step in parts.values():
+            for step in by_step:
+                if step not in self.sorted:
+                    values = [other[step] for other in parts.values() if step in other]
+                    self.sorted[step] = {part: sorted(v[part] for v in values) for part in OWN_PARTS}
+
+    def of(self, rank: int, step: int) -> dict[str, float]:
+        mine = self.parts.get(rank, {}).get(step)
+        if mine is None or len(self.sorted.get(step, {}).get(OWN_PARTS[0], ())) < 2:
+            return {}
+        return {part: mine[part] - _median_without(self.sorted[step][part], mine[part]) for part in OWN_PARTS}
 
 
-def binomial_tail(successes: int, trials: int, probability: float) -> float:
-    """P(X >= successes) for X ~ Binomial(trials, probability)."""
-    if successes <= 0:
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of ``ordered`` (sorted) with one occurrence of ``value`` left out."""
+    skip = bisect.bisect_left(ordered, value)
+    count = len(ordered) - 1
+
+    def at(index: int) -> float:
+        return ordered[index if index < skip else index + 1]
+
+    middle = count // 2
+    return at(middle) if count % 2 else (at(middle - 1) + at(middle)) / 2
+
+
+def signed_rank_p(differences: list[float]) -> float:
+    """One-sided Wilcoxon signed-rank test that ``differences`` lean positive: P(W+ >= observed).
+
+    Exact (every sign pattern counted) up to 60 non-zero differences, the normal approximation
+    beyond. Ties in magnitude take consecutive ranks: a little conservative or liberal by one rank."""
+    nonzero = sorted((d for d in differences if d), key=abs)
+    n = len(nonzero)
+    if not n:
         return 1.0
-    if probability >= 1.0:
-        return 1.0
-    log_p, log_q = math.log(probability), math.log1p(-probability)
-    total = 0.0
-    for count in range(successes, trials + 1):
-        total += math.exp(math.lgamma(trials + 1) - math.lgamma(count + 1) - math.lgamma(trials - count + 1)
-                          + count * log_p + (trials - count) * log_q)
-    return min(total, 1.0)
+    observed = sum(rank for rank, d in enumerate(nonzero, 1) if d > 0)
+    if n > 60:
+        mean, variance = n * (n + 1) / 4, n * (n + 1) * (2 * n + 1) / 24
+        return 0.5 * math.erfc((observed - 0.5 - mean) / math.sqrt(2 * variance))
+    counts = [1] + [0] * (n * (n + 1) // 2)  # counts[s]: sign patterns whose positive ranks sum to s
+    for rank in range(1, n + 1):
+        for total in range(len(counts) - 1, rank - 1, -1):
+            counts[total] += counts[total - rank]
+    return sum(counts[observed:]) / 2**n

@@ -59,7 +59,7 @@ def _zero(rng):
 def draw_healthy(rng: random.Random) -> Draw:
     ranks = rng.choice((1, 2))
     args = ["--steps", str(rng.randint(12, 30)), "--grad-accum", str(rng.choice((1, 2))),
-            "--zero-stage", str(rng.choice((0, 1, 2, 3))), "--micro-batch-size", str(rng.choice((32, 64)))]
+            "--zero-stage", str(rng.choice((0, 1, 2, 3))), "--micro-batch-size", str(rng.choice((8, 32, 64)))]
     return Draw(args, Expected("none"), ranks)
 
 
@@ -84,7 +84,10 @@ def draw_slow_rank(rng: random.Random) -> Draw:
 
 
 def draw_comm_heavy(rng: random.Random) -> Draw:
-    return Draw(["--steps", str(rng.randint(8, 12)), "--comm-heavy", *_zero(rng)], Expected("communication"))
+    # ZeRO 0-1: under ZeRO-2 the ballast's gradient bucketing in the backward costs as much as its
+    # collectives (measured: backward 43-47%, exposed communication 26-32%), so the class is not clear-cut.
+    return Draw(["--steps", str(rng.randint(8, 12)), "--comm-heavy", "--zero-stage", str(rng.choice((0, 1)))],
+                Expected("communication"))
 
 
 def judge(report: dict, expected: Expected) -> dict[str, bool]:
@@ -111,7 +114,7 @@ class FaultClass:
 
 
 CLASSES = [
-    FaultClass("healthy", draw_healthy, notes="1-2 ranks, 12-30 steps, grad accum 1-2, ZeRO 0-3, micro-batch 32/64"),
+    FaultClass("healthy", draw_healthy, notes="1-2 ranks, 12-30 steps, grad accum 1-2, ZeRO 0-3, micro-batch 8/32/64"),
     FaultClass("loader-stall-rank", draw_loader_stall_rank,
                notes="one rank's loader stalls 80-300 ms every 3rd-6th step, 4-5 times"),
     FaultClass("loader-stall-all", draw_loader_stall_all,

@@ -12,7 +12,7 @@ from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose import periodic
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
 from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
-from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Sample, Span
 
 MS = 1_000_000  # nanoseconds
 
@@ -165,3 +165,30 @@ def test_html_shows_the_chain_and_a_change_point():
                                "change_step": 13, "cost_seconds": 0.1, "chain": {}})
     page = render_html(report)
     assert "change at step 13" in page and "All findings, by the time they cost" in page
+
+
+def throttled(spans, rank: int) -> list[Sample]:
+    """A GPU sample in the middle of every forward: rank ``rank``'s GPU reports thermal slowdown."""
+    return [Sample(span.rank, semconv.METRIC_HW_GPU_THROTTLE, (span.start + span.end) // 2,
+                   1.0 if span.rank == rank else 0.0, semconv.THROTTLE_HW_THERMAL_SLOWDOWN)
+            for span in spans if span.name == semconv.SPAN_FORWARD]
+
+
+def test_a_throttled_gpu_takes_over_the_late_rank_finding_on_its_rank():
+    spans = synthetic_job(16, extra=lambda r, _step: {"forward": 30} if r == 1 else {})
+    analysis = Analysis()
+    analysis.add(spans)
+    analysis.add_samples(throttled(spans, 1))
+    report = analysis.result()
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"]) == ("GPU/hardware", 1) and "hw thermal slowdown" in verdict["summary"]
+    assert verdict["cost_seconds"] > 0 and [f["layer"] for f in report["findings"]] == ["GPU/hardware"]
+
+
+def test_a_throttled_gpu_with_no_cost_measured_is_still_reported():
+    spans = synthetic_job(16)
+    analysis = Analysis()
+    analysis.add(spans)
+    analysis.add_samples(throttled(spans, 0))
+    verdict = analysis.result()["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["cost_seconds"]) == ("GPU/hardware", 0, None)

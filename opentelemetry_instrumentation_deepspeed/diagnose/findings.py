@@ -87,7 +87,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms"
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def _ranks_text(ranks: list[int], most: int = 6) -> str:
+    if len(ranks) > most:  # a large job: a few names and the count
+        return f"{len(ranks)} ranks ({', '.join(str(rank) for rank in ranks[:3])}, ...)"
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(rank) for rank in ranks)
 
 
@@ -154,8 +156,12 @@ class StepFindings:
                     f"{_ms(pattern.effect)} more {WHAT[part]} than in the other steps (median)"]
         if waiting:
             summary += f"; {_ranks_text(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} for it in collectives"
-            evidence.append("in those steps " + ", ".join(f"rank {r} waits {_ms(s)} longer in collectives"
-                                                         for r, s in sorted(waiting.items())))
+            if len(waiting) > 6:
+                evidence.append(f"in those steps {len(waiting)} ranks wait {_ms(statistics.median(waiting.values()))} "
+                                "longer in collectives (median over them)")
+            else:
+                evidence.append("in those steps " + ", ".join(f"rank {r} waits {_ms(s)} longer in collectives"
+                                                             for r, s in sorted(waiting.items())))
             late = sum(self.waits.late_rank(step)[0] in ranks for step in pattern.steps)
             evidence.append(f"{_ranks_text(ranks)} arrived last at the collectives in {late} of "
                             f"{len(pattern.steps)} of those steps")
@@ -200,6 +206,8 @@ class StepFindings:
         excess_of = waits_module.Excess(self.parts)
         for rank in sorted(self.steady):
             held = self.waits.held.get(rank, {})
+            if sum(held.values()) < self.min_cost:
+                continue  # its cost is at most the others' wait for it
             excesses = {step: excess_of.of(rank, step) for step in numbers}
             best = None
             for part in OWN_PARTS:

@@ -164,7 +164,7 @@ def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, a
         score = fault.judge(report, draw.expected)
         verdict = report["verdict"]
     line = {"class": fault.name, "args": draw.args, "ranks": draw.ranks, "expected": draw.expected.__dict__,
-            "verdict": {k: verdict.get(k) for k in ("layer", "rank", "period", "offset", "phase", "cost_share",
+            "verdict": {k: verdict.get(k) for k in ("layer", "rank", "period", "offset", "phase", "share_of_run",
                                                     "confidence")},
             "score": score, "diagnose_seconds": round(seconds, 2)}
     print(json.dumps(line), flush=True)

@@ -61,8 +61,32 @@ def parse_args(argv=None):
     faults.add_argument("--comm-heavy", action="store_true",
                         help="add 8M parameters that cost no compute, as a large embedding does, and update "
                              "with SGD: each step's large gradient all-reduce dominates")
+    faults.add_argument("--shift-seq-len", type=int, default=0, metavar="N",
+                        help="from optimizer step --shift-at on, batches hold sequences of N tokens instead of "
+                             "--seq-len (the input changes: more or fewer tokens per step)")
+    faults.add_argument("--shift-at", type=int, default=0, metavar="K", help="first step of --shift-seq-len")
+    faults.add_argument("--padding", action="store_true",
+                        help="each sequence holds between half and all of its length in real tokens, padded to "
+                             "the batch's length with an attention_mask, as tokenizers pad")
+    faults.add_argument("--slowdown-at", type=int, default=0, metavar="K",
+                        help="from optimizer step K on, every rank's forward computes --slowdown-factor times "
+                             "slower, with the same tokens (a throttled device, a slower kernel)")
+    faults.add_argument("--slowdown-factor", type=float, default=2.0, metavar="F")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
+    numerics = parser.add_argument_group("numerics and memory faults", "for the MODEL and MEMORY verdicts; STEP is the "
+                                         "1-based optimizer step (training.step), R the rank")
+    numerics.add_argument("--inject-loss-spike", metavar="STEP:R:F",
+                          help="multiply the loss (and so its gradients) of optimizer step STEP on rank R by F")
+    numerics.add_argument("--inject-grad-spike", metavar="STEP:R:F",
+                          help="multiply the gradients of step STEP on rank R by F, leaving the loss's value as it is")
+    numerics.add_argument("--inject-nan", metavar="STEP:R", help="the loss of step STEP on rank R is NaN (and so are "
+                                                                 "the weights after it, unless fp16 skips the step)")
+    numerics.add_argument("--inject-oom", metavar="STEP:R:PHASE",
+                          help="raise torch.OutOfMemoryError in the forward or backward of step STEP on rank R")
+    parser.add_argument("--print-steps", action="store_true",
+                        help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
+                             "optimizer step, exactly (repr)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -97,17 +121,36 @@ class SyntheticTokens(Dataset):
 
 
 class StallingCollate:
-    """Collates micro-batches; the first micro-batch of every K-th optimizer step takes D ms longer."""
+    """Collates micro-batches; the first micro-batch of every K-th optimizer step takes D ms longer.
 
-    def __init__(self, every: int, milliseconds: float, grad_accum: int):
+    Sequences are cut to the step's length (``lengths(step)``); with ``pad_id`` each one keeps between
+    half and all of it in real tokens and is padded with ``pad_id`` to the length (an ``attention_mask``
+    says which tokens are real; labels of padding are -100, which the loss ignores).
+    """
+
+    def __init__(self, every: int, milliseconds: float, grad_accum: int, *, lengths=None,
+                 pad_id: int | None = None, seed: int = 0):
         self.every, self.seconds, self.grad_accum, self.batches = every, milliseconds / 1000, grad_accum, 0
+        self.lengths, self.pad_id = lengths, pad_id
+        self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, samples):
         step, micro = divmod(self.batches, self.grad_accum)
         self.batches += 1
         if self.every and micro == 0 and (step + 1) % self.every == 0:
             time.sleep(self.seconds)
-        return torch.utils.data.default_collate(samples)
+        batch = torch.utils.data.default_collate(samples)
+        if self.lengths is not None:
+            length = self.lengths(step + 1)
+            batch = {name: value[:, :length] for name, value in batch.items()}
+        if self.pad_id is not None:
+            ids, labels = batch["input_ids"], batch["labels"]
+            length = ids.shape[1]
+            real = torch.randint(length // 2, length + 1, (ids.shape[0], 1), generator=self.generator)
+            mask = torch.arange(length).unsqueeze(0) < real
+            batch = {"input_ids": ids.masked_fill(~mask, self.pad_id), "labels": labels.masked_fill(~mask, -100),
+                     "attention_mask": mask.long()}
+        return batch
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -130,6 +173,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.delay = delay_ms / 1000
         self.backward_delay = backward_delay_ms / 1000
+        self.slowdown = 1.0  # the forward's compute takes this many times as long (fault injection)
         self.ballast = nn.Parameter(torch.zeros(ballast)) if ballast else None
         self.embed = nn.Embedding(vocab, d_model)
         self.position = nn.Parameter(torch.zeros(1, seq_len, d_model))
@@ -139,19 +183,69 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(d_model, vocab)
         self.mask = nn.Transformer.generate_square_subsequent_mask(seq_len)
 
-    def forward(self, input_ids, labels):
+    def forward(self, input_ids, labels, attention_mask=None):
+        # Padding is on the right: under the causal mask no real token attends to it, so
+        # attention_mask needs no use here (the labels of padding are -100).
         if getattr(self, "crash", False):
             raise RuntimeError("injected crash in forward")
         if self.delay:
             time.sleep(self.delay)
+        started = time.perf_counter()
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
         mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
         if self.backward_delay:
             loss = _SlowBackward.apply(loss, self.backward_delay)
         return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
+
+
+class _RaiseOutOfMemory(torch.autograd.Function):
+    """Identity forward; the backward raises the allocator's error, as a backward that runs out of memory does."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+class Injection:
+    """The numerics and memory faults of one rank, by optimizer step (1-based)."""
+
+    def __init__(self, args, rank: int):
+        def parse(value, fields):
+            if not value:
+                return None
+            parts = value.split(":")
+            step, target = int(parts[0]), int(parts[1])
+            return (step, *parts[2:fields]) if target == rank else None
+
+        self.loss_spike = parse(args.inject_loss_spike, 3)
+        self.grad_spike = parse(args.inject_grad_spike, 3)
+        self.nan = parse(args.inject_nan, 2)
+        self.oom = parse(args.inject_oom, 3)
+
+    def forward(self, step: int) -> None:
+        if self.oom and self.oom[0] == step and self.oom[1] == "forward":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self.loss_spike and self.loss_spike[0] == step:
+            loss = loss * float(self.loss_spike[1])
+        if self.grad_spike and self.grad_spike[0] == step:
+            factor = float(self.grad_spike[1])
+            loss = loss * factor - (loss * (factor - 1)).detach()
+        if self.nan and self.nan[0] == step:
+            loss = loss * float("nan")
+        if self.oom and self.oom[0] == step and self.oom[1] == "backward":
+            loss = _RaiseOutOfMemory.apply(loss)
+        return loss
 
 
 def deepspeed_config(args) -> dict:
@@ -216,11 +310,33 @@ def write_comms_counts(prefix: str, rank: int) -> None:
     pathlib.Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(counts))
 
 
+def inject_model_faults(args, model, step: int, rank: int) -> None:
+    """Before optimizer step ``step`` + 1: a crash on rank 0, or every rank's slower compute."""
+    if args.crash_after and step == args.crash_after and rank == 0:
+        model.crash = True
+    if args.slowdown_at and step + 1 >= args.slowdown_at:
+        model.slowdown = args.slowdown_factor
+
+
 def make_loader(args, engine, dataset) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
     every = args.stall_every if args.stall_rank in (-1, engine.global_rank) else 0
+    lengths = None
+    if args.shift_seq_len:
+        def lengths(step):
+            return args.shift_seq_len if step >= args.shift_at else args.seq_len
+    pad_id = args.vocab if args.padding else None
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
-                      collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum))
+                      collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum, lengths=lengths,
+                                                 pad_id=pad_id, seed=args.seed + engine.global_rank))
+
+
+def print_step(args, engine, loss: float) -> None:
+    if not args.print_steps:
+        return
+    grad_norm = engine.get_global_grad_norm()
+    print(f"step {engine.global_steps} rank {engine.global_rank} loss {loss!r} "
+          f"grad_norm {None if grad_norm is None else float(grad_norm)!r}", flush=True)
 
 
 def main(argv=None):
@@ -238,12 +354,14 @@ def main(argv=None):
 
     delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
     delays = {phase: delay if phase == args.slow_phase else 0.0 for phase in ("forward", "backward", "optimizer")}
-    model = TinyLM(args.vocab, args.d_model, args.layers, args.seq_len, delay_ms=delays["forward"],
+    longest = max(args.seq_len, args.shift_seq_len)
+    # With padding, the id after the vocabulary pads (it gets an embedding of its own).
+    model = TinyLM(args.vocab + args.padding, args.d_model, args.layers, longest, delay_ms=delays["forward"],
                    backward_delay_ms=delays["backward"], ballast=8 * 2**20 if args.comm_heavy else 0)
     optimizer = make_optimizer(args, model, delays["optimizer"])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dataset = SyntheticTokens(args.steps * args.grad_accum * args.micro_batch_size * world_size,
-                              args.seq_len, args.vocab, args.seed)
+                              longest, args.vocab, args.seed)
 
     engine, _, ds_loader, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(args),
@@ -257,15 +375,16 @@ def main(argv=None):
     batches = iter(loader)
     engine.train()
     step_seconds = []
+    injection = Injection(args, engine.global_rank)
     for step in range(args.steps):
         started = time.perf_counter()
-        if args.crash_after and step == args.crash_after and engine.global_rank == 0:
-            model.crash = True
+        inject_model_faults(args, model, step, engine.global_rank)
         step_loss = 0.0
         for _ in range(args.grad_accum):
             batch = next(batches)
             batch = {name: value.to(engine.device) for name, value in batch.items()}
-            loss = engine(**batch)
+            injection.forward(step + 1)
+            loss = injection.loss(step + 1, engine(**batch))
             if args.backward == "engine":
                 engine.backward(loss)
             else:
@@ -275,6 +394,7 @@ def main(argv=None):
             engine.step()
             step_loss += loss.item() / args.grad_accum
         losses.append(step_loss)
+        print_step(args, engine, step_loss)
         step_seconds.append(time.perf_counter() - started)
     if args.step_times:
         pathlib.Path(f"{args.step_times}.rank{engine.global_rank}").write_text(

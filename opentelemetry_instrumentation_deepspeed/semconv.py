@@ -34,6 +34,27 @@ TRAINING_GRADIENT_ACCUMULATION_STEPS = "training.gradient_accumulation_steps"
 TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
 TRAINING_ZERO_STAGE = "training.zero_stage"
 TRAINING_BACKWARD_DIRECT = "training.backward.direct"
+# The model layer, on training.step: the step's loss (the mean over its micro-batches) and global
+# gradient norm, and what the numerics watch found in them (one of NUMERICS_KINDS, comma-joined)
+TRAINING_LOSS = "training.loss"
+TRAINING_GRAD_NORM = "training.grad_norm"
+TRAINING_NUMERICS_ANOMALY = "training.numerics.anomaly"
+# GPU memory from PyTorch's caching allocator (bytes), on phase spans (at its end) and training.step
+# (at its end or failure); the step also carries each phase's peak, and the phase an OOM ended
+TRAINING_MEMORY_ALLOCATED = "training.memory.allocated"
+TRAINING_MEMORY_RESERVED = "training.memory.reserved"
+TRAINING_MEMORY_PEAK = "training.memory.peak"
+TRAINING_MEMORY_PHASE_PEAK = "training.memory.{phase}.peak"  # on training.step, per phase
+TRAINING_MEMORY_ALLOC_RETRIES = "training.memory.alloc_retries"  # in the step: cudaMalloc retries (cache flushes)
+TRAINING_MEMORY_OOM = "training.memory.oom"  # on training.step: the phase an out-of-memory error ended
+# What a micro-batch held as it left the DataLoader: on its training.forward and training.backward
+TRAINING_BATCH_SAMPLES = "training.batch.samples"
+TRAINING_BATCH_SEQUENCE_LENGTH = "training.batch.sequence_length"  # padded: the token ids' second dimension
+TRAINING_BATCH_TOKENS = "training.batch.tokens"  # real: not padding
+# ... and summed over the step's micro-batches, on training.step
+TRAINING_STEP_TOKENS = "training.step.tokens"
+TRAINING_STEP_PADDED_TOKENS = "training.step.padded_tokens"
+TRAINING_STEP_SEQUENCE_LENGTH = "training.step.sequence_length"  # the longest of its micro-batches
 
 # Collective spans (comm.<op>) and their metric attributes
 SPAN_COMM_PREFIX = "comm."  # a collective's span is this prefix and its op: comm.all_reduce
@@ -64,10 +85,28 @@ PHASE_OPTIMIZER_STEP = "optimizer.step"
 PHASES = (PHASE_DATA_WAIT, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER_STEP)
 METRIC_SAMPLES = "training.samples"
 METRIC_TOKENS = "training.tokens"
+METRIC_BATCH_SEQUENCE_LENGTH = "training.batch.sequence_length"
+METRIC_BATCH_TOKENS = "training.batch.tokens"
 METRIC_SKIPPED_STEPS = "training.steps.skipped"
 METRIC_LOSS_SCALE = "training.loss_scale"
 METRIC_GRAD_NORM = "training.grad_norm"
 METRIC_MFU = "training.mfu"
+METRIC_LOSS = "training.loss"
+METRIC_NUMERICS_ANOMALIES = "training.numerics.anomalies"
+TRAINING_NUMERICS_KIND = "training.numerics.kind"  # its attribute: one of NUMERICS_KINDS
+NUMERICS_NONFINITE_LOSS = "nonfinite_loss"
+NUMERICS_NONFINITE_GRAD_NORM = "nonfinite_grad_norm"
+NUMERICS_LOSS_SPIKE = "loss_spike"
+NUMERICS_GRAD_NORM_SPIKE = "grad_norm_spike"
+NUMERICS_SKIPPED_RUN = "skipped_run"
+NUMERICS_KINDS = (NUMERICS_NONFINITE_LOSS, NUMERICS_NONFINITE_GRAD_NORM, NUMERICS_LOSS_SPIKE,
+                  NUMERICS_GRAD_NORM_SPIKE, NUMERICS_SKIPPED_RUN)
+METRIC_MEMORY_ALLOCATED = "training.memory.allocated"
+METRIC_MEMORY_RESERVED = "training.memory.reserved"
+METRIC_MEMORY_FRAGMENTATION = "training.memory.fragmentation"
+METRIC_MEMORY_PEAK = "training.memory.peak"  # per training.phase
+METRIC_MEMORY_ALLOC_RETRIES = "training.memory.alloc_retries"
+METRIC_MEMORY_OOMS = "training.memory.ooms"
 METRIC_WORKERS = "training.data.workers"
 METRIC_WORKERS_CPU = "training.data.workers.cpu.utilization"
 METRIC_WORKERS_MEMORY = "training.data.workers.memory.usage"

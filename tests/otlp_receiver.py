@@ -1,10 +1,13 @@
-"""A real OTLP/HTTP receiver on loopback, decoding requests with the official protobuf messages."""
+"""A real OTLP/HTTP receiver on loopback, decoding requests with the official protobuf messages; and
+collectors that misbehave (answer with an error, slowly, or never)."""
 
 from __future__ import annotations
 
 import base64
 import gzip
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from google.protobuf.json_format import MessageToDict
@@ -80,3 +83,68 @@ class OtlpReceiver:
     def __exit__(self, *exc):
         self._server.shutdown()
         self._server.server_close()
+
+
+class Misbehaving:
+    """A loopback HTTP server answering every request after ``delay`` seconds with ``status``;
+    ``status=None`` accepts connections, reads the request and never answers."""
+
+    def __init__(self, status: int | None, delay: float = 0.0):
+        self.requests = 0
+        outer = self
+        hold = threading.Event()
+        self._hold = hold
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.requests += 1
+                if status is None:
+                    hold.wait()
+                    return
+                time.sleep(delay)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self._hold.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class SilentSocket:
+    """A loopback port that accepts connections and never reads or writes: a black hole for any
+    protocol (OTLP/gRPC waits for the HTTP/2 handshake until its deadline)."""
+
+    def __init__(self):
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self._socket.listen(64)
+        self._accepted: list[socket.socket] = []
+        self._closed = threading.Event()
+        self.endpoint = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self._closed.is_set():
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            self._accepted.append(connection)
+
+    def close(self):
+        self._closed.set()
+        self._socket.close()
+        for connection in self._accepted:
+            connection.close()

@@ -42,13 +42,17 @@ RANKS = 2
 TRAIN = ("--zero-stage", "2", "--grad-accum", "2")
 ALERTS = ("TrainingStepTimeRegression", "TrainingDataWaitHigh", "TrainingStragglerRank",
           "TrainingCollectiveBandwidthDrop", "TrainingGpuIdle", "TrainingGpuThrottled", "TrainingGpuEccErrors",
-          "TrainingTelemetryDropped")
-LAYERS = ("Business", "Model", "Framework", "Hardware", "Host", "Telemetry")
+          "TrainingTelemetryDropped", "TrainingNumericsNonFinite", "TrainingNumericsAnomaly", "TrainingGpuOutOfMemory",
+          "TrainingAllocatorCacheFlushes")
+# The model layer has three rows: the step's phases, loss and numerics, GPU memory.
+LAYERS = ("Business", "Model", "Model", "Model", "Framework", "Hardware", "Host", "Telemetry")
 # A window that holds many 1 s scrapes of a run of a minute, as Grafana's $__rate_interval would.
 RATE_INTERVAL = "30s"
 # Panels a CPU run cannot feed, and why; their queries must still execute.
 NO_DATA_ON_CPU = {
     "Loss scale (fp16)": "DeepSpeed refuses fp16 on a CPU device, and the loss scale exists only with fp16",
+    **dict.fromkeys(("Allocated and reserved", "Peak by phase", "Fragmentation (reserved minus allocated)",
+                     "Allocator cache flushes and OOMs"), "PyTorch's caching allocator serves CUDA devices only"),
 }
 
 
@@ -370,6 +374,9 @@ def test_the_rule_manager_raised_the_alerts_while_the_runs_trained(runs):
         "TrainingGpuThrottled": {(straggler, "1")},
         "TrainingGpuEccErrors": {(straggler, "1")},
         "TrainingTelemetryDropped": {(stall, "0"), (stall, "1")},
+        # Healthy, stalling and straggling runs have sound numerics: no model alert, not even for a moment.
+        "TrainingNumericsNonFinite": set(),
+        "TrainingNumericsAnomaly": set(),
     }
     for alert, holders in expected.items():
         counts = evaluations(alert)

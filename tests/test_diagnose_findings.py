@@ -84,7 +84,7 @@ def test_a_stall_on_one_rank_is_named_on_that_rank_and_the_other_waits_for_it():
     assert (verdict["layer"], verdict["rank"], verdict["period"], verdict["offset"]) == ("data loading", 1, 5, 0)
     assert verdict["phase"] == "data_wait" and verdict["steps"] == [5, 10, 15, 20]
     assert verdict["chain"]["late_ranks"] == [1] and verdict["chain"]["waiting"]["0"] == pytest.approx(0.2, rel=0.1)
-    assert verdict["cost_seconds"] == pytest.approx(0.8, rel=0.1) and 0.3 < verdict["cost_share"] < 0.7
+    assert verdict["cost_seconds"] == pytest.approx(0.8, rel=0.1) and 0.3 < verdict["share_of_run"] < 0.7
     assert verdict["confidence"] >= 0.99 and len(verdict["trace_ids"]) == 4
     assert "rank 0 waits" in verdict["summary"] and report["findings"][0] is verdict
     assert report["ranks"][1]["anomaly"]["period"] == 5 and report["ranks"][0]["anomaly"] is None
@@ -136,7 +136,7 @@ def test_exposed_communication_over_its_share_is_communication():
     report = analyse(synthetic_job(8, transfer=8.0))
     verdict = report["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["test"]) == ("communication", None, "bootstrap"), verdict
-    assert verdict["cost_share"] > 0.5 and report["job"]["shares"]["exposed_comm"] > 0.5
+    assert verdict["share_of_run"] > 0.5 and report["job"]["shares"]["exposed_comm"] > 0.5
     assert analyse(synthetic_job(8, transfer=2.0))["verdict"]["layer"] == "none"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def say(*words):
 class Provider:
     def __init__(self, name):
         self.name = name
-    def shutdown(self):
+    def shutdown(self, timeout_millis=None):
         say("shutdown", self.name)
 
 for stage in reversed(lifecycle.EXIT_ORDER):
@@ -41,9 +42,9 @@ for stage in reversed(lifecycle.FORK_ORDER):
 """
 
 
-def _run(body: str) -> subprocess.CompletedProcess:
+def _run(body: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _SETUP + textwrap.dedent(body)], capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=60, check=False, env={**os.environ, **env})
 
 
 def _lines(result: subprocess.CompletedProcess, kind: str) -> list[tuple[str, str]]:
@@ -90,6 +91,48 @@ def test_sigterm_runs_the_stages_then_dies_by_sigterm():
     assert [rest for _, rest in _lines(result, "exit")][-1] == f"{lifecycle.REPORT} | {lifecycle.TERMINATED}"
     assert len(_lines(result, "shutdown")) == 2
     assert "survived" not in result.stdout
+
+
+# Flushes that never end, as with a collector that accepts connections and never answers.
+_STUCK = """
+        import threading, time
+        class Stuck(Provider):
+            def shutdown(self, timeout_millis=None):
+                say("shutdown", self.name, "starts")
+                threading.Event().wait()
+        lifecycle.install(Stuck("traces"), Stuck("metrics"))
+        started = time.monotonic()
+"""
+
+
+def test_exit_is_bounded_whatever_the_flushes_do():
+    result = _run(_STUCK + """
+        lifecycle.finish("first")
+        say("finished", round(time.monotonic() - started, 2), *lifecycle.cut_short)
+    """, OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT="2")
+    assert result.returncode == 0, result.stderr
+    (finished,) = [rest.split(" ", 1) for _, rest in _lines(result, "finished")]
+    # Spans until half the budget, metrics until 85% of it; neither flush ended, both were left behind.
+    assert 1.6 <= float(finished[0]) < 2.0 + 5, finished
+    assert finished[1] == "flush spans flush metrics"
+    # Every stage still ran, in order, the report last (the stuck flushes' own handlers left behind).
+    stages = [rest.split(" | ")[0] for _, rest in _lines(result, "exit")]
+    assert [stage for stage in stages if stage in lifecycle.EXIT_ORDER] == list(lifecycle.EXIT_ORDER)
+    assert [rest for _, rest in _lines(result, "shutdown")] == ["traces starts", "metrics starts"]
+
+
+def test_sigterm_during_a_stuck_exit_kills_the_process_once_the_stages_end():
+    # The process exits (atexit runs the stages), the flushes hang, the launcher sends SIGTERM.
+    result = _run(_STUCK + """
+        import signal
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True  # the process exits at once, and the signal comes during the exit stages
+        timer.start()
+        say("main", "exiting")
+    """, OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT="2")
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    stages = [rest for _, rest in _lines(result, "exit")]
+    assert stages[-1] == f"{lifecycle.REPORT} | {lifecycle.EXITED}"
 
 
 def test_a_forked_child_runs_its_stages_in_order_and_none_of_the_exit():

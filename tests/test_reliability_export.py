@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
 from tests.otlp_json import read_last_points
-from tests.otlp_receiver import OtlpReceiver
+from tests.otlp_receiver import Misbehaving, OtlpReceiver
 
 pytestmark = pytest.mark.slow  # real DeepSpeed jobs
 
@@ -25,43 +23,6 @@ STEPS = 30
 # is the batch processor's shutdown (30 s) plus one export timeout, far above what these runs take.
 EXPORT_TIMEOUT_S = 2
 EXIT_BOUND_S = 30 + EXPORT_TIMEOUT_S
-
-
-class _Misbehaving:
-    """A loopback HTTP server answering every request after ``delay`` seconds with ``status``;
-    ``status=None`` accepts connections and never answers."""
-
-    def __init__(self, status: int | None, delay: float = 0.0):
-        self.requests = 0
-        outer = self
-        hold = threading.Event()
-        self._hold = hold
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                outer.requests += 1
-                if status is None:
-                    hold.wait()
-                    return
-                time.sleep(delay)
-                self.send_response(status)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self._hold.set()
-        self._server.shutdown()
-        self._server.server_close()
 
 
 def _closed_port_endpoint() -> str:
@@ -103,7 +64,7 @@ def test_training_is_unaffected_and_loss_is_reported_once(workdir, baseline, mod
     if mode == "refused":
         endpoint = _closed_port_endpoint()
     else:
-        server = _Misbehaving(status={"black hole": None, "503": 503, "429": 429, "slow": 200}[mode],
+        server = Misbehaving(status={"black hole": None, "503": 503, "429": 429, "slow": 200}[mode],
                               delay=1.5 if mode == "slow" else 0.0)
         endpoint = server.endpoint
     try:

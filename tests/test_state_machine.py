@@ -220,3 +220,81 @@ def test_a_bug_in_an_action_disables_the_recorder_and_ends_the_open_step(caplog,
     assert records[0].failure == Interrupted(TRACING_FAILED)
     assert rec.forward_started(engine) is None and len(records) == 1
     assert "step tracing failed" in caplog.text
+
+
+# -- data waits count fetches, not forwards ---------------------------------------------------------
+
+
+def train_micro_batch(rec, engine):
+    rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+    rec.phase_ended(rec.backward_started(engine))
+    engine.step(rec)
+
+
+def test_a_loop_that_fetches_a_step_s_micro_batches_first_numbers_them_in_fetch_order():
+    """The Trainer fetches all micro-batches of a step before its first forward."""
+    rec, engine, records = recorder(grad_accum=3)
+    for step in range(2):
+        for micro in range(3):
+            rec.data_waited(100 * step + 10 * micro, 100 * step + 10 * micro + 5)
+        for _ in range(3):
+            train_micro_batch(rec, engine)
+    assert [r.waits for r in records] == [[(0, 5, 0), (10, 15, 1), (20, 25, 2)],
+                                          [(100, 105, 0), (110, 115, 1), (120, 125, 2)]]
+    assert [r.start for r in records] == [0, 100], "a step starts at the fetch of its first micro-batch"
+
+
+def test_a_loader_that_fetches_ahead_gives_each_step_its_own_micro_batches():
+    """Batch k+1 is fetched before batch k is handed over; the last, partial step of the epoch has its wait."""
+    rec, engine, records = recorder(grad_accum=2)
+    batches = 5
+    fetched = 0
+
+    def fetch():
+        nonlocal fetched
+        if fetched < batches:
+            rec.data_waited(1000 + 10 * fetched, 1000 + 10 * fetched + 5)
+            fetched += 1
+
+    fetch()  # the loader's first next(): batches 0 and 1
+    for _ in range(batches):
+        fetch()
+        rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+        rec.phase_ended(rec.backward_started(engine))
+        if engine.micro_steps == batches - 1:
+            engine.micro_steps = engine.grad_accum - 1  # the end of the epoch is a boundary (Accelerate)
+        engine.step(rec)
+    assert [[w[2] for w in r.waits] for r in records] == [[0, 1], [0, 1], [0]]
+    assert [[w[0] for w in r.waits] for r in records] == [[1000, 1010], [1020, 1030], [1040]]
+    first, second, last = records
+    assert first.start == 1000
+    assert second.start == 1030, "the fetch made ahead, inside step 1, does not move step 2's start"
+    assert last.start > 1045, "nothing was fetched for it after step 2 closed: it starts at its forward"
+
+
+def test_a_fetch_beyond_the_micro_batches_of_the_open_step_is_the_next_step_s():
+    """A loop that fetches its next batch before computing the current one."""
+    rec, engine, records = recorder(grad_accum=1)
+    rec.data_waited(0, 1)
+    for step in range(3):
+        rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+        rec.data_waited(10 * step + 10, 10 * step + 11)
+        rec.phase_ended(rec.backward_started(engine))
+        engine.step(rec)
+    assert [r.waits for r in records] == [[(0, 1, 0)], [(10, 11, 0)], [(20, 21, 0)]]
+
+
+def test_evaluation_forwards_keep_a_wait_fetched_ahead_for_the_next_step():
+    rec, engine, records = recorder(grad_accum=2)
+    rec.data_waited(0, 1)
+    rec.data_waited(2, 3)  # a loader that fetches ahead: batches 0 and 1
+    train_micro_batch(rec, engine)
+    rec.data_waited(4, 5)  # batch 2, fetched ahead inside step 1
+    train_micro_batch(rec, engine)
+    for start in range(10, 50, 10):  # the evaluation loader's batches, then its forwards
+        rec.data_waited(start, start + 1)
+    rec.not_training()
+    rec.data_waited(60, 61)  # batch 3
+    train_micro_batch(rec, engine)
+    train_micro_batch(rec, engine)
+    assert [r.waits for r in records] == [[(0, 1, 0), (2, 3, 1)], [(4, 5, 0), (60, 61, 1)]]

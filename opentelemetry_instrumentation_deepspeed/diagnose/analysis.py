@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose import findings as findings_module
-from opentelemetry_instrumentation_deepspeed.diagnose import waits
+from opentelemetry_instrumentation_deepspeed.diagnose import inputs, waits  # inputs: the input layer
+from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
@@ -55,6 +57,8 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self.model = ModelFindings()  # model and memory layers
+        self._inputs = inputs.InputSeries()  # the input layer
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -63,6 +67,7 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.model.add(span)  # model and memory layers
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -70,6 +75,7 @@ class Analysis:
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.seen = True
+                self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
@@ -107,21 +113,25 @@ class Analysis:
         found = steps.all()
         straggler = steps.straggler(found)
         found += findings_module.hardware_findings(gpu, found)
-        # Other analyses append their findings to ``found`` here.
-        found = findings_module.ranked(found)
         for rank, summary in ranks.items():
             summary["anomaly"] = _anomaly(steps.patterns.get(rank), by_rank[rank], found)
+        job_summary = self._job_summary(ranks)
+        # Other analyses append their findings to ``found`` here.
+        found += self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)  # model, memory
+        found += inputs.findings(self._inputs, job, by_rank)  # the input layer: INPUT / COMPUTE change points
+        found = findings_module.ranked(found)
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
             "ranks": ranks,
-            "job": self._job_summary(ranks),
+            "job": job_summary,
             "straggler": straggler,
             "gpu": gpu,
             "bandwidth": {op: {"median_busbw": statistics.median(values), "best_busbw": max(values),
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
             "findings": found,
-            "verdict": found[0] if found else findings_module.none(_quiet(self._job_summary(ranks))),
+            "verdict": found[0] if found else findings_module.none(_quiet(job_summary)),
+            "model_series": model_series(self.model, job),
         }
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}

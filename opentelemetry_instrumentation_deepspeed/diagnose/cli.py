@@ -50,7 +50,7 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
 def _cost(finding: dict) -> list[str]:
     if finding.get("cost_seconds") is None:
         return []
-    share = f" ({finding['cost_share']:.0%} of the run)" if finding.get("cost_share") is not None else ""
+    share = f" ({finding['share_of_run']:.0%} of the run)" if finding.get("share_of_run") is not None else ""
     return [f"  cost: {finding['cost_seconds']:.2f} s{share}; confidence {finding.get('confidence', 1.0):.1%}"]
 
 
@@ -62,9 +62,11 @@ def render_text(report: dict) -> str:
     lines += _cost(verdict)
     lines += [f"  evidence: {item}" for item in verdict.get("evidence", [])]
     lines += [f"  remedy: {item}" for item in verdict.get("remedies", [])]
-    for other in report.get("findings", [])[1:]:  # the rest, by the time they cost
-        lines.append(f"Also: {other['layer'].upper()}: {other['summary']}")
-        lines += _cost(other)
+    lines += [f"  traces: {', '.join(verdict['trace_ids'][:3])}"] if verdict.get("trace_ids") else []
+    for other in report.get("findings", []):  # the other findings, by the time they cost
+        if other != verdict:
+            lines.append(f"Also: {other['layer'].upper()}: {other['summary']}")
+            lines += _cost(other)
     job = report.get("job") or {}
     if job:
         shares = job["shares"]

@@ -35,7 +35,7 @@ BOOTSTRAP = 999  # resamples of the steps for a share's test
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
 
 LAYER_OF_PART = {"data_wait": "data loading", "forward": "compute", "backward": "compute", "optimizer": "compute",
-                 "exposed_comm": "communication", "unaccounted": "host work"}
+                 "exposed_comm": "communication", "unaccounted": "HOST WORK"}
 WHAT = {"data_wait": "data wait", "forward": "forward", "backward": "backward", "optimizer": "optimizer step",
         "exposed_comm": "an earlier collective", "unaccounted": "host work between phases"}
 COMPUTE = ("forward", "backward", "optimizer")
@@ -50,7 +50,7 @@ REMEDIES = {
                   "uneven data (sequence lengths) or extra work on that rank (logging, checkpointing)"],
     "compute": ["the model's operators: profile a step (touch the trigger file) and read its operator spans",
                 "mixed precision, fused kernels, activation checkpointing trade-offs"],
-    "host work": ["Python work between the phases (logging, metrics, checkpoint writes): move it off the step or "
+    "HOST WORK": ["Python work between the phases (logging, metrics, checkpoint writes): move it off the step or "
                   "make it asynchronous", "profile a step (touch the trigger file) to see what runs between phases"],
     "GPU/hardware": ["check cooling, power capping and clocks of the named GPU (nvidia-smi -q -d PERFORMANCE)",
                      "drain the node if ECC errors or hardware slowdown persist"],
@@ -64,13 +64,13 @@ def finding(layer: str, summary: str, *, evidence: list[str], rank: int | None =
     return {"layer": layer, "summary": summary, "evidence": evidence,
             "remedies": remedies if remedies is not None else REMEDIES.get(layer, []),
             "rank": rank, "step": step, "cost_seconds": cost_seconds,
-            "cost_share": cost_seconds / run_seconds if cost_seconds is not None and run_seconds > 0 else None,
+            "share_of_run": cost_seconds / run_seconds if cost_seconds is not None and run_seconds > 0 else None,
             "confidence": confidence, "trace_ids": trace_ids or [], **extra}
 
 
 def none(summary: str) -> dict:
     return {"layer": "none", "summary": summary, "evidence": [], "remedies": [], "rank": None, "step": None,
-            "cost_seconds": None, "cost_share": None, "confidence": 1.0, "trace_ids": []}
+            "cost_seconds": None, "share_of_run": None, "confidence": 1.0, "trace_ids": []}
 
 
 def ranked(findings: list[dict]) -> list[dict]:
@@ -314,7 +314,7 @@ def hardware_findings(gpu: dict, findings: list[dict]) -> list[dict]:
                               evidence=[f"rank {r}: {'; '.join(i)}" for r, i in sorted(hardware.items())]
                               + (late["evidence"] if late else []),
                               rank=rank, cost_seconds=late["cost_seconds"] if late else None,
-                              run_seconds=late["cost_seconds"] / late["cost_share"] if late and late["cost_share"]
+                              run_seconds=late["cost_seconds"] / late["share_of_run"] if late and late["share_of_run"]
                               else 0.0, confidence=1.0, trace_ids=late["trace_ids"] if late else [],
                               test="counters"))
         if late:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS
+from opentelemetry_instrumentation_deepspeed.diagnose.model import charts_html
 
 COLORS = {"data_wait": "#e4572e", "forward": "#4c9be8", "backward": "#2e5aac", "optimizer": "#8e6bbf",
           "exposed_comm": "#f3a712", "comm_wait": "#f6d186", "unaccounted": "#b8b8b8", "comm": "#f3a712"}
@@ -102,7 +103,7 @@ def _timeline(timeline: dict) -> str:
 def _cost(finding: dict) -> str:
     if finding.get("cost_seconds") is None:
         return "cost not measured"
-    share = f" ({finding['cost_share']:.0%} of the run)" if finding.get("cost_share") is not None else ""
+    share = f" ({finding['share_of_run']:.0%} of the run)" if finding.get("share_of_run") is not None else ""
     return f"cost {finding['cost_seconds']:.2f} s{share} · confidence {finding.get('confidence', 1.0):.1%}"
 
 
@@ -158,6 +159,9 @@ def render_html(report: dict) -> str:
         "<h2>Step time</h2>" + _series(report.get("step_series", {}), verdict if verdict.get("steps") else None,
                                        change),
     ]
+    model_charts = charts_html(report)  # the model layer beside step time (diagnose/model.py)
+    if model_charts:
+        sections.append("<h2>Loss and gradient norm</h2>" + model_charts)
     for label in ("slowest", "typical"):
         if label in timelines:
             timeline = timelines[label]

@@ -16,6 +16,15 @@ from opentelemetry_instrumentation_deepspeed import semconv
 
 _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, semconv.COMM_BYTES, semconv.COMM_ASYNC,
          semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED)
+# The model and memory layers (diagnose/model.py)
+_MODEL_TYPES = {semconv.TRAINING_LOSS: (int, float), semconv.TRAINING_GRAD_NORM: (int, float),
+                semconv.TRAINING_MEMORY_OOM: str, semconv.TRAINING_MEMORY_ALLOCATED: int,
+                semconv.TRAINING_MEMORY_RESERVED: int,
+                **{semconv.TRAINING_MEMORY_PHASE_PEAK.format(phase=phase): int for phase in semconv.PHASES[1:]}}
+# The input layer (diagnose/inputs.py)
+_INPUT_TYPES = {semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_TOKENS: int,
+                semconv.TRAINING_STEP_SEQUENCE_LENGTH: int}
+_KEPT += tuple(_MODEL_TYPES) + tuple(_INPUT_TYPES)
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ class Shape(ValueError):
 # The attributes the analysis uses, and the types it can take for them.
 _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.COMM_OP: str, semconv.COMM_BYTES: int,
           semconv.COMM_ASYNC: bool, semconv.COMM_SEQUENCE: int, semconv.COMM_GROUP_NAME: str,
-          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool}
+          semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool, **_MODEL_TYPES, **_INPUT_TYPES}
 _MAX_TIME = 2**64 - 1  # OTLP's fixed64
 
 

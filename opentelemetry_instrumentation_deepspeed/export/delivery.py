@@ -11,6 +11,12 @@ the emitter's thread, which hands spans to the batch processor, increments an in
 queue overflows. The exporters' own warnings are let through
 once per logger; the rest are counted, and one line at exit says how much was lost.
 
+At exit the flushes are bounded (``lifecycle``): once the spans' flush has ended or been left
+behind, the spans still queued (``error.type`` ``exit_timeout`` on the processor's counter) and
+those in an export that has not returned (``exit_timeout`` on the exporter's) are counted as lost,
+and that exporter exports nothing more; the metrics' flush is settled the same way. A late
+answer to an export counted so is not counted again: the counts and the summary line are final.
+
 When the SDK's own self-metrics are on (``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``), it
 reports the same names itself, and only the log summary is done here.
 """
@@ -25,6 +31,7 @@ from collections import Counter
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.export import sdk
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 
@@ -64,6 +71,9 @@ class Ledger:
 LEDGER = Ledger()
 
 
+EXIT_TIMEOUT = "exit_timeout"  # error.type of what the bounded exit left undelivered
+
+
 def _error_type(result_or_error) -> str:
     if isinstance(result_or_error, BaseException):
         return type(result_or_error).__name__
@@ -74,25 +84,51 @@ class _CountingExporter:
     """Wraps an exporter: every other attribute is the wrapped one's, so readers and processors see no change.
     It exports only from the process that set it up (see lifecycle: forked children)."""
 
-    def __init__(self, inner, component: str, table: Counter, count_items, success):
+    def __init__(self, inner, component: str, table: Counter, count_items, *, success, failure):
         self._pid = os.getpid()
         self._inner = inner
         self._component = component
         self._table = table
         self._count_items = count_items
         self._success = success
+        self._failure = failure
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, int] = {}  # export call -> its item count, until it returns
+        self._calls = 0
+        self.settled = False  # set at exit: nothing more is exported or counted
 
     def export(self, batch, *args, **kwargs):
         if os.getpid() != self._pid:  # a forked child's copy of the rank's telemetry: not its to send
             return self._success
         count = self._count_items(batch)
+        with self._lock:
+            if self.settled:  # counted as lost when the exit settled: the process is going away
+                return self._failure
+            self._calls += 1
+            call = self._calls
+            self._in_flight[call] = count
         try:
             result = self._inner.export(batch, *args, **kwargs)
         except Exception as error:  # an exporter that raises loses the batch like one that fails
-            LEDGER.add(self._table, self._component, count, _error_type(error))
+            self._returned(call, _error_type(error))
             raise
-        LEDGER.add(self._table, self._component, count, "" if result == self._success else _error_type(result))
+        self._returned(call, "" if result == self._success else _error_type(result))
         return result
+
+    def _returned(self, call: int, error: str) -> None:
+        with self._lock:
+            count = self._in_flight.pop(call, None)
+        if count is not None:  # else: counted as lost when the exit settled
+            LEDGER.add(self._table, self._component, count, error)
+
+    def settle(self) -> int:
+        """Count what is in an export that has not returned as lost, and export nothing more: how many."""
+        with self._lock:
+            self.settled = True
+            unreturned = sum(self._in_flight.values())
+            self._in_flight.clear()
+        LEDGER.add(self._table, self._component, unreturned, EXIT_TIMEOUT)
+        return unreturned
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -140,9 +176,12 @@ def watch(tracer_provider, meter_provider) -> None:
         if exporter is None or isinstance(exporter, _CountingExporter):
             continue
         component = f"{type(exporter).__name__}/{index}"
-        sdk.swap_span_exporter(processor, _CountingExporter(exporter, component, LEDGER.spans, len,
-                                                            SpanExportResult.SUCCESS))
-        sdk.swap_processor_counts(processor, functools.partial(_ProcessorCounts, f"{type(processor).__name__}/{index}"))
+        counting = _CountingExporter(exporter, component, LEDGER.spans, len, success=SpanExportResult.SUCCESS,
+                                     failure=SpanExportResult.FAILURE)
+        sdk.swap_span_exporter(processor, counting)
+        processor_component = f"{type(processor).__name__}/{index}"
+        sdk.swap_processor_counts(processor, functools.partial(_ProcessorCounts, processor_component))
+        _span_pipes.append((processor, processor_component, counting))
 
     from opentelemetry.sdk.metrics.export import MetricExportResult
 
@@ -151,11 +190,32 @@ def watch(tracer_provider, meter_provider) -> None:
         if exporter is None or isinstance(exporter, _CountingExporter):
             continue
         component = f"{type(exporter).__name__}/{index}"
-        sdk.swap_metric_exporter(reader, _CountingExporter(exporter, component, LEDGER.points, _count_points,
-                                                           MetricExportResult.SUCCESS))
+        counting = _CountingExporter(exporter, component, LEDGER.points, _count_points,
+                                     success=MetricExportResult.SUCCESS, failure=MetricExportResult.FAILURE)
+        sdk.swap_metric_exporter(reader, counting)
+        _point_pipes.append(counting)
 
     if not _sdk_reports_itself() and hasattr(meter_provider, "get_meter"):
         _observe(meter_provider)
+
+
+# What watch() wrapped: (batch span processor, its component name, its counting exporter); counting metric exporters.
+_span_pipes: list[tuple[object, str, _CountingExporter]] = []
+_point_pipes: list[_CountingExporter] = []
+
+
+def count_unsent_spans(_reason: str = "") -> None:
+    """After the spans' last flush (ended, or left behind at its deadline): what it did not deliver is lost."""
+    for processor, component, counting in _span_pipes:
+        # In-flight first: a batch taken off the queue meanwhile is refused by the settled exporter,
+        # and those spans were never counted: take the queue's length after settling.
+        counting.settle()
+        LEDGER.add(LEDGER.processed, component, sdk.queued_spans(processor), EXIT_TIMEOUT)
+
+
+def count_unsent_points(_reason: str = "") -> None:
+    for counting in _point_pipes:
+        counting.settle()
 
 
 def _observe(meter_provider) -> None:
@@ -219,9 +279,11 @@ def summary() -> str | None:
     if not spans and not points:
         return None
     suppressed = sum(log_filter.suppressed for log_filter in _filters)
+    cut = (f"; the exit did not wait for: {', '.join(lifecycle.cut_short)} "
+           f"({env.OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT}={env.exit_timeout():g} s)") if lifecycle.cut_short else ""
     return (f"opentelemetry-instrumentation-deepspeed: {spans} spans and {points} metric data points of this "
             f"process were not delivered (first error: {LEDGER.first_error}; {suppressed} repeated warnings "
-            f"suppressed); training was not affected.")
+            f"suppressed{cut}); training was not affected.")
 
 
 _reported = threading.Event()
@@ -240,6 +302,8 @@ def report() -> None:
 def install() -> None:
     """When this project sets the SDK up: quiet the exporters' repeated warnings, and report at exit."""
     quiet_repeated_warnings()
+    lifecycle.at_exit(lifecycle.COUNT_UNSENT_SPANS, count_unsent_spans)
+    lifecycle.at_exit(lifecycle.COUNT_UNSENT_POINTS, count_unsent_points)
     lifecycle.at_exit(lifecycle.REPORT, _report_at_exit)
 
 

@@ -8,6 +8,9 @@ through the lifecycle) ``drain`` turns them into:
 - the step's span tree (root on rank 0, ``training.step``, data waits, phases, collectives, the
   operators and kernels of a profiled step), written finished, with the recorded times;
 - histogram points that keep the time they were taken and their span (exemplars), and totals;
+- the step's loss and gradient norm (read from the host copies once their CUDA event completed: a
+  step whose copies are still running waits for a later drain, at most ``SCALARS_WAIT_SECONDS``),
+  checked by the numerics watch; the caching allocator's figures of each phase;
 - GPU intervals and async collectives that had not completed by then wait in ``_pending`` and are
   emitted by a later drain once their CUDA events completed or their ``wait()`` returned (the final
   drain gives collectives host times and drops what never completed).
@@ -31,8 +34,10 @@ from collections import deque
 from opentelemetry.trace import Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import kernels, sdk, trace_ids
+from opentelemetry_instrumentation_deepspeed.export import batches, kernels, sdk, trace_ids
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
+from opentelemetry_instrumentation_deepspeed.recording import scalars
+from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
 from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 
@@ -42,6 +47,7 @@ DRAIN_SECONDS = 0.5
 LIMIT = 1024  # items waiting past which the submitting thread drains (the emitter's thread could not run)
 MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _YIELD_EVERY = 8  # records emitted between two releases of the GIL
+SCALARS_WAIT_SECONDS = 30.0  # a step whose loss copies have not completed by then is emitted without them
 _COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.emitter"
 
 _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,
@@ -121,6 +127,7 @@ class Emitter(Component):
         self._collectives = Component("collective tracing")
         self._kernels = Component("kernel profiling")
         self._gpu = Component("GPU timing")
+        self._scalars = Component("loss and gradient norm copies")
         self._starting = threading.Lock()
         self.dropped = 0  # incomplete intervals given up beyond MAX_PENDING
 
@@ -176,6 +183,9 @@ class Emitter(Component):
                 except IndexError:
                     break
                 if type(item) is StepRecord:
+                    if not final and self._scalars_wait(item, len(queue)):
+                        queue.appendleft(item)  # its successors wait with it: steps stay in order
+                        break
                     self._step(item, writers)
                 else:
                     self._collective(item, None, None, None, writers)
@@ -203,6 +213,59 @@ class Emitter(Component):
             time.sleep(DRAIN_SECONDS)
             self.drain()
 
+    def _scalars_readable(self, record: StepRecord) -> bool:
+        copied = record.scalars_copied
+        if copied is None or self._scalars.broken:
+            return copied is None
+        try:
+            return copied.query()
+        except Exception:  # noqa: BLE001 - the CUDA runtime's: device losses stop, the rest goes on
+            self._scalars.fail("Emitter._scalars_readable")
+            return False
+
+    def _scalars_wait(self, record: StepRecord, behind: int) -> bool:
+        """Whether ``record``'s loss copies are still running on the GPU and worth waiting for."""
+        if record.scalars_copied is None or behind >= LIMIT:
+            return False
+        return not self._scalars_readable(record) and time.time_ns() - record.end < SCALARS_WAIT_SECONDS * 1e9
+
+    def _model(self, record: StepRecord, more: dict) -> None:
+        """The step's loss, gradient norm and what the numerics watch finds in them."""
+        readable = self._scalars_readable(record)
+        loss = scalars.mean_loss(record.losses) if readable or record.scalars_copied is None else None
+        grad_norm = record.grad_norm
+        grad_norm = scalars.value(grad_norm) if readable or type(grad_norm) is not scalars.Pending else None
+        if loss is not None:
+            more[semconv.TRAINING_LOSS] = loss
+        if grad_norm is not None:
+            more[semconv.TRAINING_GRAD_NORM] = grad_norm
+        kinds = record.facts.metrics.model(loss, grad_norm, record.skipped)
+        if kinds:
+            more[semconv.TRAINING_NUMERICS_ANOMALY] = ",".join(kinds)
+
+    @staticmethod
+    def _memory(record: StepRecord, more: dict) -> None:
+        """The phase an out-of-memory error ended; the allocator's figures at the step's end (or failure) and
+        each phase's peak."""
+        failure = record.failure
+        if isinstance(failure, Failure) and is_out_of_memory(failure.type):
+            failed = next((phase for phase in reversed(record.phases) if phase.failure is not None), None)
+            more[semconv.TRAINING_MEMORY_OOM] = failed.name if failed is not None else "step"
+        last, peaks = None, {}
+        for phase in record.phases:
+            memory = phase.memory
+            if memory is not None:
+                last = memory
+                peaks[phase.name] = max(peaks.get(phase.name, 0), memory.peak)
+        if last is None:
+            return
+        more[semconv.TRAINING_MEMORY_ALLOCATED] = last.allocated
+        more[semconv.TRAINING_MEMORY_RESERVED] = last.reserved
+        for name, peak in peaks.items():
+            more[semconv.TRAINING_MEMORY_PHASE_PEAK.format(phase=name)] = peak
+        first = next(phase.memory for phase in record.phases if phase.memory is not None)
+        more[semconv.TRAINING_MEMORY_ALLOC_RETRIES] = last.retries - first.retries
+
     def _drain_at_collection(self, _options):
         self.drain()
         return []
@@ -216,7 +279,8 @@ class Emitter(Component):
         step = writer.child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: record.number, **facts.static},
                             record.start)
         intervals: list | None = [] if record.profile is not None and step.recording else None
-        phases = self._phases(record, step, intervals, writers)
+        by_micro_step, batch_sums, counted = batches.summarize(list(record.phases))
+        phases = self._phases(record, step, intervals, writers, by_micro_step)
         for collective in list(record.collectives):
             spanned = step.recording and collective.spanned
             parent_context = phases.get(collective.parent, step.context) if spanned else None
@@ -224,13 +288,16 @@ class Emitter(Component):
                              writers)
 
         facts.metrics.batches(record.samples, record.tokens)
-        more = {}
+        facts.metrics.inputs(counted, record.end, step.context)
+        more = dict(batch_sums)
         if record.failure is None:
             micro_batch_size = facts.static[semconv.TRAINING_MICRO_BATCH_SIZE]
-            more = {semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size,
-                    semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
-                    semconv.TRAINING_STEP_SKIPPED: record.skipped}
+            more.update({semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size,
+                         semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
+                         semconv.TRAINING_STEP_SKIPPED: record.skipped})
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)
+            self._model(record, more)
+        self._memory(record, more)
         if record.comm_count:
             more[semconv.COMM_COUNT] = record.comm_count
         if record.comm_dropped:
@@ -263,7 +330,8 @@ class Emitter(Component):
             sampled = trace_ids.sampled(writer.provider, trace_id, semconv.SPAN_GLOBAL_STEP)
         return None, None, remote_parent(trace_id, root_span_id, sampled)
 
-    def _phases(self, record: StepRecord, step, intervals: list | None, writers: set) -> dict:
+    def _phases(self, record: StepRecord, step, intervals: list | None, writers: set,
+                by_micro_step: dict) -> dict:
         """Data wait and phase spans and durations; each phase's span context (the step's, when not sampled)."""
         writer, metrics, recording = record.facts.writer, record.facts.metrics, step.recording
         for wait_start, wait_end, micro_step in record.waits:
@@ -278,15 +346,21 @@ class Emitter(Component):
         for phase in list(record.phases):
             context, end = step.context, phase.end or record.end
             if recording:
-                context = self._phase_span(record, phase, step.context, end, intervals, writers)
+                context = self._phase_span(record, phase, step.context, end, intervals, writers,
+                                           by_micro_step.get(phase.micro_step))
                 contexts[phase] = context
             metrics.phase(phase.name, phase.start, end, context)
+            if phase.memory is not None:
+                metrics.memory_read(phase.memory, phase.name)
         return contexts
 
     def _phase_span(self, record: StepRecord, phase: Phase, parent, end: int,  # noqa: PLR0917
-                    intervals: list | None, writers: set):
+                    intervals: list | None, writers: set, batch: dict | None = None):
+        """``batch``: what the phase's micro-batch held (forward and backward)."""
         writer = record.facts.writer
         attributes = {} if phase.micro_step is None else {semconv.TRAINING_MICRO_STEP: phase.micro_step}
+        if batch:
+            attributes.update(batch)
         if phase.direct:
             attributes[semconv.TRAINING_BACKWARD_DIRECT] = True
         started = writer.child(_PHASE_SPANS[phase.name], parent, attributes, phase.start)
@@ -295,6 +369,11 @@ class Emitter(Component):
             more[semconv.COMM_COUNT] = phase.comm_count
         if phase.comm_dropped:
             more[semconv.COMM_SPANS_DROPPED] = phase.comm_dropped
+        memory = phase.memory
+        if memory is not None:
+            more[semconv.TRAINING_MEMORY_ALLOCATED] = memory.allocated
+            more[semconv.TRAINING_MEMORY_RESERVED] = memory.reserved
+            more[semconv.TRAINING_MEMORY_PEAK] = memory.peak
         writer.end(started, phase.start, end, more, _status(phase.failure), _exception(phase.failure))
         if intervals is not None:
             intervals.append(kernels.Interval(phase.start, end, started.context))

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import threading
 from collections.abc import Sequence
@@ -56,11 +57,14 @@ _MAX_NAME = 128
 
 
 def _directory_name(job_id: str) -> str:
-    """The job id as a directory name: safe characters, and short enough for any file system
-    (255 bytes at most); a long id keeps its start and gets a hash of the whole."""
+    """The job id as one directory name inside the output directory, whatever it holds: safe
+    characters only (no ``/``, NUL or control character), never ``.`` or ``..`` nor hidden (leading
+    dots become ``_``), never empty, and short enough for any file system (255 bytes at most): a
+    long id keeps its start and gets a hash of the whole."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", job_id)
+    name = re.sub(r"^\.+", lambda dots: "_" * len(dots.group()), name) or "_"
     if len(name) > _MAX_NAME:
-        digest = hashlib.blake2b(job_id.encode(), digest_size=8).hexdigest()
+        digest = hashlib.blake2b(job_id.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
         name = f"{name[:_MAX_NAME - 17]}-{digest}"
     return name
 
@@ -71,6 +75,8 @@ def _usable(path: Path) -> str | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         return f"{type(error).__name__}: {error.strerror or error}"
+    if path.is_symlink():  # planted at the job's name: the files would land wherever it points
+        return "it is a symbolic link"
     if not os.access(path, os.W_OK | os.X_OK):
         return "it is not writable"
     return None
@@ -130,61 +136,108 @@ def reset() -> None:
 class _JsonLines:
     """This rank's file of one signal: opened at the first line, rotated at half the size limit.
 
-    Each line is written with one call and flushed, so the file holds whole lines whenever the
-    process stops between batches.
+    The file holds whole lines, whatever happens. Each batch is one line, appended with
+    ``os.write`` (no user-space buffer a dying thread could leave half-flushed); a write that fails
+    part-way (a full disk, a file-size limit) is rolled back by truncating the file to where it
+    was, so the next batch starts on a fresh line, and the batch counts as lost. A file that ends
+    inside a line (a process killed mid-write, a rollback that failed) is cut back to its last
+    whole line before anything is appended. A file removed while the job runs is created again
+    at the next batch. Only a regular file is written: a FIFO, a device or a symbolic link planted
+    at the file's name is refused.
     """
 
     def __init__(self, signal: str):
         self._signal = signal
         self._lock = threading.Lock()
-        self._stream = None
+        self._fd: int | None = None
         self._opened = False
         self._path: Path | None = None
-        self._size = 0
         self._rotate_at = env.output_max_mb() * 1_000_000 // 2
+        self._check_end = True  # the file may end inside a line: look before appending
+        self._failing = False  # the last write failed: said once until one succeeds
 
     def _open(self) -> None:
-        self._opened = True
-        self._path = file_path(self._signal)
         if self._path is None:
             return
-        try:
-            self._stream = open(self._path, "ab")
-            self._size = self._stream.tell()
-        except OSError as error:
-            _logger.warning("Cannot open %s (%s); %s are not written.", self._path, error, self._signal)
+        self._path.parent.mkdir(parents=True, exist_ok=True)  # the directory may have been removed too
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(self._path, flags, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"{self._path} is not a regular file")
+        self._fd, self._check_end = fd, True
 
-    def _rotate(self) -> None:
-        # One predecessor is kept: the newest telemetry is the one a slow job needs.
-        self._stream.close()
-        os.replace(self._path, self._path.with_suffix(".previous.jsonl"))
-        self._stream = open(self._path, "ab")
-        self._size = 0
+    def _close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def _cut_to_whole_lines(self, size: int) -> int:
+        """Truncate a file that ends inside a line back to its last newline: its new size."""
+        if size == 0 or os.pread(self._fd, 1, size - 1) == b"\n":
+            return size
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            chunk = os.pread(self._fd, end - start, start)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+                break
+            end = start
+        os.ftruncate(self._fd, end)
+        return end
+
+    def _append(self, data: bytes) -> None:
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:  # removed while the job runs
+            self._close()
+        if self._fd is None:
+            self._open()
+        size = os.fstat(self._fd).st_size
+        if self._check_end:
+            size = self._cut_to_whole_lines(size)
+            self._check_end = False
+        if self._rotate_at and size and size + len(data) > self._rotate_at:
+            # One predecessor is kept: the newest telemetry is the one a slow job needs.
+            self._close()
+            os.replace(self._path, self._path.with_suffix(".previous.jsonl"))
+            self._open()
+            size = 0
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+        except OSError:
+            if written:
+                try:
+                    os.ftruncate(self._fd, size)
+                except OSError:
+                    self._check_end = True  # cut back before the next batch instead
+            raise
 
     def write(self, line: str) -> bool:
-        """False when the line could not be written (nowhere to write has been said once already)."""
+        """False when the line could not be written (the reason is said once, until a line is written again)."""
         data = line.encode() + b"\n"
         with self._lock:
             if not self._opened:
-                self._open()
-            if self._stream is None:
-                return self._path is None
-            try:
-                if self._rotate_at and self._size and self._size + len(data) > self._rotate_at:
-                    self._rotate()
-                self._stream.write(data)
-                self._stream.flush()
-            except (OSError, ValueError) as error:  # disk full, file removed, closed at shutdown
-                _logger.warning("Cannot write %s to %s: %s", self._signal, self._path, error)
+                self._opened = True
+                self._path = file_path(self._signal)
+            if self._path is None:  # nowhere to write, said once already
                 return False
-            self._size += len(data)
+            try:
+                self._append(data)
+            except (OSError, ValueError) as error:  # disk full, file-size limit, not a regular file, closed
+                if not self._failing:
+                    self._failing = True
+                    _logger.warning("Cannot write %s to %s (%s); this batch and the next ones that fail are counted "
+                                    "as lost.", self._signal, self._path, error)
+                return False
+            self._failing = False
             return True
 
     def close(self) -> None:
         with self._lock:
-            if self._stream is not None:
-                self._stream.close()
-                self._stream = None
+            self._close()
 
 
 class JsonLinesSpanExporter(SpanExporter):

@@ -62,5 +62,7 @@ def wait_for_final_scrape_at_exit() -> None:
 
     watch = _ScrapeWatch()
     REGISTRY.register(watch)
-    # Before the meter provider shuts down: the exporter still serves.
+    # Before the meter provider shuts down: the exporter still serves. A wait the user asked for
+    # comes on top of the exit budget.
+    lifecycle.allow_extra_exit_time(timeout)
     lifecycle.at_exit(lifecycle.FINAL_SCRAPE, lambda _reason: watch.wait_for_scrape(timeout))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from importlib import metadata
 
 _logger = logging.getLogger(__name__)
@@ -118,7 +119,9 @@ def build_providers(arguments: dict, resource_attributes: dict):
     if arguments.get("auto_instrumentation_version"):
         attributes["telemetry.auto.version"] = arguments["auto_instrumentation_version"]
     resource = Resource.create(attributes)
-    id_generator = os.environ.get("OTEL_PYTHON_ID_GENERATOR", "random").strip()
+    from opentelemetry_instrumentation_deepspeed.runtime.environment_variables import ISOLATED_ID_GENERATOR
+
+    id_generator = os.environ.get("OTEL_PYTHON_ID_GENERATOR", ISOLATED_ID_GENERATOR).strip()
     tracer_provider = TracerProvider(
         resource=resource, shutdown_on_exit=False,
         id_generator=None if id_generator == "random" else _entry_point("opentelemetry_id_generator", id_generator)(),
@@ -164,9 +167,55 @@ def take_over_exit_handlers(*providers) -> None:
     import atexit
 
     for provider in providers:
-        handler = getattr(provider, "_atexit_handler", None)
-        if handler is not None:
-            atexit.unregister(handler)
+        # The tracer and meter providers call it _atexit_handler, the logger provider _at_exit_handler.
+        for handler in (getattr(provider, "_atexit_handler", None), getattr(provider, "_at_exit_handler", None)):
+            if handler is not None:
+                atexit.unregister(handler)
+
+
+def logger_provider():
+    """The SDK logger provider the configurator set up (OTLP logs with an endpoint), or None."""
+    if not _internals():
+        return None
+    from opentelemetry._logs import get_logger_provider
+    from opentelemetry.sdk._logs import LoggerProvider
+
+    provider = get_logger_provider()
+    return provider if isinstance(provider, LoggerProvider) else None
+
+
+def _shut_down_batch_processors(processors, seconds: float) -> None:
+    """Shut batch processors down, together within ``seconds``: each gives up waiting for its
+    worker by then, stops exporting what is left in its queue, and shuts its exporter down
+    (which ends an OTLP exporter's retries). The public ``shutdown`` waits 30 s for each."""
+    deadline = time.monotonic() + seconds
+    for processor in processors:
+        batch = getattr(processor, "_batch_processor", None)
+        if batch is not None and hasattr(batch, "shutdown"):
+            batch.shutdown(timeout_millis=max(0.0, deadline - time.monotonic()) * 1000)
+
+
+def shut_down_tracer_provider(provider, seconds: float) -> None:
+    """Flush and shut ``provider`` down, its batch processors giving up after ``seconds`` where the
+    SDK lets them (with internals); the provider's own shutdown then finds them shut."""
+    if _internals():
+        _shut_down_batch_processors(span_processors(provider), seconds)
+    provider.shutdown()
+
+
+def shut_down_logger_provider(provider, seconds: float) -> None:
+    if _internals():
+        multi = getattr(provider, "_multi_log_record_processor", None)
+        _shut_down_batch_processors(tuple(getattr(multi, "_log_record_processors", ())), seconds)
+    provider.shutdown()
+
+
+def queued_spans(processor) -> int:
+    """Spans a batch span processor still holds in its queue (never handed to its exporter); 0 where unknown."""
+    if not _internals():
+        return 0
+    queue = getattr(getattr(processor, "_batch_processor", None), "_queue", None)
+    return len(queue) if queue is not None else 0
 
 
 # -- delivery accounting ---------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Training metrics: step and phase durations (with exemplars), samples, tokens, skipped steps,
-loss scale, gradient norm and MFU.
+loss scale, loss and gradient norm (and the anomalies the numerics watch finds in them), GPU memory
+from the caching allocator, and MFU.
 
 Everything here runs on the emitter's thread, from closed step records: durations are histograms
 recorded in the context of their span, so each bucket keeps the trace of a step that fell in it;
 totals and last values are kept here and observed at collection. Nothing read here synchronizes
-a device: a value that lives in a CUDA tensor is not reported.
+a device: loss and gradient norm come from the records (copied off the device asynchronously),
+the loss scale is reported only where it is a host value.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import weakref
 from opentelemetry.metrics import Observation
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.model import NumericsWatch
 from opentelemetry_instrumentation_deepspeed.export.histograms import TimedHistogram
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
@@ -22,6 +25,8 @@ from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, ob
 # Seconds, from a millisecond step to a ten-minute one.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
                     120.0, 300.0, 600.0)
+# Tokens, for padded sequence lengths: powers of two from 16 to 128k.
+SEQUENCE_LENGTH_BUCKETS = tuple(float(2**power) for power in range(4, 18))
 
 # Dense peak FLOP/s of one device for bf16/fp16 matmuls, by a substring of the NVML/torch name.
 _PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12),
@@ -64,9 +69,15 @@ class TrainingMetrics:
         self._engine = weakref.ref(engine) if engine is not None else lambda: None
         self.samples = 0
         self.tokens = 0
+        self.real_tokens = 0
         self.skipped = 0
         self.loss_scale: float | None = None
+        self.loss: float | None = None
         self.grad_norm: float | None = None
+        self.numerics = NumericsWatch()
+        self.anomalies = dict.fromkeys(semconv.NUMERICS_KINDS, 0)
+        self.memory = None  # the allocator's last reading (recording.allocator.Memory), on CUDA
+        self.memory_peaks: dict[str, int] = {}  # each phase's peak in the last step that ran it
         self.mfu: float | None = None
         self._step = TimedHistogram(meter.create_histogram(
             semconv.METRIC_STEP_DURATION, unit="s", description="Duration of an optimizer step on this rank",
@@ -75,21 +86,82 @@ class TrainingMetrics:
             semconv.METRIC_PHASE_DURATION, unit="s",
             description="Duration of a phase of a step (data wait, forward, backward, optimizer step)",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS))
+        self._sequence_length = TimedHistogram(meter.create_histogram(
+            semconv.METRIC_BATCH_SEQUENCE_LENGTH, unit="{token}",
+            description="Padded sequence length of each micro-batch, as it left the DataLoader",
+            explicit_bucket_boundaries_advisory=SEQUENCE_LENGTH_BUCKETS))
         self._phase_attributes = {name: {semconv.TRAINING_PHASE: name} for name in semconv.PHASES}
         self._observers = Component("training metrics")
         meter.create_observable_counter(semconv.METRIC_SAMPLES, [self._total("samples")], unit="{sample}",
                                         description="Samples this rank trained on")
         meter.create_observable_counter(semconv.METRIC_TOKENS, [self._total("tokens")], unit="{token}",
                                         description="Tokens this rank trained on (token ids, padding included)")
+        meter.create_observable_counter(semconv.METRIC_BATCH_TOKENS, [self._total("real_tokens")], unit="{token}",
+                                        description="Real (non-padding) tokens of the micro-batches this rank took "
+                                                    "from its DataLoader, where countable on the host")
         meter.create_observable_counter(semconv.METRIC_SKIPPED_STEPS, [self._total("skipped")], unit="{step}",
                                         description="Optimizer steps skipped (fp16 overflow)")
         meter.create_observable_gauge(semconv.METRIC_LOSS_SCALE, [self._from_engine("loss_scale", _loss_scale)],
                                       unit="1", description="Dynamic loss scale after the last step (fp16)")
-        meter.create_observable_gauge(semconv.METRIC_GRAD_NORM, [self._from_engine("grad_norm", _grad_norm)],
-                                      unit="1",
-                                      description="Global gradient norm of the last step, where known without a sync")
+        meter.create_observable_gauge(semconv.METRIC_GRAD_NORM, [self._last("grad_norm")], unit="1",
+                                      description="Global gradient norm of the last step")
+        meter.create_observable_gauge(semconv.METRIC_LOSS, [self._last("loss")], unit="1",
+                                      description="Loss of the last step (mean over its micro-batches)")
+        anomalies = observing(self._observers, self._anomalies)
+        meter.create_observable_counter(semconv.METRIC_NUMERICS_ANOMALIES, [anomalies],
+                                        unit="{step}", description="Steps whose loss or gradient norm was non-finite "
+                                        "or spiked, and runs of skipped steps, by training.numerics.kind")
+        self._memory_instruments(meter)
         meter.create_observable_gauge(semconv.METRIC_MFU, [self._last("mfu")], unit="1",
                                       description="Model FLOPs utilization of the last step")
+
+    def _memory_instruments(self, meter) -> None:
+        def reading(read):
+            def observe(_options):
+                memory = self.memory
+                return [] if memory is None else [Observation(read(memory))]
+
+            return observing(self._observers, observe)
+
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_ALLOCATED, [reading(lambda m: m.allocated)], unit="By",
+                                      description="GPU memory allocated to tensors (PyTorch's caching allocator), "
+                                                  "at the end of the last phase")
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_RESERVED, [reading(lambda m: m.reserved)], unit="By",
+                                      description="GPU memory the caching allocator holds, at the end of the last "
+                                                  "phase")
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_FRAGMENTATION, [reading(lambda m: m.fragmentation)],
+                                      unit="By", description="Reserved minus allocated GPU memory: cached blocks")
+        meter.create_observable_counter(semconv.METRIC_MEMORY_ALLOC_RETRIES, [reading(lambda m: m.retries)],
+                                        unit="{retry}", description="cudaMalloc retries after the allocator freed "
+                                        "its cache (what DeepSpeed calls allocator cache flushes)")
+        meter.create_observable_counter(semconv.METRIC_MEMORY_OOMS, [reading(lambda m: m.ooms)], unit="{error}",
+                                        description="Out-of-memory errors the caching allocator raised")
+
+        def peaks(_options):
+            return [Observation(value, self._phase_attributes[phase]) for phase, value in self.memory_peaks.items()]
+
+        meter.create_observable_gauge(semconv.METRIC_MEMORY_PEAK, [observing(self._observers, peaks)], unit="By",
+                                      description="Peak GPU memory allocated during each phase of the last step")
+
+    def _anomalies(self, _options):
+        return [Observation(count, {semconv.TRAINING_NUMERICS_KIND: kind}) for kind, count in self.anomalies.items()]
+
+    def model(self, loss: float | None, grad_norm: float | None, skipped: bool) -> list[str]:
+        """A closed step's loss and gradient norm: the last values, and the kinds of anomaly they show."""
+        if loss is not None:
+            self.loss = loss
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+        kinds = [kind for kind, _detail in self.numerics.step(loss, grad_norm, skipped)]
+        for kind in kinds:
+            self.anomalies[kind] += 1
+        return kinds
+
+    def memory_read(self, memory, phase: str | None = None) -> None:
+        """A phase's reading: the last figures, and (``phase``) that phase's peak."""
+        self.memory = memory
+        if phase is not None:
+            self.memory_peaks[phase] = memory.peak
 
     def _total(self, name):
         def observe(_options):
@@ -124,6 +196,13 @@ class TrainingMetrics:
         self.samples += samples
         self.tokens += tokens
 
+    def inputs(self, batches: list, taken: int, span_context) -> None:
+        """The step's counted micro-batches: (samples, padded length, real tokens or None) each."""
+        for _samples, length, tokens in batches:
+            self._sequence_length.record(length, taken, span_context)
+            if tokens is not None:
+                self.real_tokens += tokens
+
     def step(self, start: int, end: int, span_context, tokens: int, skipped: bool) -> None:
         """A step that closed normally (a failed one counts its phases and batches, not itself)."""
         seconds = (end - start) / 1e9
@@ -135,10 +214,6 @@ class TrainingMetrics:
 
 def _loss_scale(engine) -> float | None:
     return _host_number(engine._get_optimizer_loss_scale()) if engine.fp16_enabled() else None
-
-
-def _grad_norm(engine) -> float | None:
-    return _host_number(engine.get_global_grad_norm())
 
 
 def flops_per_token(module) -> float:

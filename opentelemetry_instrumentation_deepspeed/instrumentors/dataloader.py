@@ -1,8 +1,11 @@
 """Data loading: the time the training loop is blocked on its next batch.
 
 Every ``torch.utils.data.DataLoader`` iterator (single- and multi-process) and DeepSpeed's
-own loaders (``DeepSpeedDataLoader``, ``RepeatingLoader``), which wrap one. Only the outermost
-``__next__`` on a thread is timed, so a DeepSpeed loader around a DataLoader counts once.
+own loaders (``DeepSpeedDataLoader``, ``RepeatingLoader``), which wrap one, and Accelerate's
+(``DataLoaderShard``, ``DataLoaderDispatcher``, ``SkipDataLoader``), whose ``__iter__`` is a
+generator: the iterator it returns is timed. Only the outermost ``__next__`` on a thread is timed,
+so a loader around a DataLoader counts once, and one wait is one batch handed to the loop: the
+batch Accelerate fetches ahead, or the batches rank 0 fetches to dispatch, are inside it.
 A ``next()`` that ends the iteration (``StopIteration``) is the end of an epoch, not a wait.
 
 Once training starts, the CPU and memory of the rank's child processes (its DataLoader workers,
@@ -16,13 +19,14 @@ import threading
 import time
 from collections.abc import Collection
 
+import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import Observation, get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
-from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.recording import inputs, registry
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
 from opentelemetry_instrumentation_deepspeed.version import __version__
@@ -31,6 +35,13 @@ _TARGETS = (
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
     ("deepspeed.runtime.dataloader", "DeepSpeedDataLoader"),
     ("deepspeed.runtime.dataloader", "RepeatingLoader"),
+)
+
+# Loaders whose __iter__ is a generator: the iterator it returns is timed.
+_GENERATORS = (
+    ("accelerate.data_loader", "DataLoaderShard"),
+    ("accelerate.data_loader", "DataLoaderDispatcher"),
+    ("accelerate.data_loader", "SkipDataLoader"),
 )
 
 _nesting = threading.local()
@@ -47,7 +58,22 @@ def _next(wrapped, instance, args, kwargs):
     finally:
         _nesting.inside = False
     recorder.data_waited(start, time.time_ns())
+    inputs.left_loader(recorder, batch)
     return batch
+
+
+class _TimedIterator(wrapt.ObjectProxy):
+    """A loader's generator whose ``next()`` is a data wait; anything else goes to the generator."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return _next(self.__wrapped__.__next__, self, (), {})
+
+
+def _iter(wrapped, instance, args, kwargs):
+    return _TimedIterator(wrapped(*args, **kwargs))
 
 
 class WorkerProcesses:
@@ -131,6 +157,13 @@ class DataLoaderInstrumentor(BaseInstrumentor):
                     wrap_methods(getattr(module, class_name), {"__next__": _next})
 
             when_imported(module_name, patch)
+        for module_name, class_name in _GENERATORS:
+            def patch_iter(module, class_name=class_name):
+                owner = getattr(module, class_name, None)  # absent from an older or newer Accelerate
+                if self._patching and owner is not None:
+                    wrap_methods(owner, {"__iter__": _iter})
+
+            when_imported(module_name, patch_iter)
 
     def _uninstrument(self, **kwargs):
         self._patching = False
@@ -138,3 +171,5 @@ class DataLoaderInstrumentor(BaseInstrumentor):
             self._workers.active = False
         for module_name, class_name in _TARGETS:
             unwrap_methods(getattr(sys.modules.get(module_name), class_name, None), ["__next__"])
+        for module_name, class_name in _GENERATORS:
+            unwrap_methods(getattr(sys.modules.get(module_name), class_name, None), ["__iter__"])

@@ -66,16 +66,45 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     step_profiler = profiler.from_environment()
     facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
                       step_profiler.top if step_profiler is not None else 0)
-    return StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(engine, cuda), env.comm_span_limit())
+    on_cuda = _on_cuda(engine, cuda)
+    return StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), env.comm_span_limit(),
+                        _allocator(on_cuda), _device_scalars(on_cuda))
 
 
-def _gpu_timeline(engine, cuda):
-    device = getattr(engine, "device", None)
-    if cuda is None and getattr(device, "type", None) != "cuda":
+def _on_cuda(engine, cuda):
+    """torch.cuda (or the test's fake at that boundary) when the engine trains on a CUDA device, else None."""
+    if cuda is None and getattr(getattr(engine, "device", None), "type", None) != "cuda":
+        return None
+    return cuda or sys.modules["torch"].cuda
+
+
+def _gpu_timeline(cuda):
+    if cuda is None:
         return None
     from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
 
-    return GpuTimeline(cuda or sys.modules["torch"].cuda)
+    return GpuTimeline(cuda)
+
+
+def _allocator(cuda):
+    if cuda is None or not hasattr(cuda, "memory_stats_as_nested_dict"):
+        return None
+    from opentelemetry_instrumentation_deepspeed.recording.allocator import AllocatorMemory
+    from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+
+    return AllocatorMemory(cuda, env.memory_peak_reset())
+
+
+def _device_scalars(cuda):
+    if cuda is None:
+        return None
+    from opentelemetry_instrumentation_deepspeed.recording.scalars import DeviceScalars
+
+    try:
+        return DeviceScalars(sys.modules["torch"], cuda)
+    except Exception:  # no pinned memory (a fake CUDA, a broken driver): no device losses, the rest runs
+        _logger.debug("no pinned buffer for loss and gradient norm", exc_info=True)
+        return None
 
 
 def _forward(wrapped, instance, args, kwargs):
@@ -91,7 +120,7 @@ def _forward(wrapped, instance, args, kwargs):
     except BaseException as error:
         recorder.phase_failed(phase, error)
         raise
-    recorder.phase_ended(phase)
+    recorder.forward_ended(phase, result)
     return result
 
 
@@ -99,7 +128,7 @@ def _backward(wrapped, instance, args, kwargs):
     recorder = registry.recorder_for(instance)
     if recorder is None:
         return wrapped(*args, **kwargs)
-    phase = recorder.backward_started(instance)
+    phase = recorder.backward_started(instance, loss=args[0] if args else kwargs.get("loss"))
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:

@@ -11,7 +11,7 @@ its tensors, alive): an error is kept as ``Failure``, its type, message and form
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +39,8 @@ class Interrupted:
 class Phase:
     """One forward, backward or optimizer step of the open step."""
 
-    __slots__ = ("comm_count", "comm_dropped", "direct", "end", "failure", "gpu_end", "gpu_start", "micro_step",
-                 "name", "start")
+    __slots__ = ("comm_count", "comm_dropped", "direct", "end", "failure", "gpu_end", "gpu_start", "inputs",
+                 "memory", "micro_step", "name", "start")
 
     def __init__(self, name: str, micro_step: int | None, start: int, gpu_start=None, direct: bool = False):
         self.name = name  # semconv.PHASE_*
@@ -53,6 +53,8 @@ class Phase:
         self.comm_dropped = 0
         self.gpu_start = gpu_start  # CUDA events bracketing the phase's GPU work, or None
         self.gpu_end = None
+        self.memory = None  # the caching allocator at its end (recording.allocator.Memory), on CUDA
+        self.inputs: tuple | None = None  # a forward's batch: (samples, padded length, real tokens or None)
 
 
 class Collective:
@@ -104,6 +106,11 @@ class StepRecord:
     profile: object = None  # the stopped torch.profiler of a profiled step, for the emitter to read
     profiled: bool = False
     gpu: object = None  # the GpuTimeline of its phases' events, on CUDA
+    # Each micro-batch's loss and the step's gradient norm, as recording.scalars.take kept them: host
+    # floats, or copies of CUDA scalars readable once ``scalars_copied`` (a CUDA event) has completed.
+    losses: list = field(default_factory=list)
+    grad_norm: object = None
+    scalars_copied: object = None
 
     @property
     def closed(self) -> bool:

@@ -10,12 +10,16 @@ record stays readable from other threads (``open``).
 from __future__ import annotations
 
 import time
+import weakref
+from collections import deque
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.recording import state
+from opentelemetry_instrumentation_deepspeed.recording import inputs as input_batches
+from opentelemetry_instrumentation_deepspeed.recording import scalars, state
 from opentelemetry_instrumentation_deepspeed.recording.batches import batch_shape
 from opentelemetry_instrumentation_deepspeed.recording.record import Failure, Interrupted, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.recording.state import Event, State
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open
 
 _PHASE_NAMES = {Event.FORWARD: semconv.PHASE_FORWARD, Event.BACKWARD: semconv.PHASE_BACKWARD,
@@ -27,17 +31,25 @@ TRACING_FAILED = "step tracing failed; see the log"
 class StepRecorder(Component):
     """Records one DeepSpeed engine's steps. Holds no reference to the engine or its tensors."""
 
-    def __init__(self, engine, facts, submit, profiler=None, gpu=None, comm_span_limit: int = 64):  # noqa: PLR0917
+    def __init__(self, engine, facts, submit, profiler=None, gpu=None, comm_span_limit: int = 64,  # noqa: PLR0917
+                 memory=None, device_scalars=None):
         super().__init__("step tracing")
         self.facts = facts  # carried by every record, for the emitter: static attributes, where spans go
         self._submit = submit
         self.profiler = profiler
         self._gpu = gpu  # a GpuTimeline on CUDA: each phase also gets its GPU-side interval
         self._comm_span_limit = comm_span_limit
+        self._memory = memory  # an AllocatorMemory on CUDA: each phase ends with the allocator's figures
+        self._device_scalars = device_scalars  # a DeviceScalars on CUDA: losses are copied, not read
+        self._forward_output = None  # a weak reference to the last forward's scalar output (a direct backward's loss)
         self._micro_batch_size = engine.train_micro_batch_size_per_gpu()
-        # Waits kept before a step opens: the ones that fetch its micro-batches, no older.
+        # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
+        # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
         self._max_waits = max(1, engine.gradient_accumulation_steps())
-        self._waits: list[tuple[int, int]] = []
+        self._waits: list[tuple[int, int, bool]] = []
+        # What each fetched micro-batch holds (recording/inputs.py), until the forward that takes it.
+        self.inputs: deque = deque(maxlen=self._max_waits + 1)
+        self.pad_token_id = input_batches.pad_token_id(engine, env.pad_token_id())
         self._skipped_before = 0
         self.state = State.IDLE
         self.open: StepRecord | None = None
@@ -63,7 +75,8 @@ class StepRecorder(Component):
 
     @fail_open
     def not_training(self) -> None:
-        """An evaluation forward: waits so far fed it, not the next step."""
+        """An evaluation forward: waits (and batches) so far fed it, not the next step."""
+        self.inputs.clear()
         self._fire(Event.EVALUATION)
 
     @fail_open
@@ -71,8 +84,19 @@ class StepRecorder(Component):
         return self._start(Event.FORWARD, (engine, args, kwargs or {}))
 
     @fail_open
-    def backward_started(self, engine, direct: bool = False) -> Phase | None:
-        return self._start(Event.DIRECT_BACKWARD if direct else Event.BACKWARD, (engine,))
+    def forward_ended(self, phase: Phase | None, output) -> None:
+        """The forward returned ``output``: a scalar tensor (or a ``loss`` entry) may be the loss a
+        direct ``loss.backward()`` later starts from; only a weak reference to it is kept."""
+        record = self.open
+        if phase is not None and record is not None and phase is record.phase:
+            self._fire(Event.PHASE_END)
+            loss = output if getattr(output, "ndim", None) == 0 else _loss_entry(output)
+            self._forward_output = weakref.ref(loss) if getattr(loss, "ndim", None) == 0 else None
+
+    @fail_open
+    def backward_started(self, engine, direct: bool = False, loss=None) -> Phase | None:
+        """``loss``: what ``engine.backward(loss)`` was given; a direct backward's is the forward's output."""
+        return self._start(Event.DIRECT_BACKWARD if direct else Event.BACKWARD, (engine, loss))
 
     @fail_open
     def direct_backward_ended(self) -> None:
@@ -176,23 +200,47 @@ class StepRecorder(Component):
         phase = self._current_phase()
         return phase if phase is not before else None  # a nested start is no phase of its own
 
-    def _keep_wait(self, _event, wait) -> None:
-        if len(self._waits) >= self._max_waits:
-            del self._waits[0]
-        self._waits.append(wait)
+    # Waits count fetches, not forwards: the i-th fetch of a step is its micro-batch i, whenever the
+    # loop made it. A step holds G fetches at most; a further one, made while it is open, fetched
+    # ahead for the next step (a loader's look-ahead) and is kept for it.
+
+    def _keep_wait(self, _event, wait, ahead: bool = False) -> None:
+        waits = self._waits
+        if len(waits) >= self._max_waits:
+            # More fetches than a step has micro-batches: the oldest made since the last step goes (a
+            # skipped batch, an evaluation's), before a look-ahead, which is the next step's first.
+            for index, kept in enumerate(waits):
+                if not kept[2]:
+                    del waits[index]
+                    break
+            else:
+                del waits[0]
+        waits.append((wait[0], wait[1], ahead))
 
     def _add_wait(self, _event, wait) -> None:
-        record = self.open
-        record.waits.append((wait[0], wait[1], record.micro_batches))
+        waits = self.open.waits
+        if len(waits) < self._max_waits:
+            waits.append((wait[0], wait[1], len(waits)))
+        else:
+            self._keep_wait(None, wait, True)
 
     def _drop_waits(self, _event, _data) -> None:
-        self._waits.clear()
+        # An evaluation forward: what was fetched since the last step fed it; a look-ahead is the next step's.
+        self._waits = [wait for wait in self._waits if wait[2]]
 
     def _open_step(self, _event, data) -> None:
         engine = data[0]
         waits = self._waits
-        start = waits[0][0] if waits else time.time_ns()
-        record = StepRecord(self.facts, engine.global_steps + 1, start, [(s, e, 0) for s, e in waits], [], [])
+        # The step starts where the loop began fetching for it, not at a look-ahead made in the step before.
+        start = None
+        for wait_start, _end, ahead in waits:
+            if not ahead:
+                start = wait_start
+                break
+        if start is None:
+            start = time.time_ns()
+        record = StepRecord(self.facts, engine.global_steps + 1, start,
+                            [(wait[0], wait[1], index) for index, wait in enumerate(waits)], [], [])
         waits.clear()
         if self._gpu is not None:
             self._gpu.anchor_if_idle()
@@ -215,8 +263,17 @@ class StepRecorder(Component):
             micro_step = None
         else:
             micro_step = max(record.micro_batches - 1, 0)
+        if event == Event.BACKWARD:
+            self._take_loss(record, data[1])
+        elif event == Event.DIRECT_BACKWARD:
+            output, self._forward_output = self._forward_output, None
+            self._take_loss(record, None if output is None else output())
+        if self._memory is not None:
+            self._memory.phase_started()
         phase = Phase(_PHASE_NAMES[event], micro_step, now, None if self._gpu is None else self._gpu.event(),
                       event == Event.DIRECT_BACKWARD)
+        if event == Event.FORWARD and self.inputs:
+            phase.inputs = self.inputs.popleft()
         record.phases.append(phase)
         record.phase = phase
 
@@ -226,6 +283,8 @@ class StepRecorder(Component):
         phase.end = time.time_ns()
         if phase.gpu_start is not None:
             phase.gpu_end = self._gpu.event()
+        if self._memory is not None:
+            phase.memory = self._memory.read()  # host counters of the allocator: also right after an OOM
 
     def _fail_phase(self, _event, failure: Failure) -> None:
         if self.open.phase is not None:
@@ -241,10 +300,19 @@ class StepRecorder(Component):
     def _close_step(self, _event, engine) -> None:
         record, self.open = self.open, None
         record.skipped = engine.skipped_steps > self._skipped_before
+        record.grad_norm = scalars.take(engine.get_global_grad_norm(), self._device_scalars)
+        if self._device_scalars is not None and (type(record.grad_norm) is scalars.Pending or record.losses):
+            record.scalars_copied = self._device_scalars.event()
         record.end = end = time.time_ns()
         if self.profiler is not None:
             record.profile = self.profiler.step_closed((end - record.start) / 1e9)
         self._submit(record)
+
+    def _take_loss(self, record: StepRecord, loss) -> None:
+        if loss is not None:
+            taken = scalars.take(loss, self._device_scalars)
+            if taken is not None:
+                record.losses.append(taken)
 
     def _fail_step(self, event: Event, failure) -> None:
         record, self.open = self.open, None
@@ -253,3 +321,10 @@ class StepRecorder(Component):
         if self.profiler is not None:
             self.profiler.abandon()
         self._submit(record)
+
+
+def _loss_entry(output):
+    """The ``loss`` of a model output that holds one (a dict, a Hugging Face ``ModelOutput``)."""
+    if isinstance(output, dict):
+        return output.get("loss")
+    return None

@@ -16,6 +16,7 @@ from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.runtime.environment_variables import (
     DEFAULT_BSP_SCHEDULE_DELAY,
     EMBEDDED_EXPORTER,
+    ISOLATED_ID_GENERATOR,
 )
 
 _SIGNALS = (
@@ -56,6 +57,8 @@ class DeepSpeedDistro(BaseDistro):
         # seconds reach the garbage collector's oldest generation, whose collections stopped the
         # example's training thread for ~0.4 s every ~3000 steps.
         os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_BSP_SCHEDULE_DELAY)
+        # Training scripts seed Python's random identically on every rank, which the SDK's default ids draw from.
+        os.environ.setdefault("OTEL_PYTHON_ID_GENERATOR", ISOLATED_ID_GENERATOR)
         for exporter_variable, endpoint_variable, embedded in _SIGNALS:
             if exporter_variable in os.environ:
                 continue

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 _logger = logging.getLogger(__name__)
 
@@ -33,6 +35,13 @@ OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH = "OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH"
 telemetry, then die by SIGTERM as before. ``true`` or ``false``. Default: ``true``.
 """
 
+OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT"
+"""Most seconds the telemetry adds to a process's exit, or to its death after SIGTERM, whatever the
+collector does (refuses, never answers, answers errors, slowly): the last spans get about half of
+it, the last metrics most of the rest; what is not delivered by then is counted as lost and said
+in the summary line. 0: no last flush at all. Default: 5.
+"""
+
 OTEL_PYTHON_DEEPSPEED_JOB_ID = "OTEL_PYTHON_DEEPSPEED_JOB_ID"
 """The ``training.job.id`` of this run, identical on every rank.
 
@@ -48,6 +57,10 @@ After that the rank uses a job id of its own and says so. Default: 60.
 
 EMBEDDED_EXPORTER = "deepspeed_file"
 """Exporter name (traces and metrics) of the embedded default, set by the distro when nothing else is."""
+
+ISOLATED_ID_GENERATOR = "deepspeed_random"
+"""The SDK's OTEL_PYTHON_ID_GENERATOR as the distro sets it when unset: random ids that no user seed
+reaches (``export/id_generator.py``); the SDK's default draws from Python's global ``random``."""
 
 OTEL_PYTHON_DEEPSPEED_COMM = "OTEL_PYTHON_DEEPSPEED_COMM"
 """Collective telemetry: ``spans`` (spans and metrics), ``metrics`` (metrics and counts only) or ``off``.
@@ -83,9 +96,22 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_TOP = "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP"
 OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"
 """Profile the next step when one takes more than this times the recent median; 0 turns it off."""
 
+OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET = "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET"
+"""On CUDA: reset the caching allocator's peak at each phase start, so every phase reports its own
+peak (``training.memory.peak``). ``torch.cuda.max_memory_allocated()`` then tells the peak since the
+last phase start. ``false``: the peak is left alone, and phases report the running peak. Default: ``true``.
+"""
+
+OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID = "OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID"
+"""The token id that pads sequences, for counting real tokens in batches that carry no
+``attention_mask``. Default: the model's ``config.pad_token_id`` (Hugging Face models), else none
+(every token of such a batch counts as real).
+"""
+
 DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
+DEFAULT_EXIT_TIMEOUT = 5.0
 DEFAULT_COMM_MODE = "spans"
 COMM_MODES = ("spans", "metrics", "off")
 DEFAULT_COMM_SPAN_LIMIT = 64
@@ -179,6 +205,26 @@ def _boolean(raw: str) -> bool:
 @cache
 def sigterm_flush() -> bool:
     return _read(OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH, True, _boolean)
+
+
+def _exit_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 <= value <= 3600:
+        raise ValueError("expected seconds in [0, 3600]")
+    return value
+
+
+@cache
+def exit_timeout() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT, _exit_seconds)
+
+
+@cache
+def memory_peak_reset() -> bool:
+    return _read(OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET, True, _boolean)
 
 
 @cache
@@ -277,9 +323,57 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
-_READERS = (output_dir, output_max_mb, sigterm_flush, job_id, job_id_timeout, comm_mode, comm_span_limit,
+def _token_id(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+    if not 0 <= value < 2**31:
+        raise ValueError("expected 0 to 2147483647")
+    return value
+
+
+@cache
+def pad_token_id() -> int | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID, None, _token_id)
+
+
+_READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, job_id, job_id_timeout, comm_mode, comm_span_limit,
             flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
-            profile_slow_factor)
+            profile_slow_factor, memory_peak_reset, pad_token_id)
+
+
+# The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).
+OTLP_ENDPOINTS = {signal: (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+                  for signal in ("traces", "metrics", "logs")}
+# A gRPC target without a scheme: host:port (the exporter's own parsing keeps it whole), or a named resolver.
+_GRPC_TARGET = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}|(?:dns|unix|unix-abstract|ipv4|ipv6):\S+")
+
+
+def unusable_otlp_endpoint(signal: str) -> tuple[str, str, str] | None:
+    """(variable, value, why) when the endpoint the OTLP exporter of ``signal`` would use cannot be
+    reached by any retry (a malformed URL, which the exporters treat as a transient failure); else None."""
+    for name in OTLP_ENDPOINTS[signal]:
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip():
+            continue
+        value = raw.strip()
+        protocol = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+        parsed = urlsplit(value) if not any(char.isspace() for char in value) else None
+        if parsed is not None and parsed.scheme in ("http", "https"):
+            try:
+                usable = bool(parsed.hostname) and (parsed.port or 0) >= 0
+            except ValueError:  # a port that is not a number
+                usable = False
+            if usable:
+                return None
+            return name, raw, "expected http://host:port or https://host:port"
+        if protocol == "grpc" and _GRPC_TARGET.fullmatch(value):
+            return None
+        expected = "http(s)://host:port" + (" or host:port" if protocol == "grpc" else "")
+        return name, raw, f"not a URL: expected {expected}"
+    return None
 
 
 def check_all() -> None:

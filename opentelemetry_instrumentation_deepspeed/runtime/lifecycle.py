@@ -8,19 +8,31 @@ its handlers under a stage, and the order is the list's, not the order of regist
   ERROR and the reason, so the trace shows where the rank stopped; closed records become spans
   and metric points; spans are flushed; Prometheus gets its last scrape; the last metrics are
   collected (after the spans, so they count the spans that could not be delivered: the SDK's
-  own exit handlers run in the other order, and are taken over); one line says what was lost.
+  own exit handlers run in the other order, and are taken over); the logs are flushed; one line
+  says what was lost.
+- The exit is bounded: whatever the collector does, the stages end within
+  ``OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT`` seconds (5) of the start of exit, or of the SIGTERM. Each
+  stage that waits on something outside the process (draining, the flushes, the last scrape) runs
+  on a thread of its own and has until a share of that time (``_ENDS_BY``): the SDK is asked to
+  give up by then, and a stage that has not ended is left behind. The stage after each flush
+  counts what it left undelivered (queued, or in an export that never returned) as lost, so the
+  metrics and the summary line, which come after the last flush attempt, count every span and
+  point exactly.
 - A process forked from a rank (a DataLoader worker, by default on Linux) inherits its SDK,
   whose own at-fork hooks restart the export threads there: the child would export a frozen
   copy of the rank's cumulative metrics under the rank's resource. In a forked child the
+  span id generator's own random source is re-seeded (the child would draw the parent's ids), the
   records inherited from the rank are dropped, the instrumentation goes silent, the SDK is
   stopped and the global providers are reset to the API's no-op ones; exporters (wrapped by
   ``delivery``) export nothing from another pid, and SIGTERM is left to the default.
 - SIGTERM, which elastic agents and launchers send to stop a rank, normally kills Python
   without running any of this. When nothing else handles it, a handler runs the exit stages,
   then restores the default and re-sends the signal: the process dies as it would have, by
-  SIGTERM. Python runs the handler only between bytecodes: a rank blocked in a long C call (a
-  collective waiting for a dead peer) gets to it when the call returns, or is killed by the
-  agent's SIGKILL first. ``OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH=false`` leaves SIGTERM alone.
+  SIGTERM. A SIGTERM that arrives while the exit stages run (the process was exiting anyway)
+  lets them end, within their bound, then kills the process. Python runs the handler only
+  between bytecodes: a rank blocked in a long C call (a collective waiting for a dead peer) gets
+  to it when the call returns, or is killed by the agent's SIGKILL first.
+  ``OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH=false`` leaves SIGTERM alone.
 
 The exit stages run once, in the process that registered them (never in a forked child). In a
 process whose SDK the application set up, ``install`` is not called: handlers registered there
@@ -37,6 +49,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
@@ -46,16 +59,25 @@ STOP_PROFILER = "stop profiler"  # a running torch.profiler is stopped, nothing 
 CLOSE_OPEN_STEPS = "close open steps"  # open steps end with status ERROR and the reason
 DRAIN = "drain"  # closed step records become spans and metric points
 FLUSH_SPANS = "flush spans"  # tracer provider shut down (its exporter flushes)
+COUNT_UNSENT_SPANS = "count unsent spans"  # spans still queued or in an unfinished export: lost
 FINAL_SCRAPE = "final scrape"  # Prometheus: wait for one last scrape if configured
 FLUSH_METRICS = "flush metrics"  # meter provider shut down (last collection)
+COUNT_UNSENT_POINTS = "count unsent points"  # points in an unfinished export: lost
+FLUSH_LOGS = "flush logs"  # logger provider shut down, when the SDK set one up
 REPORT = "report"  # the one summary line of undelivered telemetry
-EXIT_ORDER = (STOP_PROFILER, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, FINAL_SCRAPE, FLUSH_METRICS, REPORT)
+EXIT_ORDER = (STOP_PROFILER, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, COUNT_UNSENT_SPANS, FINAL_SCRAPE, FLUSH_METRICS,
+              COUNT_UNSENT_POINTS, FLUSH_LOGS, REPORT)
+# The stages that wait on the world, each on a thread of its own, and the share of the exit
+# budget by which each has ended (from the start of exit). The others are quick and run on the
+# exiting thread. The last tenth is left for the report and the interpreter's own exit.
+_ENDS_BY = {DRAIN: 0.3, FLUSH_SPANS: 0.5, FINAL_SCRAPE: 0.55, FLUSH_METRICS: 0.85, FLUSH_LOGS: 0.9}
 
 # Stages in a forked child (a DataLoader worker), in the order they run.
+RESEED_IDS = "reseed ids"  # the id generator's own random source: else the child repeats the parent's ids
 FORGET = "forget"  # drop recording state and queued records inherited from the parent
 SILENCE = "silence"  # session.silent = True; SIGTERM handler back to default
 STOP_SDK = "stop sdk"  # stop the inherited SDK threads, reset the global providers
-FORK_ORDER = (FORGET, SILENCE, STOP_SDK)
+FORK_ORDER = (RESEED_IDS, FORGET, SILENCE, STOP_SDK)
 
 EXITED = "the process exited during this step"
 TERMINATED = "terminated by SIGTERM"
@@ -63,12 +85,16 @@ TERMINATED = "terminated by SIGTERM"
 _logger = logging.getLogger(__name__)
 _at_exit: dict[str, list[Callable[[str], None]]] = {stage: [] for stage in EXIT_ORDER}
 _in_child: dict[str, list[Callable[[], None]]] = {stage: [] for stage in FORK_ORDER}
-_providers: tuple = (None, None)
+_providers: tuple = (None, None, None)
 _pid: int | None = None  # the process whose exit this is: set when the first exit handler registers
 _fork_hooked = False
 _wired = False
 _finished = threading.Lock()
-_reported = threading.Lock()
+_done = threading.Event()
+_terminate_when_done = False  # a SIGTERM came while the stages ran: die by it once they end
+_deadline = 0.0  # time.monotonic() by which the running stage must end
+_extra_seconds = 0.0  # a configured wait at exit (Prometheus's last scrape) on top of the budget
+cut_short: list[str] = []  # stages that had not ended by their deadline, left behind
 
 
 def at_exit(stage: str, handler: Callable[[str], None]) -> None:
@@ -95,8 +121,9 @@ def install(tracer_provider, meter_provider) -> None:
     global _providers  # noqa: PLW0603 - one SDK per process
     from opentelemetry_instrumentation_deepspeed.export import sdk
 
-    _providers = (tracer_provider, meter_provider)
-    sdk.take_over_exit_handlers(tracer_provider, meter_provider)
+    logger_provider = sdk.logger_provider()
+    _providers = (tracer_provider, meter_provider, logger_provider)
+    sdk.take_over_exit_handlers(tracer_provider, meter_provider, logger_provider)
     _wire()
     _hook_exit()  # again: after anything the SDK registered, so that ours runs first
     _hook_fork()
@@ -113,25 +140,55 @@ def _wire() -> None:
     _wired = True
     at_exit(FLUSH_SPANS, _shut_down_tracer_provider)
     at_exit(FLUSH_METRICS, _shut_down_meter_provider)
+    at_exit(FLUSH_LOGS, _shut_down_logger_provider)
     in_forked_child(SILENCE, _default_sigterm)
     in_forked_child(STOP_SDK, _stop_sdk)
 
 
+def allow_extra_exit_time(seconds: float) -> None:
+    """A wait at exit the user configured (the last Prometheus scrape): the stages from it on get that much more."""
+    global _extra_seconds  # noqa: PLW0603
+    _extra_seconds = max(_extra_seconds, seconds)
+
+
+def time_left() -> float:
+    """Seconds until the running exit stage must have ended (what a flush may still wait)."""
+    return max(0.0, _deadline - time.monotonic())
+
+
 def finish(reason: str) -> None:
-    """Run the exit stages, in order, with ``reason`` for open steps. Once, in the process that registered them."""
+    """Run the exit stages, in order, with ``reason`` for open steps, within the exit budget. Once, in the
+    process that registered them; when a SIGTERM came meanwhile, the process then dies by it."""
+    global _deadline  # noqa: PLW0603
     if os.getpid() != _pid or not _finished.acquire(blocking=False):
         return
-    for stage in EXIT_ORDER:
-        if stage == REPORT:
-            _report(reason)
-        else:
-            _run_exit_stage(stage, reason)
+    try:
+        started, budget = time.monotonic(), env.exit_timeout()
+        extra = 0.0
+        for stage in EXIT_ORDER:
+            if stage == FINAL_SCRAPE:
+                extra = _extra_seconds
+            share = _ENDS_BY.get(stage)
+            if share is None:
+                _run_exit_stage(stage, reason)
+            else:
+                _deadline = started + share * budget + extra
+                _run_bounded(stage, reason)
+    finally:
+        _done.set()
+        if _terminate_when_done:
+            _die_by(signal.SIGTERM)
 
 
-def _report(reason: str) -> None:
-    # Once: at the end of finish(), or from a SIGTERM that cut a running finish() short.
-    if _reported.acquire(blocking=False):
-        _run_exit_stage(REPORT, reason)
+def _run_bounded(stage: str, reason: str) -> None:
+    if not _at_exit[stage]:
+        return
+    worker = threading.Thread(target=_run_exit_stage, args=(stage, reason), daemon=True,
+                              name=f"otel-deepspeed-exit: {stage}")
+    worker.start()
+    worker.join(time_left())
+    if worker.is_alive():  # left behind: a daemon thread, which the interpreter does not wait for
+        cut_short.append(stage)
 
 
 def _run_exit_stage(stage: str, reason: str) -> None:
@@ -173,12 +230,21 @@ def _name(handler) -> str:
 
 
 def _on_sigterm(signum, _frame) -> None:
+    global _terminate_when_done  # noqa: PLW0603
+    if _finished.locked() and not _done.is_set():
+        # The stages are running (the process was exiting, and this handler interrupted them):
+        # they end within their bound, then the process dies by this signal.
+        _terminate_when_done = True
+        return
     try:
         finish(TERMINATED)
-        _report(TERMINATED)  # when finish() was already running, interrupted here: the default action skips it
     finally:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        _die_by(signum)
+
+
+def _die_by(signum) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 # -- the handlers install() registers ---------------------------------------------------------------
@@ -186,12 +252,23 @@ def _on_sigterm(signum, _frame) -> None:
 
 def _shut_down_tracer_provider(_reason: str) -> None:
     if _providers[0] is not None:
-        _providers[0].shutdown()
+        from opentelemetry_instrumentation_deepspeed.export import sdk
+
+        # The SDK gives up a moment before the deadline, so that its exporter's shutdown ends in time.
+        sdk.shut_down_tracer_provider(_providers[0], time_left() * 0.9)
 
 
 def _shut_down_meter_provider(_reason: str) -> None:
     if _providers[1] is not None:
-        _providers[1].shutdown()
+        # A reader given no time at all fails with a traceback: a few milliseconds, then it is left behind.
+        _providers[1].shutdown(timeout_millis=max(time_left() * 0.9, 0.01) * 1000)
+
+
+def _shut_down_logger_provider(_reason: str) -> None:
+    if _providers[2] is not None:
+        from opentelemetry_instrumentation_deepspeed.export import sdk
+
+        sdk.shut_down_logger_provider(_providers[2], time_left() * 0.9)
 
 
 def _default_sigterm() -> None:
@@ -202,5 +279,5 @@ def _default_sigterm() -> None:
 def _stop_sdk() -> None:
     from opentelemetry_instrumentation_deepspeed.export import sdk
 
-    sdk.stop_threads_in_child(*_providers)
+    sdk.stop_threads_in_child(*_providers[:2])
     sdk.reset_global_providers()

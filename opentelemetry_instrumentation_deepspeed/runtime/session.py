@@ -106,6 +106,7 @@ def _configure_sdk(identity: JobIdentity) -> None:
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
+    _leave_unusable_endpoints()
     delivery.install()
     sdk.initialize(arguments, identity.resource_attributes())
     tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
@@ -123,6 +124,27 @@ def _configure_sdk(identity: JobIdentity) -> None:
         from opentelemetry_instrumentation_deepspeed.export import output
 
         output.announce(embedded)
+
+
+def _leave_unusable_endpoints() -> None:
+    """A signal whose OTLP endpoint is not a URL goes to the embedded default instead, said once.
+
+    The OTLP exporters take such an endpoint for a collector that is down: every batch is retried
+    until its timeout and lost, and the variable is never named."""
+    for signal, variable in (*_EXPORTER_VARIABLES, ("logs", "OTEL_LOGS_EXPORTER")):
+        names = [name.strip() for name in os.environ.get(variable, "").split(",")]
+        if "otlp" not in names:
+            continue
+        unusable = env.unusable_otlp_endpoint(signal)
+        if unusable is None:
+            continue
+        endpoint, value, why = unusable
+        instead = "none" if signal == "logs" else env.EMBEDDED_EXPORTER
+        os.environ[variable] = ",".join(dict.fromkeys(instead if name == "otlp" else name for name in names))
+        where = ("are not exported" if signal == "logs"
+                 else f"go to the embedded default ({env.EMBEDDED_EXPORTER}: OTLP JSON lines under "
+                      f"{env.output_dir()}/) instead")
+        _logger.warning("%s=%r cannot be used (%s): the %s of this process %s.", endpoint, value, why, signal, where)
 
 
 _ends_with_the_process = False

@@ -1,0 +1,314 @@
+"""Change points of the input and of the time per token: INPUT, or compute that got slower.
+
+Each ``training.step`` span says how many tokens its batches held (``training.step.padded_tokens``:
+samples x padded length, what the model computes on; ``training.step.tokens``: the real ones;
+``training.step.sequence_length``). Per step of the job (the ranks of a step summed, its time the
+median over ranks, which wait for each other), two series are searched for change points: the
+padded tokens per step, which are exact counts, and the time per padded token, which is noisy.
+
+- The tokens per step change at step K, and the step time follows in the same direction: INPUT.
+  The token counts are exact, so a looser test suffices for the time: its medians differ by
+  ``TIME_FACTOR`` the same way, and a step after the change is slower (faster, when the tokens
+  dropped) than one before with probability ``FOLLOWS`` or more (Mann-Whitney's statistic).
+  The finding says by how much each changed, and whether the time per token stayed the same
+  (the step got slower because it holds more tokens) or changed too (attention grows with the
+  sequence length, a device is more efficient on larger batches).
+- The time per token changes at step K while the tokens per step do not: the compute got slower
+  (or faster) per token: a hardware or model finding (COMPUTE), not the input's.
+
+A change point is the split of a segment that best separates the logarithms of its values (least
+squares, both sides at least ``MIN_SEGMENT`` steps), searched again inside each side (binary
+segmentation). It counts only if it holds beyond the noise: the medians of the two sides differ by
+the factor below, and at least ``SEPARATION`` of the steps on each side lie on their side of the
+geometric middle of the two medians (a run of a few slow steps, or noise, does not). The first
+step is left out: it pays for warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from opentelemetry_instrumentation_deepspeed import semconv
+
+MIN_SEGMENT = 3  # steps on each side of a change point, at least
+TOKEN_FACTOR = 1.2  # tokens per step change at least this much (either way) to be a change of the input
+TIME_FACTOR = 1.15  # and the step time by at least this much, in the same direction, to have cost anything
+FOLLOWS = 0.75  # probability that a step after the change is slower (or faster) than one before
+PER_TOKEN_FACTOR = 1.5  # the time per token, with the tokens unchanged, to be a compute change
+SEPARATION = 0.85  # share of each side's steps that lies on its side of the middle
+MAX_CHANGES = 4  # change points searched per series
+UNCHANGED = 1.25  # time per token within this factor (either way) reads "unchanged"
+
+REMEDIES = {
+    "INPUT": ["check what changed in the data at that step: a new dataset mix or shard, a curriculum or "
+              "sequence-length schedule, packing or truncation settings",
+              "if longer sequences are intended, budget the step time for them (time per token is the figure "
+              "to watch); else restore the sequence length or batch size",
+              "bucket sequences by length, or pack them, to cut padding"],
+    "COMPUTE": ["look at the ranks' devices from that step on: clocks, throttling, power, a noisy neighbour "
+                "(hw.gpu.* metrics, nvidia-smi -q -d PERFORMANCE)",
+                "profile a step before and after the change (touch the trigger file) and compare operator times: "
+                "a changed kernel, dtype or model path"],
+}
+
+
+class InputSeries:
+    """What ``training.step`` spans say about their input, per (job, rank, trace)."""
+
+    def __init__(self):
+        self._steps: dict[tuple[str, int, str], tuple[int, dict]] = {}
+
+    def add(self, span) -> None:
+        """A ``training.step`` span; a retried step keeps its last attempt."""
+        attributes = span.attributes
+        if semconv.TRAINING_STEP_PADDED_TOKENS not in attributes:
+            return
+        key = (span.job, span.rank, span.trace_id)
+        known = self._steps.get(key)
+        if known is None or span.end > known[0]:
+            self._steps[key] = (span.end, attributes)
+
+    def of(self, job: str, rank: int, trace_id: str) -> dict | None:
+        found = self._steps.get((job, rank, trace_id))
+        return None if found is None else found[1]
+
+
+def _geometric_middle(low: float, high: float) -> float:
+    return math.sqrt(low * high) if low > 0 and high > 0 else (low + high) / 2
+
+
+def _separation(before: list[float], after: list[float]) -> float:
+    """The smaller share, of the two sides, of the steps on their own side of the middle of the medians."""
+    first, second = statistics.median(before), statistics.median(after)
+    middle = _geometric_middle(first, second)
+    if second >= first:
+        return min(sum(v < middle for v in before) / len(before), sum(v > middle for v in after) / len(after))
+    return min(sum(v > middle for v in before) / len(before), sum(v < middle for v in after) / len(after))
+
+
+def _follows(before: list[float], after: list[float], up: bool) -> float:
+    """Probability that a value after is above (``up``) or below one before, ties counting half."""
+    wins = sum((a > b if up else a < b) + 0.5 * (a == b) for a in after for b in before)
+    return wins / (len(before) * len(after))
+
+
+def _best_split(logs: list[float], low: int, high: int) -> int | None:
+    """The index in (low, high) that splits logs[low:high] into two least-squares segments."""
+    if high - low < 2 * MIN_SEGMENT:
+        return None
+    prefix, squares = [0.0], [0.0]
+    for value in logs[low:high]:
+        prefix.append(prefix[-1] + value)
+        squares.append(squares[-1] + value * value)
+
+    def cost(a: int, b: int) -> float:  # squared deviations from the mean of logs[low + a: low + b]
+        total = prefix[b] - prefix[a]
+        return squares[b] - squares[a] - total * total / (b - a)
+
+    size = high - low
+    best, where = None, None
+    for split in range(MIN_SEGMENT, size - MIN_SEGMENT + 1):
+        value = cost(0, split) + cost(split, size)
+        if best is None or value < best - 1e-12:
+            best, where = value, split
+    return None if where is None else low + where
+
+
+def change_points(values: list[float], factor: float) -> list[int]:
+    """Indices where ``values`` (positive) change by ``factor`` or more, beyond the noise, in order."""
+    logs = [math.log(v) for v in values]
+    found: list[int] = []
+    segments = [(0, len(values))]
+    while segments and len(found) < MAX_CHANGES:
+        low, high = segments.pop()
+        split = _best_split(logs, low, high)
+        if split is None:
+            continue
+        before, after = values[low:split], values[split:high]
+        ratio = statistics.median(after) / statistics.median(before)
+        if max(ratio, 1 / ratio) < factor or _separation(before, after) < SEPARATION:
+            continue
+        found.append(split)
+        segments += [(low, split), (split, high)]
+    return sorted(found)
+
+
+def _segments(count: int, points: list[int], at: int) -> tuple[range, range]:
+    """The steps on each side of change point ``at``, bounded by its neighbours in ``points``."""
+    index = points.index(at)
+    low = points[index - 1] if index > 0 else 0
+    high = points[index + 1] if index + 1 < len(points) else count
+    return range(low, at), range(at, high)
+
+
+def _factor(value: float) -> str:
+    if value >= 1:
+        return f"x{value:.1f}"
+    return f"/{1 / value:.1f}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds >= 1e-6 else f"{seconds * 1e9:.0f} ns"
+
+
+def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> list[dict]:
+    """Per step number of the job: its time (median over ranks), tokens summed over ranks, longest sequence."""
+    steps: dict[int, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0,
+                                                  "counted": 0, "ranks": {}, "trace_id": ""})
+    for rank, rank_steps in by_rank.items():
+        for step in rank_steps:
+            entry = steps[step["step"]]
+            entry["seconds"].append(step["seconds"])
+            entry["trace_id"] = step["trace_id"]
+            attributes = series.of(job, rank, step["trace_id"])
+            if attributes is None:
+                continue
+            padded = attributes[semconv.TRAINING_STEP_PADDED_TOKENS]
+            entry["padded"] += padded
+            entry["ranks"][rank] = padded
+            entry["length"] = max(entry["length"], attributes.get(semconv.TRAINING_STEP_SEQUENCE_LENGTH) or 0)
+            tokens = attributes.get(semconv.TRAINING_STEP_TOKENS)
+            entry["tokens"] = None if tokens is None or entry["tokens"] is None else entry["tokens"] + tokens
+            entry["counted"] += 1
+    ordered = []
+    for number in sorted(steps):
+        entry = steps[number]
+        # A step counts when every rank that ran it counted its input.
+        if entry["counted"] and entry["counted"] == len(entry["seconds"]) and entry["padded"] > 0:
+            ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
+                key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")}})
+    return ordered[1:] if len(ordered) > 3 else ordered
+
+
+def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> list[dict]:
+    """INPUT and COMPUTE findings of the job, each with the step of its change (``change_step``)."""
+    steps = _job_steps(series, job, by_rank)
+    if len(steps) < 2 * MIN_SEGMENT:
+        return []
+    run_seconds = sum(s["seconds"] for rank_steps in by_rank.values() for s in rank_steps) / max(len(by_rank), 1)
+    padded = [s["padded"] for s in steps]
+    seconds = [s["seconds"] for s in steps]
+    per_token = [s["seconds"] / s["padded"] for s in steps]
+    token_changes = change_points(padded, TOKEN_FACTOR)
+    found = [finding for at in token_changes
+             if (finding := _input_finding(steps, token_changes, at, run_seconds)) is not None]
+    # A change of the time per token where the tokens changed is the input's own (attention, efficiency).
+    near_input = {at + shift for at in token_changes for shift in (-1, 0, 1)}
+    time_changes = change_points(per_token, PER_TOKEN_FACTOR)
+    for at in time_changes:
+        if at in near_input:
+            continue
+        before, after = _segments(len(steps), time_changes, at)
+        tokens_before = statistics.median(padded[i] for i in before)
+        tokens_after = statistics.median(padded[i] for i in after)
+        if max(tokens_after / tokens_before, tokens_before / tokens_after) >= TOKEN_FACTOR:
+            continue  # the input changed inside the segment: the split mixes both
+        if statistics.median(per_token[i] for i in after) < statistics.median(per_token[i] for i in before):
+            continue  # faster per token: nothing lost
+        found.append(_compute_finding(steps, seconds, per_token, before, after, run_seconds))
+    found.sort(key=lambda finding: finding["cost_seconds"], reverse=True)
+    return found
+
+
+def _cost(seconds: list[float], before: range, after: range) -> tuple[float, float, float]:
+    """(median before, median after, seconds the slower side spent beyond the faster side's median)."""
+    first = statistics.median(seconds[i] for i in before)
+    second = statistics.median(seconds[i] for i in after)
+    slower, baseline = (after, first) if second >= first else (before, second)
+    return first, second, sum(max(seconds[i] - baseline, 0.0) for i in slower)
+
+
+def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: float) -> dict | None:
+    before, after = _segments(len(steps), points, at)
+    seconds = [s["seconds"] for s in steps]
+    time_before, time_after, cost = _cost(seconds, before, after)
+    time_factor = time_after / time_before
+    tokens_factor = (statistics.median(steps[i]["padded"] for i in after) /
+                     statistics.median(steps[i]["padded"] for i in before))
+    follows = _follows([seconds[i] for i in before], [seconds[i] for i in after], tokens_factor > 1)
+    same_way = (time_factor >= TIME_FACTOR and tokens_factor > 1) or (time_factor <= 1 / TIME_FACTOR and
+                                                                      tokens_factor < 1)
+    if not same_way or follows < FOLLOWS:
+        return None  # the input changed, the step time did not follow: it holds nothing back
+    change_step = steps[at]["step"]
+    length_before = statistics.median(steps[i]["length"] for i in before)
+    length_after = statistics.median(steps[i]["length"] for i in after)
+    per_token = time_factor / tokens_factor
+    per_token_text = ("time per token unchanged" if 1 / UNCHANGED <= per_token <= UNCHANGED
+                      else f"time per token {_factor(per_token)}")
+    summary = (f"from step {change_step}, tokens per step {_factor(tokens_factor)} (sequence length "
+               f"{length_before:.0f} -> {length_after:.0f}), step time {_factor(time_factor)}, {per_token_text}")
+    ranks_before = statistics.median(len(steps[i]["ranks"]) for i in before)
+    changed = sorted(rank for rank in steps[at]["ranks"]
+                     if _rank_changed(steps, rank, before, after, tokens_factor))
+    rank = changed[0] if len(changed) == 1 and ranks_before > 1 else None
+    if rank is not None:
+        summary = f"rank {rank}: {summary}"
+    evidence = [f"padded tokens per step (all ranks): median {_median_padded(steps, before):.0f} "
+                f"in steps {steps[before[0]]['step']}-{steps[before[-1]]['step']}, "
+                f"{_median_padded(steps, after):.0f} in steps "
+                f"{steps[after[0]]['step']}-{steps[after[-1]]['step']}",
+                f"step time: median {time_before * 1e3:.1f} ms before, {time_after * 1e3:.1f} ms after; a step "
+                f"after is {'slower' if tokens_factor > 1 else 'faster'} than one before in {follows:.0%} of pairs",
+                f"time per padded token: {_duration(time_before / _median_padded(steps, before))} before, "
+                f"{_duration(time_after / _median_padded(steps, after))} after"]
+    real = _real_share(steps, before, after)
+    if real:
+        evidence.append(real)
+    if rank is not None:
+        evidence.append(f"only rank {rank}'s input changed; the other ranks wait for it")
+    return {"layer": "INPUT", "summary": summary, "evidence": evidence, "remedies": REMEDIES["INPUT"],
+            "rank": rank, "step": change_step, "change_step": change_step, "cost_seconds": cost,
+            "share_of_run": cost / run_seconds if run_seconds else None, "confidence": round(follows, 3),
+            "trace_ids": [steps[at - 1]["trace_id"], steps[at]["trace_id"]]}
+
+
+def _median_padded(steps: list[dict], indices: range) -> float:
+    return statistics.median(steps[i]["padded"] for i in indices)
+
+
+def _rank_changed(steps: list[dict], rank: int, before: range, after: range, factor: float) -> bool:
+    first = [steps[i]["ranks"][rank] for i in before if rank in steps[i]["ranks"]]
+    second = [steps[i]["ranks"][rank] for i in after if rank in steps[i]["ranks"]]
+    if not first or not second:
+        return False
+    ratio = statistics.median(second) / statistics.median(first)
+    return (ratio >= TOKEN_FACTOR) if factor > 1 else (ratio <= 1 / TOKEN_FACTOR)
+
+
+def _real_share(steps: list[dict], before: range, after: range) -> str | None:
+    """How much of the padded tokens are real, on each side, where the batches said."""
+    shares = []
+    for indices in (before, after):
+        counted = [steps[i] for i in indices if steps[i]["tokens"] is not None]
+        if not counted:
+            return None
+        shares.append(sum(s["tokens"] for s in counted) / sum(s["padded"] for s in counted))
+    if shares[0] > 0.999 and shares[1] > 0.999:
+        return None
+    return f"real (non-padding) tokens: {shares[0]:.0%} of the padded ones before, {shares[1]:.0%} after"
+
+
+def _compute_finding(steps: list[dict], seconds: list[float], per_token: list[float], before: range, after: range,  # noqa: PLR0917
+                     run_seconds: float) -> dict:
+    at = after[0]
+    change_step = steps[at]["step"]
+    time_before, time_after, cost = _cost(seconds, before, after)
+    factor = statistics.median(per_token[i] for i in after) / statistics.median(per_token[i] for i in before)
+    separated = _separation([per_token[i] for i in before], [per_token[i] for i in after])
+    return {"layer": "COMPUTE",
+            "summary": f"from step {change_step}, time per token {_factor(factor)} with the same tokens per step "
+                       f"(step time {time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms): the compute got "
+                       "slower per token (hardware or model), not the input",
+            "evidence": [f"padded tokens per step: median {_median_padded(steps, before):.0f} before, "
+                         f"{_median_padded(steps, after):.0f} after",
+                         f"time per padded token: {_duration(statistics.median(per_token[i] for i in before))} in "
+                         f"steps {steps[before[0]]['step']}-{steps[before[-1]]['step']}, "
+                         f"{_duration(statistics.median(per_token[i] for i in after))} in steps "
+                         f"{change_step}-{steps[after[-1]]['step']}; {separated:.0%} of the steps on each side "
+                         "lie on their side of the middle"],
+            "remedies": REMEDIES["COMPUTE"], "rank": None, "step": change_step, "change_step": change_step,
+            "cost_seconds": cost, "share_of_run": cost / run_seconds if run_seconds else None,
+            "confidence": round(separated, 3), "trace_ids": [steps[at - 1]["trace_id"], steps[at]["trace_id"]]}

@@ -1,0 +1,262 @@
+"""The model and memory layers: numerics that went wrong, and out-of-memory errors.
+
+``NumericsWatch`` judges one rank's steps in order, from their loss, gradient norm and skipped
+flag: a non-finite loss or gradient norm, a loss or gradient-norm spike (``factor`` times the
+median of the recent finite values, and far outside their spread, so a noisy but healthy loss
+never counts), a run of skipped (fp16 overflow) steps after training got going. The emitter runs
+it live (the ``training.numerics.anomalies`` metric and the step's attribute); ``ModelFindings``
+runs it again over a whole run's spans for ``diagnose`` (MODEL), and names each out-of-memory
+error with its rank, step, phase and memory figures (MEMORY).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict, deque
+
+from opentelemetry_instrumentation_deepspeed import semconv
+
+WINDOW = 32  # recent finite values of the baseline
+MIN_BASELINE = 8  # values needed before a spike can be judged
+LOSS_SPIKE_FACTOR = 2.0
+GRAD_NORM_SPIKE_FACTOR = 5.0
+SPREAD_FACTOR = 6.0  # ... and this many robust standard deviations (1.4826 MAD) above the median
+SKIPPED_RUN = 3  # consecutive skipped steps, once a step was applied, that make a run
+
+
+class _Baseline:
+    def __init__(self, factor: float):
+        self.factor = factor
+        self.values: deque = deque(maxlen=WINDOW)
+
+    def spike(self, value: float) -> float | None:
+        """``value`` over the median when it is a spike, else None; ``value`` then joins the baseline."""
+        found = None
+        if len(self.values) >= MIN_BASELINE:
+            median = statistics.median(self.values)
+            spread = 1.4826 * statistics.median(abs(v - median) for v in self.values)
+            if median > 0 and value > self.factor * median and value - median > SPREAD_FACTOR * spread:
+                found = value / median
+        self.values.append(value)
+        return found
+
+
+class NumericsWatch:
+    """One rank's steps, judged in order: ``step`` returns [(kind, detail)] for each anomaly."""
+
+    def __init__(self):
+        self._loss = _Baseline(LOSS_SPIKE_FACTOR)
+        self._grad_norm = _Baseline(GRAD_NORM_SPIKE_FACTOR)
+        self._applied = False  # a step was applied: skipped steps before it calibrate the loss scale
+        self._skipped_run = 0
+
+    def step(self, loss: float | None, grad_norm: float | None, skipped: bool) -> list[tuple[str, str]]:
+        found = []
+        if loss is not None:
+            if not math.isfinite(loss):
+                found.append((semconv.NUMERICS_NONFINITE_LOSS, f"loss {loss}"))
+            else:
+                ratio = self._loss.spike(loss)
+                if ratio:
+                    found.append((semconv.NUMERICS_LOSS_SPIKE, f"loss {loss:.4g}, {ratio:.1f}x the recent median"))
+        # A skipped step's norm is the overflow itself (inf or NaN by design): the run of skips tells.
+        if grad_norm is not None and not skipped:
+            if not math.isfinite(grad_norm):
+                found.append((semconv.NUMERICS_NONFINITE_GRAD_NORM, f"gradient norm {grad_norm}"))
+            else:
+                ratio = self._grad_norm.spike(grad_norm)
+                if ratio:
+                    found.append((semconv.NUMERICS_GRAD_NORM_SPIKE,
+                                  f"gradient norm {grad_norm:.4g}, {ratio:.1f}x the recent median"))
+        if skipped:
+            self._skipped_run += 1
+            if self._applied and self._skipped_run == SKIPPED_RUN:
+                found.append((semconv.NUMERICS_SKIPPED_RUN, f"{SKIPPED_RUN} consecutive steps skipped (overflow)"))
+        else:
+            self._applied, self._skipped_run = True, 0
+        return found
+
+
+REMEDIES = {
+    semconv.NUMERICS_NONFINITE_LOSS: [
+        "look at the batch of that step on that rank (bad input, a division by zero, log of 0)",
+        "lower the learning rate or add warm-up; check for an fp16 overflow in the forward (try bf16)"],
+    semconv.NUMERICS_NONFINITE_GRAD_NORM: [
+        "gradient clipping (gradient_clipping in the DeepSpeed config) and a lower learning rate",
+        "check the loss function's backward for NaN (masked means, sqrt/log near 0)"],
+    semconv.NUMERICS_LOSS_SPIKE: [
+        "inspect the data of that step (a corrupt or out-of-distribution batch)",
+        "lower the learning rate or lengthen warm-up; skip or roll back past the batch"],
+    semconv.NUMERICS_GRAD_NORM_SPIKE: [
+        "gradient clipping, a lower learning rate, or a longer warm-up",
+        "look for a rare input that produces large activations (long sequences, outliers)"],
+    semconv.NUMERICS_SKIPPED_RUN: [
+        "fp16 overflows step after step: switch to bf16, or lower the learning rate",
+        "raise the minimum loss scale only if the gradients are known to be finite (min_loss_scale)"],
+    "memory": ["a smaller micro-batch (with more gradient accumulation), activation checkpointing",
+               "a higher ZeRO stage or CPU offload of optimizer states / parameters",
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when reserved memory far exceeds allocated"],
+}
+_TITLES = {semconv.NUMERICS_NONFINITE_LOSS: "non-finite loss", semconv.NUMERICS_NONFINITE_GRAD_NORM:
+           "non-finite gradient norm", semconv.NUMERICS_LOSS_SPIKE: "loss spike",
+           semconv.NUMERICS_GRAD_NORM_SPIKE: "gradient-norm spike", semconv.NUMERICS_SKIPPED_RUN:
+           "run of skipped steps"}
+_CONFIDENCE = {semconv.NUMERICS_NONFINITE_LOSS: 0.95, semconv.NUMERICS_NONFINITE_GRAD_NORM: 0.95,
+               semconv.NUMERICS_LOSS_SPIKE: 0.8, semconv.NUMERICS_GRAD_NORM_SPIKE: 0.7,
+               semconv.NUMERICS_SKIPPED_RUN: 0.8}
+_MIB = 2**20
+
+
+class ModelFindings:
+    """Collects the step spans' model and memory attributes; ``findings`` judges them per rank."""
+
+    def __init__(self):
+        self._steps: dict = defaultdict(dict)  # (job, rank) -> step -> (trace id, end, attributes)
+
+    def add(self, span) -> None:
+        if span.name != semconv.SPAN_STEP:
+            return
+        attributes = span.attributes
+        number = attributes.get(semconv.TRAINING_STEP)
+        if number is None:
+            return
+        steps = self._steps[span.job, span.rank]
+        known = steps.get(number)
+        if known is None or span.end > known[1]:  # a retried step keeps its last attempt; an OOM its own
+            steps[number] = (span.trace_id, span.end, attributes, known)
+
+    def findings(self, job: str, step_seconds: float | None = None) -> list[dict]:
+        found = []
+        for (step_job, rank), steps in sorted(self._steps.items()):
+            if step_job != job:
+                continue
+            found += self._numerics(rank, steps, step_seconds)
+            found += self._memory(rank, steps)
+        return found
+
+    @staticmethod
+    def _numerics(rank: int, steps: dict, step_seconds: float | None) -> list[dict]:
+        watch = NumericsWatch()
+        first: dict = {}
+        for number in sorted(steps):
+            trace_id, _end, attributes, _earlier = steps[number]
+            loss, grad_norm = attributes.get(semconv.TRAINING_LOSS), attributes.get(semconv.TRAINING_GRAD_NORM)
+            skipped = bool(attributes.get(semconv.TRAINING_STEP_SKIPPED))
+            for kind, detail in watch.step(loss, grad_norm, skipped):
+                entry = first.setdefault(kind, {"step": number, "detail": detail, "steps": [], "trace_ids": []})
+                entry["steps"].append(number)
+                entry["trace_ids"].append(trace_id)
+        findings = []
+        for kind, entry in first.items():
+            count = len(entry["steps"])
+            later = ""
+            if count > 1:
+                later = f" (and {count - 1} later step{'s' if count > 2 else ''}: {entry['steps'][1:6]})"
+            findings.append({
+                "layer": "MODEL", "kind": kind, "rank": rank, "step": entry["step"],
+                "summary": f"{_TITLES[kind]} on rank {rank} at step {entry['step']}: {entry['detail']}{later}",
+                "evidence": [f"training.step {n} of rank {rank}" for n in entry["steps"][:5]],
+                "remedies": REMEDIES[kind],
+                # A diverging run loses what follows it: counted as the step time of each affected step.
+                "cost_seconds": step_seconds * count if step_seconds else None,
+                "confidence": _CONFIDENCE[kind], "trace_ids": entry["trace_ids"][:5],
+            })
+        return findings
+
+    @staticmethod
+    def _memory(rank: int, steps: dict) -> list[dict]:
+        findings = []
+        for number in sorted(steps):
+            record = steps[number]
+            while record is not None:  # every attempt of the step: a retry after an OOM is a step of its own
+                trace_id, _end, attributes, earlier = record
+                phase = attributes.get(semconv.TRAINING_MEMORY_OOM)
+                if phase:
+                    findings.append(_oom_finding(rank, number, phase, trace_id, attributes))
+                record = earlier
+        return findings
+
+
+def _oom_finding(rank: int, number: int, phase: str, trace_id: str, attributes: dict) -> dict:
+    figures = []
+    for key, label in ((semconv.TRAINING_MEMORY_ALLOCATED, "allocated"),
+                       (semconv.TRAINING_MEMORY_RESERVED, "reserved")):
+        if attributes.get(key) is not None:
+            figures.append(f"{label} {attributes[key] / _MIB:.0f} MiB")
+    peaks = []
+    for name in semconv.PHASES[1:]:
+        value = attributes.get(semconv.TRAINING_MEMORY_PHASE_PEAK.format(phase=name))
+        if value is not None:
+            peaks.append(f"{name} {value / _MIB:.0f} MiB")
+    evidence = [f"at the failure: {', '.join(figures)}" if figures else "no allocator figures (not on CUDA?)"]
+    if peaks:
+        evidence.append(f"the step's peak by phase: {', '.join(peaks)}")
+    reserved, allocated = attributes.get(semconv.TRAINING_MEMORY_RESERVED), attributes.get(
+        semconv.TRAINING_MEMORY_ALLOCATED)
+    if reserved and allocated is not None and reserved - allocated > 0.2 * reserved:
+        evidence.append(f"{(reserved - allocated) / _MIB:.0f} MiB reserved but not allocated: fragmentation")
+    return {"layer": "MEMORY", "rank": rank, "step": number, "phase": phase,
+            "summary": f"out of GPU memory on rank {rank} at step {number}, in {phase.replace('.', ' ')}",
+            "evidence": evidence, "remedies": REMEDIES["memory"], "cost_seconds": None, "confidence": 0.95,
+            "trace_ids": [trace_id]}
+
+
+def series(model: ModelFindings, job: str) -> dict:
+    """Per rank, [step, value] of the loss and the gradient norm (None where not finite), for the report."""
+    found: dict = {"loss": {}, "grad_norm": {}}
+    for (step_job, rank), steps in sorted(model._steps.items()):
+        if step_job != job:
+            continue
+        for name, key in (("loss", semconv.TRAINING_LOSS), ("grad_norm", semconv.TRAINING_GRAD_NORM)):
+            values = [[number, _finite(steps[number][2].get(key))] for number in sorted(steps)
+                      if steps[number][2].get(key) is not None]
+            if values:
+                found[name][rank] = values
+    return found
+
+
+def _finite(value):
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def chart_html(values: dict, title: str, marks: set) -> str:
+    """One small SVG line chart of ``values`` ({rank: [[step, value]]}); ``marks``: (rank, step) to circle."""
+    points = [(step, value) for rank_values in values.values() for step, value in rank_values if value is not None]
+    if not points:
+        return ""
+    width, height = 440, 180
+    first, last = min(s for s, _ in points), max(s for s, _ in points)
+    low, high = min(v for _, v in points), max(v for _, v in points)
+    high = high if high > low else low + 1.0
+
+    def x(step):
+        return 40 + (step - first) / max(last - first, 1) * (width - 50)
+
+    def y(value):
+        return height - 20 - (value - low) / (high - low) * (height - 35)
+
+    shapes = [f'<text x="4" y="12" class="axis">{title}: {high:.4g}</text>',
+              f'<text x="4" y="{height - 22}" class="axis">{low:.4g}</text>',
+              f'<text x="40" y="{height - 4}" class="axis">step {first}</text>',
+              f'<text x="{width - 70}" y="{height - 4}" class="axis">step {last}</text>']
+    palette = ["#2e5aac", "#e4572e", "#17a398", "#8e6bbf", "#f3a712", "#555"]
+    for index, (rank, rank_values) in enumerate(sorted(values.items())):
+        path = " ".join(f"{x(step):.1f},{y(value):.1f}" for step, value in rank_values if value is not None)
+        shapes.append(f'<polyline points="{path}" fill="none" stroke="{palette[index % len(palette)]}" '
+                      f'stroke-width="1.5"><title>rank {rank}</title></polyline>')
+        for step, value in rank_values:
+            if (rank, step) in marks:
+                at = y(value) if value is not None else 14
+                shapes.append(f'<circle cx="{x(step):.1f}" cy="{at:.1f}" r="4" fill="#e4572e"><title>rank {rank} '
+                              f"step {step}: {'not finite' if value is None else f'{value:.4g}'}</title></circle>")
+    return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>'
+
+
+def charts_html(report: dict) -> str:
+    """The report's loss and gradient-norm charts, the steps of MODEL findings circled."""
+    model = report.get("model_series") or {}
+    marks = {(f["rank"], f["step"]) for f in report.get("findings", []) if f.get("layer") == "MODEL"}
+    charts = [chart_html({int(r): v for r, v in (model.get(name) or {}).items()}, label, marks)
+              for name, label in (("loss", "loss"), ("grad_norm", "gradient norm"))]
+    return "".join(charts)

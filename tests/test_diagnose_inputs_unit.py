@@ -1,0 +1,143 @@
+"""`diagnose` on the input layer, from synthetic step spans: noisy like this machine's, with faults drawn at random.
+
+Step times are drawn as a loaded host makes them (log-normal jitter, and now and then a step three
+times slower); the tokens per step are exact, as the instrumentation counts them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.inputs import FOLLOWS, change_points
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+
+SEEDS = range(12)
+
+
+def run_spans(rng: random.Random, steps: int, lengths, per_token=lambda step: 1.0, *, ranks=2, samples=8,
+              padding=1.0, attributes=True, jitter=0.15, spikes=0.05, rank_lengths=None):
+    """The ``training.step`` spans of a job: ``lengths(step)`` padded tokens per sample on every rank (or
+    ``rank_lengths(rank, step)``), step time proportional to the tokens of the step's longest rank."""
+    spans, clock = [], 1_700_000_000_000_000_000
+    for step in range(1, steps + 1):
+        by_rank = {rank: (rank_lengths(rank, step) if rank_lengths else lengths(step)) for rank in range(ranks)}
+        work = max(by_rank.values()) * samples * 40e-6 * per_token(step)  # 40 us per token
+        seconds = work * rng.lognormvariate(0, jitter) * (3 if rng.random() < spikes else 1)
+        if step == 1:
+            seconds *= 4  # warm-up
+        trace = f"{step:032x}"
+        for rank, length in by_rank.items():
+            extra = {}
+            if attributes:
+                extra = {semconv.TRAINING_STEP_PADDED_TOKENS: samples * length,
+                         semconv.TRAINING_STEP_TOKENS: int(samples * length * padding),
+                         semconv.TRAINING_STEP_SEQUENCE_LENGTH: length}
+            end = clock + int(seconds * 1e9 * rng.uniform(0.98, 1.0))
+            spans.append(Span(semconv.SPAN_STEP, trace, f"{rank:016x}", "", clock, end, "job", rank,
+                              {semconv.TRAINING_STEP: step, **extra}))
+        clock += int(seconds * 1e9) + 1_000_000
+    return spans
+
+
+def diagnose(spans) -> dict:
+    analysis = Analysis()
+    analysis.add(spans)
+    return analysis.result()
+
+
+def layers(report) -> list[str]:
+    return [finding["layer"] for finding in report["findings"]]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_sequence_length_shift_is_input_from_its_step(seed):
+    rng = random.Random(seed)
+    steps = rng.randint(16, 60)
+    at = rng.randint(5, steps - 2)  # three steps on each side, the warm-up step apart
+    before, factor = rng.choice(((64, 4), (64, 2), (128, 0.5), (32, 8)))
+    after = int(before * factor)
+    report = diagnose(run_spans(rng, steps, lambda step: after if step >= at else before, padding=rng.uniform(0.5, 1)))
+    verdict = report["verdict"]
+    assert verdict["layer"] == "INPUT" and verdict["change_step"] == at, verdict
+    assert f"from step {at}, tokens per step {'x' if factor > 1 else '/'}" in verdict["summary"]
+    assert f"(sequence length {before} -> {after})" in verdict["summary"]
+    if min(at - 2, steps - at + 1) >= 8:  # a few steps on a side, one of them slow, read as a change per token
+        assert "time per token unchanged" in verdict["summary"]
+    assert verdict["rank"] is None and verdict["cost_seconds"] > 0 and FOLLOWS <= verdict["confidence"] <= 1
+    assert set(verdict) >= {"layer", "summary", "evidence", "remedies", "rank", "step", "cost_seconds",
+                            "confidence", "trace_ids"}
+    assert layers(report) == ["INPUT"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_healthy_noisy_run_raises_nothing(seed):
+    rng = random.Random(1000 + seed)
+    length = rng.choice((32, 64, 512))
+    report = diagnose(run_spans(rng, rng.randint(8, 200), lambda step: length, jitter=rng.uniform(0.05, 0.3),
+                                spikes=rng.uniform(0, 0.15)))
+    assert report["findings"] == [] and report["verdict"]["layer"] == "none", report["verdict"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_compute_slower_per_token_is_not_input(seed):
+    rng = random.Random(2000 + seed)
+    steps = rng.randint(16, 60)
+    at = rng.randint(5, steps - 2)  # three steps on each side, the warm-up step apart
+    factor = rng.uniform(2, 4)
+    report = diagnose(run_spans(rng, steps, lambda step: 64, per_token=lambda step: factor if step >= at else 1.0))
+    assert "INPUT" not in layers(report)
+    finding = report["verdict"]
+    # Noise can move a noisy series' change point by one step (a slow step just before it reads as the
+    # change); the exact counts of the input's never do.
+    assert finding["layer"] == "COMPUTE" and abs(finding["change_step"] - at) <= 1, finding
+    assert "time per token x" in finding["summary"] and "not the input" in finding["summary"]
+
+
+def test_tokens_that_change_while_the_step_time_does_not_cost_nothing():
+    rng = random.Random(5)
+    # A data-bound step: its time does not follow its tokens.
+    report = diagnose(run_spans(rng, 30, lambda step: 256 if step >= 15 else 64,
+                                per_token=lambda step: 0.25 if step >= 15 else 1.0))
+    assert report["findings"] == []
+
+
+def test_a_shift_on_one_rank_names_it():
+    rng = random.Random(9)
+    report = diagnose(run_spans(rng, 30, None, rank_lengths=lambda rank, step: 256 if rank == 1 and step >= 12 else 64))
+    verdict = report["verdict"]
+    assert verdict["layer"] == "INPUT" and verdict["rank"] == 1 and verdict["change_step"] == 12, verdict
+    assert verdict["summary"].startswith("rank 1: from step 12")
+
+
+def test_attention_growing_with_the_sequence_shows_in_the_time_per_token():
+    rng = random.Random(3)
+    report = diagnose(run_spans(rng, 30, lambda step: 1024 if step >= 10 else 128,
+                                per_token=lambda step: 2.0 if step >= 10 else 1.0, jitter=0.05))
+    verdict = report["verdict"]
+    assert verdict["layer"] == "INPUT" and verdict["change_step"] == 10
+    assert "tokens per step x8.0" in verdict["summary"] and "time per token x2.0" in verdict["summary"]
+    assert "COMPUTE" not in layers(report)  # the change of time per token is the input's own
+
+
+def test_a_curriculum_of_several_lengths_gives_each_change():
+    rng = random.Random(4)
+    report = diagnose(run_spans(rng, 45, lambda step: 64 if step < 15 else (128 if step < 30 else 256)))
+    assert sorted(f["change_step"] for f in report["findings"]) == [15, 30]
+    assert layers(report) == ["INPUT", "INPUT"]
+
+
+def test_runs_without_input_attributes_are_diagnosed_as_before():
+    rng = random.Random(6)
+    report = diagnose(run_spans(rng, 30, lambda step: 256 if step >= 12 else 64, attributes=False))
+    assert report["findings"] == [] and report["verdict"]["layer"] == "none"
+
+
+def test_change_points_need_both_sides_to_hold_and_a_large_enough_factor():
+    assert change_points([1.0] * 10 + [4.0] * 10, 1.2) == [10]
+    assert change_points([1.0] * 10 + [1.1] * 10, 1.2) == []
+    assert change_points([1.0] * 18 + [4.0] * 2, 1.2) == []  # two steps are no new regime
+    assert change_points([1.0, 3.0] * 10, 1.2) == []  # alternating: no split holds

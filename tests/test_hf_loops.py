@@ -1,0 +1,132 @@
+"""The Hugging Face ``Trainer`` and a plain Accelerate loop, with DeepSpeed (ZeRO-2, 2 ranks), from their real packages.
+
+Each runs as a user runs it, ``opentelemetry-instrument torchrun --nproc_per_node 2 script.py``, and
+once without instrumentation: the losses and the final weights must be the same bits. Both scripts
+seed Python's ``random`` with 42 on every rank (``set_seed``), as such scripts do. Each rank reads
+5 micro-batches per epoch for 2 epochs, 2 per step: steps of 2, 2 and then 1 micro-batch (the
+epoch's last, partial step), twice.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter, defaultdict
+
+import pytest
+
+from tests.conftest import BIN, Run
+from tests.otlp_json import Span
+from tests.scripts.launching import launch_script
+
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
+SCRIPTS = {"trainer": "hf_trainer.py", "accelerate": "accelerate_loop.py"}
+GRAD_ACCUM, MICRO_BATCH, ZERO_STAGE = 2, 2, 2
+STEP_SIZES = [2, 2, 1] * 2  # micro-batches of each optimizer step
+STEP_PHASES = ("training.data.wait", "training.forward", "training.backward")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """Per loop: the instrumented run and what each run trained. Made once, when a test first asks."""
+    found: dict[str, dict] = {}
+
+    def run(loop: str) -> dict:
+        if loop not in found:
+            results = {}
+            for instrumented in (True, False):
+                workdir = tmp_path_factory.mktemp(f"{loop}-{'on' if instrumented else 'off'}")
+                result = workdir / "result.json"
+                launched = launch_script(workdir, SCRIPTS[loop], "torchrun", "--result", str(result),
+                                         instrument=instrumented).check()
+                results[instrumented] = (launched, json.loads(result.read_text()))
+            found[loop] = {"run": results[True][0], "trained": results[True][1], "plain": results[False][1]}
+        return found[loop]
+
+    return run
+
+
+def check_tree(run: Run) -> None:
+    """Every step on every rank: its micro-batches' waits, forwards and backwards, in the step's trace."""
+    by_rank = run.by_rank()
+    assert sorted(by_rank) == [0, 1]
+    roots = {span.attributes["training.step"]: span for span in by_rank[0] if span.name == "training.global_step"}
+    assert sorted(roots) == list(range(1, len(STEP_SIZES) + 1))
+    for rank, all_spans in by_rank.items():
+        spans = [span for span in all_spans if not span.name.startswith("comm.")]
+        children: dict[str, list[Span]] = defaultdict(list)
+        for span in spans:
+            children[span.parent_id].append(span)
+        steps = sorted((s for s in spans if s.name == "training.step"), key=lambda s: s.attributes["training.step"])
+        assert [s.attributes["training.step"] for s in steps] == list(range(1, len(STEP_SIZES) + 1)), f"rank {rank}"
+        for step, size in zip(steps, STEP_SIZES, strict=True):
+            where = f"rank {rank} step {step.attributes['training.step']}"
+            root = roots[step.attributes["training.step"]]
+            assert (step.trace_id, step.parent_id) == (root.trace_id, root.span_id), where
+            assert step.attributes["training.step.micro_batches"] == size, where
+            assert step.attributes["training.step.samples"] == size * MICRO_BATCH, where
+            assert step.attributes["training.gradient_accumulation_steps"] == GRAD_ACCUM
+            assert step.attributes["training.zero_stage"] == ZERO_STAGE
+            kids = children[step.span_id]
+            assert Counter(kid.name for kid in kids) == {**dict.fromkeys(STEP_PHASES, size),
+                                                         "training.optimizer.step": 1}, where
+            by_micro_step = {name: {kid.attributes["training.micro_step"]: kid for kid in kids if kid.name == name}
+                             for name in STEP_PHASES}
+            for name in STEP_PHASES:
+                assert sorted(by_micro_step[name]) == list(range(size)), f"{name} micro steps, {where}"
+            for micro_step in range(size):
+                wait, forward = by_micro_step["training.data.wait"][micro_step], by_micro_step["training.forward"][
+                    micro_step]
+                assert step.start <= wait.start <= wait.end <= forward.start, f"micro-batch {micro_step}, {where}"
+        assert len(spans) == sum(2 + 3 * size + (rank == 0) for size in STEP_SIZES), "nothing else, nothing orphaned"
+
+
+def span_ids_by_trace(run: Run) -> dict[str, Counter]:
+    ids: dict[str, Counter] = defaultdict(Counter)
+    for span in run.spans:
+        ids[span.trace_id][span.span_id] += 1
+    return ids
+
+
+def diagnose(run: Run) -> dict:
+    completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=run.cwd,
+                               capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(completed.stdout)
+
+
+@pytest.mark.parametrize("loop", list(SCRIPTS))
+def test_exact_step_tree_and_a_wait_per_micro_batch(runs, loop):
+    check_tree(runs(loop)["run"])
+
+
+@pytest.mark.parametrize("loop", list(SCRIPTS))
+def test_instrumentation_changes_no_loss_and_no_weight(runs, loop):
+    found = runs(loop)
+    assert found["trained"] == found["plain"]
+    assert len(found["trained"]["losses"]) == (len(STEP_SIZES) if loop == "trainer" else sum(STEP_SIZES))
+
+
+@pytest.mark.parametrize("loop", list(SCRIPTS))
+def test_span_ids_are_unique_in_every_trace_though_every_rank_seeded_random_alike(runs, loop):
+    run = runs(loop)["run"]
+    for trace_id, ids in span_ids_by_trace(run).items():
+        assert {span_id: count for span_id, count in ids.items() if count > 1} == {}, f"trace {trace_id}"
+    assert len({span.span_id for span in run.spans}) == len(run.spans)
+
+
+def test_no_span_id_repeats_from_one_run_to_the_next(runs):
+    """Two runs that seeded Python's random with the same 42 on every rank."""
+    first, second = ({span.span_id for span in runs(loop)["run"].spans} for loop in SCRIPTS)
+    assert first and second and not first & second
+
+
+@pytest.mark.parametrize("loop", list(SCRIPTS))
+def test_a_healthy_loop_gets_a_sane_diagnosis(runs, loop):
+    report = diagnose(runs(loop)["run"])
+    assert sorted(report["ranks"]) == ["0", "1"]
+    assert all(rank["steps"] == len(STEP_SIZES) for rank in report["ranks"].values())
+    # No data stall and no slow rank was injected; a tiny model's step is mostly gloo's all-reduce.
+    assert report["verdict"]["layer"] in ("none", "communication"), report["verdict"]
+    assert report["straggler"] is None
+    assert report["job"]["shares"]["data_wait"] < 0.25

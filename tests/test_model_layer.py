@@ -1,0 +1,74 @@
+"""The model layer of real 2-rank DeepSpeed runs: loss and gradient norm as the training script prints
+them, to the bit; injected numerics and memory faults named by ``diagnose`` with rank, step and trace."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import launch
+
+pytestmark = pytest.mark.slow  # real DeepSpeed jobs
+
+STEPS = 12
+PRINTED = re.compile(r"^step (\d+) rank (\d+) loss (\S+) grad_norm (\S+)$", re.MULTILINE)
+
+
+def diagnose(workdir) -> dict:
+    completed = subprocess.run([sys.executable, "-m", "opentelemetry_instrumentation_deepspeed.diagnose.cli",
+                                "diagnose", "--json", str(workdir / "telemetry")],
+                               capture_output=True, text=True, check=True)
+    return json.loads(completed.stdout)
+
+
+@pytest.fixture(scope="module")
+def spiked(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("spike")
+    run = launch(workdir, "torchrun", "--steps", str(STEPS), "--grad-accum", "2", "--micro-batch-size", "4",
+                 "--zero-stage", "2", "--print-steps", "--inject-loss-spike", "10:1:8").check()
+    return workdir, run
+
+
+def test_loss_and_grad_norm_are_what_the_script_prints_to_the_bit(spiked):
+    _, run = spiked
+    printed = {(int(step), int(rank)): (float(loss), float(norm))
+               for step, rank, loss, norm in PRINTED.findall(run.stdout)}
+    assert len(printed) == 2 * STEPS
+    for rank, spans in run.by_rank().items():
+        steps = {s.attributes["training.step"]: s.attributes for s in spans if s.name == "training.step"}
+        assert sorted(steps) == list(range(1, STEPS + 1))
+        for number, attributes in steps.items():
+            loss, norm = printed[number, rank]
+            assert attributes["training.loss"] == loss, (rank, number)  # == on floats: bit for bit
+            assert attributes["training.grad_norm"] == norm, (rank, number)
+
+
+def test_an_injected_loss_spike_is_the_verdict_with_its_rank_step_and_trace(spiked):
+    workdir, run = spiked
+    report = diagnose(workdir)
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"]) == ("MODEL", "loss_spike", 1, 10)
+    step10 = next(s for s in run.by_rank()[1] if s.name == "training.step" and s.attributes["training.step"] == 10)
+    assert verdict["trace_ids"] == [step10.trace_id]
+    spikes = [f for f in report["findings"] if f.get("kind") == "loss_spike"]
+    assert len(spikes) == 1, "rank 0's loss did not spike: no alarm there"
+    assert step10.attributes["training.numerics.anomaly"].startswith("loss_spike")
+
+
+def test_nan_then_oom_are_named_with_rank_step_and_phase(tmp_path):
+    run = launch(tmp_path, "torchrun", "--steps", "8", "--micro-batch-size", "4", "--zero-stage", "1",
+                 "--inject-nan", "3:0", "--inject-oom", "6:1:backward")
+    assert run.returncode != 0, "the OOM kills rank 1"
+    report = diagnose(tmp_path)
+    findings = report["findings"]
+    nonfinite = sorted((f["step"], f["rank"]) for f in findings if f.get("kind") == "nonfinite_loss")
+    assert nonfinite[0] == (3, 0), "the first NaN loss: rank 0, step 3 (rank 1 follows once the weights are NaN)"
+    (memory,) = [f for f in findings if f["layer"] == "MEMORY"]
+    assert (memory["rank"], memory["step"], memory["phase"]) == (1, 6, "backward")
+    failed = next(s for s in run.by_rank()[1] if s.name == "training.step" and s.attributes["training.step"] == 6)
+    assert memory["trace_ids"] == [failed.trace_id]
+    assert failed.attributes["training.memory.oom"] == "backward"

@@ -1,0 +1,329 @@
+"""Loss, gradient norm and allocator memory at the boundary with torch.cuda (a fake here; the real
+one: scripts/gpu-check.sh), the numerics watch, and the MODEL / MEMORY findings of diagnose."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from opentelemetry.trace import StatusCode
+
+from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings, NumericsWatch
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.recording import scalars
+from opentelemetry_instrumentation_deepspeed.recording.allocator import AllocatorMemory
+from opentelemetry_instrumentation_deepspeed.recording.scalars import DeviceScalars
+from tests.test_steps_unit import recorder_on
+
+
+def steps_of(exporter):
+    return [s for s in exporter.get_finished_spans() if s.name == "training.step"]
+
+
+# -- loss and gradient norm on the host -------------------------------------------------------------
+
+
+def test_host_losses_are_averaged_as_a_training_loop_prints_them():
+    recorder, engine, exporter = recorder_on(0, grad_accum=3)
+    losses = [torch.tensor(v, requires_grad=True) for v in (2.3456789, 1.1, 0.7)]
+    printed = 0.0
+    for loss in losses:
+        recorder.forward_ended(recorder.forward_started(engine), loss)
+        recorder.phase_ended(recorder.backward_started(engine, loss=loss))
+        engine.step(recorder)
+        printed += loss.item() / 3
+    (step,) = steps_of(exporter)
+    assert step.attributes["training.loss"] == printed  # to the bit
+    assert step.attributes["training.grad_norm"] == 0.5
+
+
+def test_a_direct_backward_takes_the_forwards_scalar_output_without_keeping_it():
+    recorder, engine, exporter = recorder_on(0)
+    loss = torch.tensor(3.25, requires_grad=True) * 1.0
+    recorder.forward_ended(recorder.forward_started(engine), loss)
+    assert recorder._forward_output() is loss
+    recorder.backward_started(engine, direct=True)
+    recorder.direct_backward_ended()
+    engine.step(recorder)
+    assert steps_of(exporter)[0].attributes["training.loss"] == 3.25
+    recorder.forward_ended(recorder.forward_started(engine), {"loss": torch.tensor(1.0), "logits": None})
+    assert recorder._forward_output is not None
+    del loss
+    kept = recorder._forward_output
+    assert kept() is None, "a weak reference: the forward's output dies with the user's last reference"
+
+
+# -- a CUDA scalar: copied into the pinned ring, read once its event completed ----------------------
+
+
+class FakeCudaEvent:
+    def __init__(self, gpu):
+        self.gpu, self.done = gpu, False
+
+    def record(self, stream=None):
+        self.gpu.events.append(self)
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, other):
+        assert self.done and other.done, "elapsed_time on an unfinished event blocks"
+        return 1.0
+
+    def synchronize(self):
+        raise AssertionError("Event.synchronize blocks")
+
+
+class FakeCuda:
+    """torch.cuda at the boundary: events complete when the test says the GPU ran; the allocator's
+    counters are what the test sets."""
+
+    def __init__(self):
+        self.events = []
+        self.stats = {"allocated_bytes": {"all": {"current": 0, "peak": 0}},
+                      "reserved_bytes": {"all": {"current": 0}}, "num_alloc_retries": 0, "num_ooms": 0}
+        self.resets = 0
+        cuda = self
+
+        class Event:
+            def __new__(cls, enable_timing=False):
+                return FakeCudaEvent(cuda)
+
+        self.Event = Event
+
+    def run(self):
+        for event in self.events:
+            event.done = True
+
+    def current_stream(self):
+        return self  # a stream that is never idle
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        raise AssertionError("torch.cuda.synchronize blocks")
+
+    def reset_peak_memory_stats(self, device=None):
+        self.resets += 1
+        self.stats["allocated_bytes"]["all"]["peak"] = self.stats["allocated_bytes"]["all"]["current"]
+
+    def allocate(self, size: int, reserve: int = 0):
+        allocated = self.stats["allocated_bytes"]["all"]
+        allocated["current"] += size
+        allocated["peak"] = max(allocated["peak"], allocated["current"])
+        self.stats["reserved_bytes"]["all"]["current"] += reserve
+
+    def memory_stats_as_nested_dict(self, device=None):
+        return {key: (dict(value, all=dict(value["all"])) if isinstance(value, dict) else value)
+                for key, value in self.stats.items()}
+
+
+class DeviceScalar:
+    """A CUDA scalar tensor as the recorder sees it: reading it on the host would block."""
+
+    is_cuda = True
+    is_cpu = False
+
+    def __init__(self, value: float):
+        self._value = torch.tensor(value, dtype=torch.float32)
+        self.requires_grad = True
+
+    def detach(self):
+        return self._value
+
+    def item(self):
+        raise AssertionError("item() on a CUDA tensor synchronizes")
+
+    __float__ = item
+
+
+def cuda_recorder(grad_accum=1, norm=None):
+    cuda = FakeCuda()
+    recorder, engine, exporter = recorder_on(0, grad_accum=grad_accum, cuda=cuda)
+    recorder._device_scalars = DeviceScalars(torch, cuda, pin_memory=False)
+    if norm is not None:
+        engine.get_global_grad_norm = lambda: norm
+    return cuda, recorder, engine, exporter
+
+
+def micro_batch(recorder, engine, loss):
+    recorder.forward_ended(recorder.forward_started(engine), loss)
+    recorder.phase_ended(recorder.backward_started(engine, loss=loss))
+    engine.step(recorder)
+
+
+def test_cuda_scalars_are_read_after_their_event_completed_never_before():
+    cuda, recorder, engine, exporter = cuda_recorder(grad_accum=2, norm=DeviceScalar(0.75))
+    micro_batch(recorder, engine, DeviceScalar(1.5))
+    micro_batch(recorder, engine, DeviceScalar(2.5))
+    emitter().drain()
+    assert steps_of(exporter) == [], "the copies have not run: the step waits for a later drain"
+    cuda.run()
+    (step,) = steps_of(exporter)
+    expected = 0.0
+    for value in (1.5, 2.5):
+        expected += value / 2
+    assert step.attributes["training.loss"] == expected
+    assert step.attributes["training.grad_norm"] == 0.75
+
+
+def test_a_step_whose_copies_never_complete_is_emitted_without_them_at_exit():
+    _cuda, recorder, engine, exporter = cuda_recorder(norm=DeviceScalar(0.75))
+    micro_batch(recorder, engine, DeviceScalar(1.5))
+    emitter().drain(final=True)
+    step = next(s for s in exporter.exporter.get_finished_spans() if s.name == "training.step")
+    assert "training.loss" not in step.attributes and "training.grad_norm" not in step.attributes
+
+
+def test_an_overwritten_ring_slot_reads_as_unknown_not_wrong():
+    ring = DeviceScalars(torch, FakeCuda(), pin_memory=False)
+    first = ring.copy(DeviceScalar(1.0))
+    assert scalars.value(first) == 1.0
+    for index in range(scalars.SLOTS):
+        ring.copy(DeviceScalar(float(index)))
+    assert scalars.value(first) is None
+
+
+# -- the caching allocator, by phase; an OOM ------------------------------------------------------------
+
+
+def test_each_phase_carries_its_own_peak_and_the_step_its_figures():
+    cuda, recorder, engine, exporter = cuda_recorder()
+    recorder._memory = AllocatorMemory(cuda)
+    forward = recorder.forward_started(engine)
+    cuda.allocate(300, reserve=1000)
+    cuda.allocate(-100)
+    recorder.forward_ended(forward, None)
+    backward = recorder.backward_started(engine)
+    cuda.allocate(50)
+    recorder.phase_ended(backward)
+    cuda.stats["num_alloc_retries"] = 2
+    engine.step(recorder)
+    cuda.run()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["training.forward"].attributes["training.memory.peak"] == 300
+    assert spans["training.backward"].attributes["training.memory.peak"] == 250, "reset at the phase start"
+    step = spans["training.step"].attributes
+    assert step["training.memory.forward.peak"] == 300
+    assert step["training.memory.backward.peak"] == 250
+    assert step["training.memory.allocated"] == 250 and step["training.memory.reserved"] == 1000
+    assert step["training.memory.alloc_retries"] == 2
+    assert cuda.resets == 3
+    metrics = recorder.facts.metrics
+    assert metrics.memory.fragmentation == 750
+    assert metrics.memory_peaks == {"forward": 300, "backward": 250, "optimizer.step": 250}
+
+
+def test_an_oom_ends_phase_and_step_in_error_with_the_figures_at_the_failure():
+    cuda, recorder, engine, exporter = cuda_recorder()
+    recorder._memory = AllocatorMemory(cuda)
+    recorder.forward_ended(recorder.forward_started(engine), None)
+    backward = recorder.backward_started(engine)
+    cuda.allocate(7 * 2**30, reserve=8 * 2**30)
+    cuda.stats["num_ooms"] = 1
+    recorder.phase_failed(backward, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    step, phase = spans["training.step"], spans["training.backward"]
+    assert step.status.status_code is StatusCode.ERROR and phase.status.status_code is StatusCode.ERROR
+    assert step.attributes["training.memory.oom"] == "backward"
+    assert phase.attributes["training.memory.allocated"] == 7 * 2**30
+    assert step.attributes["training.memory.backward.peak"] == 7 * 2**30
+    assert recorder.facts.metrics.memory.ooms == 1
+
+
+# -- the numerics watch: found when injected, silent on healthy noise -----------------------------------
+
+
+def healthy(steps: int, seed: int) -> list[tuple[float, float]]:
+    """A decreasing loss with noise, and a noisy gradient norm: what a healthy run looks like."""
+    rng = random.Random(seed)
+    return [(4.0 * math.exp(-n / 200) + 1.0 + rng.gauss(0, 0.08), abs(rng.gauss(0.8, 0.25)) + 0.05)
+            for n in range(steps)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_alarm_on_healthy_noise(seed):
+    watch = NumericsWatch()
+    assert [found for loss, norm in healthy(300, seed) if (found := watch.step(loss, norm, False))] == []
+
+
+@pytest.mark.parametrize(("kind", "at", "change"), [
+    ("loss_spike", 40, lambda loss, norm: (loss * 3, norm)),
+    ("loss_spike", 150, lambda loss, norm: (loss * 10, norm)),
+    ("grad_norm_spike", 60, lambda loss, norm: (loss, norm * 20)),
+    ("nonfinite_loss", 12, lambda loss, norm: (math.nan, norm)),
+    ("nonfinite_grad_norm", 99, lambda loss, norm: (loss, math.inf)),
+])
+def test_an_injected_anomaly_is_found_at_its_step(kind, at, change):
+    watch = NumericsWatch()
+    found = {}
+    for step, values in enumerate(healthy(200, at)):
+        loss, norm = change(*values) if step == at else values
+        for name, _detail in watch.step(loss, norm, False):
+            found.setdefault(name, step)
+    assert found == {kind: at}
+
+
+def test_a_run_of_skipped_steps_counts_after_training_started_not_while_the_scale_calibrates():
+    watch = NumericsWatch()
+    calibration = [watch.step(5.0, math.inf, True) for _ in range(10)]
+    assert not any(calibration), "fp16 finding its loss scale skips the first steps by design"
+    for _ in range(5):
+        watch.step(5.0, 1.0, False)
+    kinds = [kind for _ in range(4) for kind, _ in watch.step(5.0, math.nan, True)]
+    assert kinds == ["skipped_run"]
+
+
+# -- diagnose: MODEL and MEMORY findings with rank, step and trace ids ------------------------------------
+
+
+def step_span(rank, number, attributes=None):
+    attributes = {"training.step": number, **(attributes or {})}
+    return Span("training.step", f"trace{number:04d}", f"span{rank}{number}", "", number * 10**9,
+                number * 10**9 + 5 * 10**8, "job", rank, attributes)
+
+
+def test_diagnose_names_the_first_non_finite_step_and_rank_with_its_trace():
+    findings = ModelFindings()
+    for rank in (0, 1):
+        for number, (loss, norm) in enumerate(healthy(30, rank), start=1):
+            broken = rank == 1 and number >= 17
+            findings.add(step_span(rank, number, {"training.loss": math.nan if broken else loss,
+                                                  "training.grad_norm": norm}))
+    (finding,) = findings.findings("job", 0.5)
+    assert (finding["layer"], finding["kind"], finding["rank"], finding["step"]) == ("MODEL", "nonfinite_loss", 1, 17)
+    assert finding["trace_ids"][0] == "trace0017"
+    assert finding["cost_seconds"] == pytest.approx(0.5 * 14)
+    assert set(finding) >= {"summary", "evidence", "remedies", "confidence"}
+
+
+def test_diagnose_names_memory_with_rank_step_phase_and_figures():
+    findings = ModelFindings()
+    findings.add(step_span(0, 1))
+    findings.add(step_span(1, 4, {"training.memory.oom": "backward", "training.memory.allocated": 70 * 2**30,
+                                  "training.memory.reserved": 79 * 2**30, "training.memory.forward.peak": 60 * 2**30}))
+    (finding,) = findings.findings("job")
+    assert (finding["layer"], finding["rank"], finding["step"], finding["phase"]) == ("MEMORY", 1, 4, "backward")
+    assert "allocated 71680 MiB" in finding["evidence"][0]
+    assert "forward 61440 MiB" in finding["evidence"][1]
+
+
+def test_the_html_report_shows_loss_and_gradient_norm_with_the_finding_circled():
+    from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+    from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
+
+    analysis = Analysis()
+    for number, (loss, norm) in enumerate(healthy(20, 3), start=1):
+        analysis.add([step_span(0, number, {"training.loss": loss * (10 if number == 15 else 1),
+                                            "training.grad_norm": norm})])
+    report = analysis.result()
+    assert report["verdict"]["layer"] == "MODEL" and report["verdict"]["step"] == 15
+    assert [step for step, _ in report["model_series"]["loss"][0]] == list(range(1, 21))
+    page = render_html(report)
+    assert "<h2>Loss and gradient norm</h2>" in page
+    assert page.count("<polyline") == 3, "step time, loss, gradient norm"
+    assert "rank 0 step 15:" in page

@@ -185,10 +185,12 @@ def print_table(table: dict) -> None:
               f"| {every}/{count} | {max((s for _x, s in rows), default=0):.1f} |")
 
 
-def rescore(directory: Path, args) -> None:
+def rescore(directories: list[Path], args) -> None:
     table = {}
     classes = {fault.name: fault for fault in CLASSES}
-    for kept in sorted(directory.iterdir(), key=lambda p: (p.name.rsplit("-", 1)[0], int(p.name.rsplit("-", 1)[1]))):
+    kept_runs = sorted((kept for directory in directories for kept in directory.iterdir()),
+                       key=lambda p: (p.name.rsplit("-", 1)[0], int(p.name.rsplit("-", 1)[1])))
+    for kept in kept_runs:
         saved = json.loads((kept / "draw.json").read_text())
         fault = classes[saved["class"]]
         draw = Draw(saved["args"], Expected(**saved["expected"]), saved["ranks"])
@@ -205,10 +207,10 @@ def main():
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--keep", help="keep each run's telemetry under this directory")
     parser.add_argument("--results", help="append one JSON line per run to this file")
-    parser.add_argument("--rescore", metavar="DIR", help="diagnose the runs kept under DIR again; run nothing")
+    parser.add_argument("--rescore", metavar="DIR", nargs="+", help="diagnose the runs kept under DIR again")
     args = parser.parse_args()
     if args.rescore:
-        rescore(Path(args.rescore), args)
+        rescore([Path(directory) for directory in args.rescore], args)
         return
     rng = random.Random(args.seed)
     chosen = [c for c in CLASSES if c.name in args.classes]

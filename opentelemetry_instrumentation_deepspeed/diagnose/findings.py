@@ -197,7 +197,7 @@ class StepFindings:
 
     def late_ranks(self, covered: set) -> list[dict]:
         """A rank whose own part (its forward, its data wait, ...) is longer than the other ranks' in
-        most steps (a sign test), and whose excess the others wait for in the collectives. Which rank
+        most steps (a signed-rank test), and whose excess the others wait for in the collectives. Which rank
         arrives last in a given step is noisy on a busy host; the excess of its own part is not."""
         if len(self.steady) < 2:
             return []

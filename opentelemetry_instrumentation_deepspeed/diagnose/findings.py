@@ -74,8 +74,10 @@ def none(summary: str) -> dict:
 
 
 def ranked(findings: list[dict]) -> list[dict]:
-    """By time lost, most first; findings with no measured cost (hardware counters) after them."""
-    return sorted(findings, key=lambda f: (f["cost_seconds"] is None, -(f["cost_seconds"] or 0.0)))
+    """By time lost, most first, then the surer; findings with no measured cost (hardware counters,
+    an out-of-memory error) after them."""
+    return sorted(findings, key=lambda f: (f["cost_seconds"] is None, -(f["cost_seconds"] or 0.0),
+                                           -f.get("confidence", 0.0)))
 
 
 def _ordinal(number: int) -> str:

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import time
 
 import torch
@@ -61,6 +62,15 @@ def parse_args(argv=None):
     faults.add_argument("--comm-heavy", action="store_true",
                         help="add 8M parameters that cost no compute, as a large embedding does, and update "
                              "with SGD: each step's large gradient all-reduce dominates")
+    faults.add_argument("--hang-rank", type=int, default=-1, metavar="R",
+                        help="rank R blocks forever in --hang-phase of step --hang-step (the others then wait for "
+                             "it in their next collective)")
+    faults.add_argument("--hang-step", type=int, default=0, metavar="N", help="optimizer step (1-based) of the hang")
+    faults.add_argument("--hang-phase", choices=("forward", "backward"), default="forward")
+    faults.add_argument("--desync-rank", type=int, default=-1, metavar="R",
+                        help="at step --desync-step every rank all-reduces a small float32 tensor, rank R an int32 "
+                             "one of the same size: the same collective with another dtype on one rank")
+    faults.add_argument("--desync-step", type=int, default=0, metavar="N")
     faults.add_argument("--shift-seq-len", type=int, default=0, metavar="N",
                         help="from optimizer step --shift-at on, batches hold sequences of N tokens instead of "
                              "--seq-len (the input changes: more or fewer tokens per step)")
@@ -87,6 +97,9 @@ def parse_args(argv=None):
     parser.add_argument("--print-steps", action="store_true",
                         help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
                              "optimizer step, exactly (repr)")
+    faults.add_argument("--block-in-step", type=int, default=0, metavar="K",
+                        help="the forward of step K blocks on rank 0 until a signal arrives, after printing "
+                             "'blocked in step K': a SIGTERM sent then lands inside a step")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -188,10 +201,20 @@ class TinyLM(nn.Module):
         # attention_mask needs no use here (the labels of padding are -100).
         if getattr(self, "crash", False):
             raise RuntimeError("injected crash in forward")
+        if getattr(self, "block", None):
+            print(f"blocked in step {self.block}", flush=True)
+            signal.pause()
+        if getattr(self, "out_of_memory", False):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         if self.delay:
             time.sleep(self.delay)
+        hang = getattr(self, "hang", None)
+        if hang == "forward":
+            block_forever()
         started = time.perf_counter()
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
+        if hang == "backward":
+            hidden.register_hook(lambda _gradient: block_forever())
         mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
@@ -201,6 +224,18 @@ class TinyLM(nn.Module):
         if self.backward_delay:
             loss = _SlowBackward.apply(loss, self.backward_delay)
         return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
+
+
+def block_forever():
+    """An injected hang: this rank never returns, the others wait for it in their next collective."""
+    while True:
+        time.sleep(3600)
+
+
+def desync(rank: int, bad_rank: int) -> None:
+    """A collective whose dtype differs on one rank (same bytes, so gloo completes it)."""
+    dtype = torch.int32 if rank == bad_rank else torch.float32
+    torch.distributed.all_reduce(torch.ones(4, dtype=dtype))
 
 
 class _RaiseOutOfMemory(torch.autograd.Function):
@@ -231,9 +266,9 @@ class Injection:
         self.nan = parse(args.inject_nan, 2)
         self.oom = parse(args.inject_oom, 3)
 
-    def forward(self, step: int) -> None:
-        if self.oom and self.oom[0] == step and self.oom[1] == "forward":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    def forward(self, step: int, model) -> None:
+        """Arms the model's forward to run out of memory inside DeepSpeed's forward, as a real one would."""
+        model.out_of_memory = bool(self.oom and self.oom[0] == step and self.oom[1] == "forward")
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.loss_spike and self.loss_spike[0] == step:
@@ -310,12 +345,16 @@ def write_comms_counts(prefix: str, rank: int) -> None:
     pathlib.Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(counts))
 
 
-def inject_model_faults(args, model, step: int, rank: int) -> None:
-    """Before optimizer step ``step`` + 1: a crash on rank 0, or every rank's slower compute."""
-    if args.crash_after and step == args.crash_after and rank == 0:
-        model.crash = True
+def inject_faults(args, model, rank: int, step: int) -> None:
+    """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks until a signal,
+    when asked to; every rank's compute slows down from --slowdown-at on; one rank hangs for good."""
+    if rank == 0:
+        model.crash = bool(args.crash_after) and step == args.crash_after
+        model.block = step + 1 if args.block_in_step and step + 1 == args.block_in_step else None
     if args.slowdown_at and step + 1 >= args.slowdown_at:
         model.slowdown = args.slowdown_factor
+    if step + 1 == args.hang_step and rank == args.hang_rank:
+        model.hang = args.hang_phase
 
 
 def make_loader(args, engine, dataset) -> DataLoader:
@@ -339,6 +378,12 @@ def print_step(args, engine, loss: float) -> None:
           f"grad_norm {None if grad_norm is None else float(grad_norm)!r}", flush=True)
 
 
+def slow_rank_delays(args) -> dict[str, float]:
+    """Milliseconds this rank adds to each forward, backward and optimizer step (--slow-rank)."""
+    delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
+    return {phase: delay if phase == args.slow_phase else 0.0 for phase in ("forward", "backward", "optimizer")}
+
+
 def main(argv=None):
     args = parse_args(argv)
     default_single_process_env()
@@ -352,8 +397,7 @@ def main(argv=None):
         # gloo is what it falls back to without it, and what this example is for.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
-    delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
-    delays = {phase: delay if phase == args.slow_phase else 0.0 for phase in ("forward", "backward", "optimizer")}
+    delays = slow_rank_delays(args)
     longest = max(args.seq_len, args.shift_seq_len)
     # With padding, the id after the vocabulary pads (it gets an embedding of its own).
     model = TinyLM(args.vocab + args.padding, args.d_model, args.layers, longest, delay_ms=delays["forward"],
@@ -378,12 +422,12 @@ def main(argv=None):
     injection = Injection(args, engine.global_rank)
     for step in range(args.steps):
         started = time.perf_counter()
-        inject_model_faults(args, model, step, engine.global_rank)
+        inject_faults(args, model, engine.global_rank, step)
         step_loss = 0.0
         for _ in range(args.grad_accum):
             batch = next(batches)
             batch = {name: value.to(engine.device) for name, value in batch.items()}
-            injection.forward(step + 1)
+            injection.forward(step + 1, model)
             loss = injection.loss(step + 1, engine(**batch))
             if args.backward == "engine":
                 engine.backward(loss)
@@ -391,6 +435,8 @@ def main(argv=None):
                 loss.backward()
             if args.average_loss != "off":
                 average_loss(loss, asynchronous=args.average_loss == "async")
+            if step + 1 == args.desync_step:
+                desync(engine.global_rank, args.desync_rank)
             engine.step()
             step_loss += loss.item() / args.grad_accum
         losses.append(step_loss)

@@ -10,6 +10,7 @@ optimizer step; see README.md and docs/telemetry.md. Programmatic use::
     DataLoaderInstrumentor().instrument()
     CommInstrumentor().instrument(tracer_provider=provider, meter_provider=meter_provider)
     GpuMetricsInstrumentor().instrument(meter_provider=meter_provider)
+    TorchTrainingInstrumentor().instrument()  # plain PyTorch loops: DDP, FSDP2, trace_training()
 
 Importing this package imports neither torch nor DeepSpeed: classes are patched when
 their modules are imported.
@@ -19,7 +20,8 @@ from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommInstr
 from opentelemetry_instrumentation_deepspeed.instrumentors.dataloader import DataLoaderInstrumentor
 from opentelemetry_instrumentation_deepspeed.instrumentors.engine import DeepSpeedInstrumentor
 from opentelemetry_instrumentation_deepspeed.instrumentors.gpu_metrics import GpuMetricsInstrumentor
+from opentelemetry_instrumentation_deepspeed.instrumentors.torch_loop import TorchTrainingInstrumentor, trace_training
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
 __all__ = ["CommInstrumentor", "DataLoaderInstrumentor", "DeepSpeedInstrumentor", "GpuMetricsInstrumentor",
-           "__version__"]
+           "TorchTrainingInstrumentor", "__version__", "trace_training"]

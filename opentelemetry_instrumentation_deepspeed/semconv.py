@@ -16,6 +16,8 @@ SPAN_FORWARD = "training.forward"
 SPAN_BACKWARD = "training.backward"
 SPAN_OPTIMIZER_STEP = "training.optimizer.step"
 SPAN_PHASE_GPU = "training.{phase}.gpu"  # on CUDA: a phase's GPU-side interval, child of the phase
+# The watchdog's report of a step that does not close: in the step's trace, from its start to the report
+SPAN_HANG = "training.hang"
 
 # The exception event of a span that raised, as OpenTelemetry's exception conventions name it
 EVENT_EXCEPTION = "exception"
@@ -23,6 +25,21 @@ EXCEPTION_TYPE = "exception.type"
 EXCEPTION_MESSAGE = "exception.message"
 EXCEPTION_STACKTRACE = "exception.stacktrace"
 EXCEPTION_ESCAPED = "exception.escaped"
+
+# A hang report's stack: one event per reported thread, with OpenTelemetry's thread and code attributes
+EVENT_HANG_STACK = "training.hang.stack"
+THREAD_ID = "thread.id"
+THREAD_NAME = "thread.name"
+CODE_STACKTRACE = "code.stacktrace"
+
+# On training.hang (with training.step, training.phase, training.micro_step, and comm.op, comm.group.name,
+# comm.sequence, comm.bytes, comm.dtype for the collective in flight, when there is one)
+HANG_REASON = "training.hang.reason"  # HANG_REASON_WATCHDOG, or the exit's reason (terminated by SIGTERM)
+HANG_REASON_WATCHDOG = "no step progress"
+HANG_DURATION = "training.hang.duration"  # seconds since the open phase (else the step) started
+HANG_THRESHOLD = "training.hang.threshold"  # the watchdog's threshold when it reported, seconds
+HANG_COMM_DURATION = "training.hang.comm.duration"  # seconds the collective in flight has been running
+HANG_COMM_SEQUENCES = "training.hang.comm.sequences"  # ["<group>:<last sequence issued>", ...]
 
 # Span attributes
 TRAINING_STEP = "training.step"
@@ -55,6 +72,13 @@ TRAINING_BATCH_TOKENS = "training.batch.tokens"  # real: not padding
 TRAINING_STEP_TOKENS = "training.step.tokens"
 TRAINING_STEP_PADDED_TOKENS = "training.step.padded_tokens"
 TRAINING_STEP_SEQUENCE_LENGTH = "training.step.sequence_length"  # the longest of its micro-batches
+# A plain PyTorch loop's data parallelism, on training.step: "ddp", "fsdp", or "none" (trace_training())
+TRAINING_PARALLELISM = "training.parallelism"
+# Pipeline parallelism (PipelineEngine): on training.step, and on the resource of the rank
+TRAINING_PIPELINE_STAGE = "training.pipeline.stage"  # this rank's stage, 0-based
+TRAINING_PIPELINE_STAGES = "training.pipeline.stages"  # stages in the pipeline
+TRAINING_DATA_PARALLEL_RANK = "training.data_parallel.rank"  # this rank's pipeline among the data-parallel ones
+TRAINING_DATA_PARALLEL_SIZE = "training.data_parallel.size"
 
 # Collective spans (comm.<op>) and their metric attributes
 SPAN_COMM_PREFIX = "comm."  # a collective's span is this prefix and its op: comm.all_reduce
@@ -69,6 +93,8 @@ COMM_SEQUENCE = "comm.sequence"
 COMM_ALGBW = "comm.algbw"
 COMM_BUSBW = "comm.busbw"
 COMM_TIMING = "comm.timing"
+COMM_PEER_RANK = "comm.peer.rank"  # send / recv: the global rank at the other end
+COMM_PEER_STAGE = "training.pipeline.peer_stage"  # a pipeline's send / recv: the stage at the other end
 COMM_TIMING_GPU = "gpu"  # its value when CUDA events timed the call; absent for host times
 # On phase and step spans: collectives issued within them, and those beyond the span limit
 COMM_COUNT = "comm.count"
@@ -76,6 +102,7 @@ COMM_SPANS_DROPPED = "comm.spans_dropped"
 
 # Metrics
 METRIC_STEP_DURATION = "training.step.duration"
+METRIC_STEP_OPEN_DURATION = "training.step.open.duration"  # gauge: how long the open step has run (0: none)
 METRIC_PHASE_DURATION = "training.phase.duration"
 TRAINING_PHASE = "training.phase"  # its attribute: one of PHASES
 PHASE_DATA_WAIT = "data.wait"
@@ -117,21 +144,43 @@ METRIC_COMM_BUS_SIZE = "training.comm.bus.size"
 # GPU metrics (gpu_metrics.py, from NVML): OpenTelemetry's hardware semantic conventions where they
 # define a name...
 METRIC_HW_GPU_UTILIZATION = "hw.gpu.utilization"
-METRIC_HW_GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"
+METRIC_HW_GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"  # the fraction of the GPU's memory in use
 METRIC_HW_GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
 METRIC_HW_GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
 METRIC_HW_GPU_IO = "hw.gpu.io"  # PCIe
 METRIC_HW_POWER = "hw.power"
 METRIC_HW_ENERGY = "hw.energy"
 METRIC_HW_TEMPERATURE = "hw.temperature"
-METRIC_HW_ERRORS = "hw.errors"  # ECC errors, by error.type (ERROR_TYPE): ECC_CORRECTED or ECC_UNCORRECTED
-# ... and extensions in their style
-METRIC_HW_GPU_CLOCK_SM = "hw.gpu.clock.sm"
-METRIC_HW_GPU_CLOCK_MEMORY = "hw.gpu.clock.memory"
-METRIC_HW_GPU_NVLINK_IO = "hw.gpu.nvlink.io"
-METRIC_HW_GPU_THROTTLE = "hw.gpu.throttle"  # per HW_GPU_THROTTLE_REASON
-METRIC_HW_GPU_PROCESS_MEMORY_USAGE = "hw.gpu.process.memory.usage"
-METRIC_HW_GPU_SM_ACTIVITY = "hw.gpu.sm.activity"
+METRIC_HW_ERRORS = "hw.errors"  # by error.type (ERROR_TYPE): ECC_CORRECTED, ECC_UNCORRECTED, PCIE_REPLAY, XID
+METRIC_HW_STATUS = "hw.status"  # 1 for the GPU's current hw.state, 0 for the others
+HW_STATE = "hw.state"
+HW_STATE_OK = "ok"
+HW_STATE_DEGRADED = "degraded"
+HW_STATE_FAILED = "failed"
+HW_STATES = (HW_STATE_OK, HW_STATE_DEGRADED, HW_STATE_FAILED)
+# ... and NVML's own readings, ours, under nvidia.gpu.* (outside the conventions' hw.* namespace)
+METRIC_NVIDIA_GPU_MEMORY_CONTROLLER_UTILIZATION = "nvidia.gpu.memory_controller.utilization"
+METRIC_NVIDIA_GPU_CLOCK_SM = "nvidia.gpu.clock.sm"
+METRIC_NVIDIA_GPU_CLOCK_MEMORY = "nvidia.gpu.clock.memory"
+METRIC_NVIDIA_GPU_NVLINK_IO = "nvidia.gpu.nvlink.io"
+METRIC_NVIDIA_GPU_THROTTLE = "nvidia.gpu.throttle"  # per NVIDIA_GPU_THROTTLE_REASON
+METRIC_NVIDIA_GPU_PROCESS_MEMORY_USAGE = "nvidia.gpu.process.memory.usage"
+METRIC_NVIDIA_GPU_SM_ACTIVITY = "nvidia.gpu.sm.activity"
+METRIC_NVIDIA_GPU_XID = "nvidia.gpu.xid"  # the last XID error's code
+METRIC_NVIDIA_GPU_REMAPPED_ROWS = "nvidia.gpu.memory.remapped_rows"  # by error.type: corrected, uncorrected
+METRIC_NVIDIA_GPU_RETIRED_PAGES = "nvidia.gpu.memory.retired_pages"  # by error.type: corrected, uncorrected
+NVIDIA_GPU_THROTTLE_REASON = "nvidia.gpu.throttle.reason"
+# The names these had until version 0.1 (inside hw.gpu.*, where a convention may come to define them):
+# still emitted, with the same values, for one release; then removed.
+ALIASES = {
+    METRIC_NVIDIA_GPU_CLOCK_SM: "hw.gpu.clock.sm",
+    METRIC_NVIDIA_GPU_CLOCK_MEMORY: "hw.gpu.clock.memory",
+    METRIC_NVIDIA_GPU_NVLINK_IO: "hw.gpu.nvlink.io",
+    METRIC_NVIDIA_GPU_THROTTLE: "hw.gpu.throttle",
+    METRIC_NVIDIA_GPU_PROCESS_MEMORY_USAGE: "hw.gpu.process.memory.usage",
+    METRIC_NVIDIA_GPU_SM_ACTIVITY: "hw.gpu.sm.activity",
+}
+HW_GPU_THROTTLE_REASON = "hw.gpu.throttle.reason"  # the reason's attribute on the alias hw.gpu.throttle
 # Attributes of every GPU point (hw.parent: a MIG instance's GPU), with their fixed values
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
@@ -147,7 +196,9 @@ DIRECTION_RECEIVE = "receive"
 # error.type of hw.errors
 ECC_CORRECTED = "corrected"
 ECC_UNCORRECTED = "uncorrected"
-# On hw.gpu.throttle: NVML's clock event (throttle) reasons
+PCIE_REPLAY = "pcie_replay"
+XID = "xid"
+# On nvidia.gpu.throttle: NVML's clock event (throttle) reasons
 HW_GPU_THROTTLE_REASON = "hw.gpu.throttle.reason"
 THROTTLE_GPU_IDLE = "gpu_idle"
 THROTTLE_APPLICATIONS_CLOCKS_SETTING = "applications_clocks_setting"
@@ -202,4 +253,9 @@ TRAINING_LOCAL_RANK = "training.local_rank"
 TRAINING_WORLD_SIZE = "training.world_size"
 TRAINING_FRAMEWORK = "training.framework"
 TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
+TRAINING_FRAMEWORK_PYTORCH = "pytorch"  # its value for a plain PyTorch loop (instrumentors/torch_loop.py)
 DEEPSPEED_VERSION = "deepspeed.version"
+# This rank's clock minus rank 0's, estimated at start through the process group's store (nanoseconds),
+# and the half round trip that bounds the estimate's error
+TRAINING_CLOCK_OFFSET = "training.clock.offset"
+TRAINING_CLOCK_OFFSET_ERROR = "training.clock.offset.error"

@@ -91,13 +91,17 @@ class Misbehaving:
 
     def __init__(self, status: int | None, delay: float = 0.0):
         self.requests = 0
+        self.bodies: list[tuple[str, bytes]] = []  # (path, request body), as received
         outer = self
         hold = threading.Event()
         self._hold = hold
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                outer.bodies.append((self.path, body))
                 outer.requests += 1
                 if status is None:
                     hold.wait()

@@ -18,6 +18,7 @@ def environ(monkeypatch):
     for name in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
                  "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "OTEL_PYTHON_DEEPSPEED_JOB_ID",
+                 "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT", "OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL",
                  "OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "OTEL_PYTHON_DEEPSPEED_COMM",
                  "OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", "OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN",
                  "OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS", "OTEL_PYTHON_DEEPSPEED_PROMETHEUS_FINAL_SCRAPE_TIMEOUT",
@@ -95,6 +96,9 @@ def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
     with caplog.at_level(logging.WARNING):
         assert reader() == default
         assert reader() == default
+        assert caplog.records == [], "said only once this process is known to train: it may be a launcher"
+        env.check_all()  # training starts
+        env.check_all()
     (record,) = caplog.records
     assert variable in record.getMessage() and repr(raw) in record.getMessage()
     assert f"default {default!r}" in record.getMessage()

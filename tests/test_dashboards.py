@@ -43,7 +43,7 @@ TRAIN = ("--zero-stage", "2", "--grad-accum", "2")
 ALERTS = ("TrainingStepTimeRegression", "TrainingDataWaitHigh", "TrainingStragglerRank",
           "TrainingCollectiveBandwidthDrop", "TrainingGpuIdle", "TrainingGpuThrottled", "TrainingGpuEccErrors",
           "TrainingTelemetryDropped", "TrainingNumericsNonFinite", "TrainingNumericsAnomaly", "TrainingGpuOutOfMemory",
-          "TrainingAllocatorCacheFlushes")
+          "TrainingAllocatorCacheFlushes", "TrainingNoStepProgress")
 # The model layer has three rows: the step's phases, loss and numerics, GPU memory.
 LAYERS = ("Business", "Model", "Model", "Model", "Framework", "Hardware", "Host", "Telemetry")
 # A window that holds many 1 s scrapes of a run of a minute, as Grafana's $__rate_interval would.
@@ -325,7 +325,7 @@ def test_gpu_alerts_fire_for_the_sick_gpu_only(runs):
     sick = runs.jobs["straggler"]
     assert _ranks(_alert(runs, "TrainingGpuIdle", sick)) == {"1"}
     throttled = _alert(runs, "TrainingGpuThrottled", sick)
-    assert {(s["metric"]["training_rank"], s["metric"]["hw_gpu_throttle_reason"]) for s in throttled} == {
+    assert {(s["metric"]["training_rank"], s["metric"]["nvidia_gpu_throttle_reason"]) for s in throttled} == {
         ("1", "hw_thermal_slowdown"), ("1", "hw_power_brake_slowdown")}
     (ecc,) = _alert(runs, "TrainingGpuEccErrors", sick)
     assert ecc["metric"]["training_rank"] == "1" and ecc["value"] >= 1

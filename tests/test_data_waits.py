@@ -36,6 +36,20 @@ def recorded():
         instrumentor.uninstrument()
 
 
+def test_uninstrument_restores_accelerate_s_loaders():
+    from accelerate import data_loader
+
+    classes = (data_loader.DataLoaderShard, data_loader.DataLoaderDispatcher, data_loader.SkipDataLoader)
+    original = [vars(cls)["__iter__"] for cls in classes]
+    instrumentor = DataLoaderInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider())
+    try:
+        assert [vars(cls)["__iter__"].__wrapped__ for cls in classes] == original
+    finally:
+        instrumentor.uninstrument()
+    assert [vars(cls)["__iter__"] for cls in classes] == original
+
+
 @pytest.mark.parametrize("loader", ["DataLoaderShard", "SkipDataLoader"])
 def test_an_accelerate_loader_is_one_wait_per_batch_it_hands_over(recorded, loader):
     from accelerate import data_loader
@@ -53,3 +67,28 @@ def test_an_accelerate_loader_is_one_wait_per_batch_it_hands_over(recorded, load
     # DataLoaderShard fetches batch 3 while the loop waits for batch 2 (step 2's first): that wait is batch 2's.
     assert max(waits)[1:] == (1, 0 if loader == "DataLoaderShard" else 1)
     assert isinstance(iter(batches), type(iter(batches).__wrapped__)), "still the loader's generator to its users"
+
+
+def test_diagnose_counts_a_wait_fetched_ahead_in_the_step_it_blocked():
+    """Step 2's first micro-batch was fetched during step 1: its wait is step 2's child, step 1's time."""
+    from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+    from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+
+    def span(name, trace, start, end, parent="", **attributes):
+        return Span(name, trace, f"{name}-{trace}-{start}", parent, start, end, "job", 0, attributes)
+
+    spans = [span("training.step", "t1", 0, 100, **{"training.step": 1}),
+             span("training.forward", "t1", 10, 50, "training.step-t1-0"),
+             span("training.data.wait", "t2", 60, 90, "training.step-t2-100"),  # fetched ahead, inside step 1
+             span("training.step", "t2", 100, 260, **{"training.step": 2}),
+             span("training.data.wait", "t2", 100, 110, "training.step-t2-100"),
+             span("training.forward", "t2", 110, 250, "training.step-t2-100"),
+             span("training.step", "t3", 260, 310, **{"training.step": 3}),
+             span("training.forward", "t3", 260, 300, "training.step-t3-260")]
+    analysis = Analysis()
+    analysis.add(spans)
+    rank = analysis.result()["ranks"][0]
+    first, second = rank["typical"], rank["slowest"]  # the median step and the longest
+    assert (first["step"], second["step"]) == (1, 2)
+    assert first["parts"]["data_wait"] == pytest.approx(30e-9) and first["parts"]["unaccounted"] == pytest.approx(30e-9)
+    assert second["parts"]["data_wait"] == pytest.approx(10e-9)

@@ -73,3 +73,71 @@ def test_drops_and_failed_exports_are_counted_and_reported_once(ledger, caplog):
 
 def test_nothing_lost_nothing_said(ledger):
     assert delivery.summary() is None
+
+
+_BLACK_HOLE_EXIT = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry_instrumentation_deepspeed.export import delivery
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+endpoint = sys.argv[1]
+tracer_provider = TracerProvider(shutdown_on_exit=False)
+tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{{endpoint}}/v1/traces", timeout=30),
+                                                      schedule_delay_millis=50))
+metric_exporter = OTLPMetricExporter(f"{{endpoint}}/v1/metrics", timeout=30)
+meter_provider = MeterProvider([PeriodicExportingMetricReader(metric_exporter, export_interval_millis=3_600_000)],
+                               shutdown_on_exit=False)
+delivery.install()
+delivery.watch(tracer_provider, meter_provider)
+lifecycle.install(tracer_provider, meter_provider)
+tracer = tracer_provider.get_tracer("test")
+for _ in range(1500):  # the first batch (512) hangs in an export; the rest waits in the queue
+    tracer.start_span("step").end()
+counter = meter_provider.get_meter("test").create_counter("samples")
+for rank in range(3):
+    counter.add(1, {{"rank": rank}})
+time.sleep(0.5)
+print("EXITING", time.monotonic(), flush=True)
+"""
+
+
+def test_a_bounded_exit_against_a_black_hole_counts_every_span_and_point(tmp_path):
+    """Real SDK, real OTLP/HTTP exporters, a collector that never answers: the exit ends within its
+    budget, and the summary counts exactly the spans made and the points of the last collection."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    from tests.conftest import REPO
+    from tests.otlp_receiver import Misbehaving
+
+    server = Misbehaving(status=None)
+    try:
+        result = subprocess.run([sys.executable, "-c", _BLACK_HOLE_EXIT.format(repo=str(REPO)), server.endpoint],
+                                capture_output=True, text=True, timeout=120, check=False,
+                                env={**os.environ, "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT": "2"})
+        ended = time.monotonic()
+    finally:
+        server.close()
+    assert result.returncode == 0, result.stderr
+    exiting = float(result.stdout.split("EXITING ")[1].split()[0])
+    assert ended - exiting < 2 + 10, "the budget (2 s), and a loaded machine's slack"
+    (line,) = [line for line in result.stderr.splitlines() if "were not delivered" in line]
+    (metrics_body,) = [body for path, body in server.bodies if path == "/v1/metrics"]
+    request = ExportMetricsServiceRequest.FromString(metrics_body)
+    points = sum(len(getattr(metric, metric.WhichOneof("data")).data_points)
+                 for resource in request.resource_metrics for scope in resource.scope_metrics
+                 for metric in scope.metrics)
+    assert points >= 3 + 2  # the three counter points, and the self-metrics of the lost spans
+    assert f"1500 spans and {points} metric data points" in line, line
+    assert "exit_timeout" in line

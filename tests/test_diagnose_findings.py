@@ -169,7 +169,7 @@ def test_html_shows_the_chain_and_a_change_point():
 
 def throttled(spans, rank: int) -> list[Sample]:
     """A GPU sample in the middle of every forward: rank ``rank``'s GPU reports thermal slowdown."""
-    return [Sample(span.rank, semconv.METRIC_HW_GPU_THROTTLE, (span.start + span.end) // 2,
+    return [Sample(span.rank, semconv.METRIC_NVIDIA_GPU_THROTTLE, (span.start + span.end) // 2,
                    1.0 if span.rank == rank else 0.0, semconv.THROTTLE_HW_THERMAL_SLOWDOWN)
             for span in spans if span.name == semconv.SPAN_FORWARD]
 

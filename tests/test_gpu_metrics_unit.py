@@ -18,7 +18,9 @@ Process = namedtuple("Process", "pid usedGpuMemory")
 
 
 class NVMLError(Exception):
-    pass
+    def __init__(self, message="", value=999):
+        super().__init__(message)
+        self.value = value
 
 
 class NotSupported(NVMLError):
@@ -36,9 +38,19 @@ class GpmQuery:
         self.metrics = [types.SimpleNamespace(metricId=None, nvmlReturn=None, value=None)]
 
 
-def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0, gpm: bool = True):
-    """pynvml as NVML answers on a host with ``gpus`` GPUs; counts calls."""
+def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0, gpm: bool = True,  # noqa: PLR0917
+              xids=None, rows=(0, 0, 0, 0), throttle=0x4 | 0x40):
+    """pynvml as NVML answers on a host with ``gpus`` GPUs; counts calls. ``xids``: the XID events the
+    driver has queued (the test may append more); ``rows``: nvmlDeviceGetRemappedRows's answer."""
     calls = []
+    xids = [] if xids is None else xids
+
+    def event_wait(event_set, timeout_ms):
+        assert timeout_ms == 0, "collection never waits for an event"
+        if not xids:
+            raise NVMLError("Timeout", value=10)
+        return types.SimpleNamespace(eventType=0x8, eventData=xids.pop(0), device=None)
+
     clock = iter(range(1, 10**6))
 
     def gpm_metrics_get(query):
@@ -81,7 +93,14 @@ def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0, gp
         nvmlDeviceGetClockInfo=device_call("clock", lambda handle, kind: 1980 if kind == 1 else 2619),
         nvmlDeviceGetTotalEccErrors=device_call("ecc", lambda handle, kind, counter: 3 if kind == 0 else 0),
         nvmlDeviceGetPcieThroughput=device_call("pcie", lambda handle, kind: 1000),
-        nvmlDeviceGetCurrentClocksEventReasons=device_call("throttle", 0x4 | 0x40),
+        nvmlDeviceGetCurrentClocksEventReasons=device_call("throttle", lambda handle: throttle),
+        nvmlDeviceGetPcieReplayCounter=device_call("pcie_replay", 5),
+        nvmlDeviceGetRemappedRows=device_call("remapped_rows", lambda handle: rows),
+        nvmlDeviceGetRetiredPages=device_call("retired_pages", lambda handle, cause: [0x1000] if cause else []),
+        NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS=0, NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR=1,
+        NVML_ERROR_TIMEOUT=10, nvmlEventTypeXidCriticalError=0x8, nvmlEventSetCreate=lambda: "event-set",
+        nvmlDeviceRegisterEvents=lambda handle, types_, event_set: calls.append(("register", handle, types_)),
+        nvmlEventSetWait_v2=event_wait,
         nvmlDeviceGetComputeRunningProcesses=device_call("processes", [Process(pid, 2**30), Process(1, 5 * 2**30)]),
         NVML_GPM_METRICS_GET_VERSION=1, NVML_GPM_METRIC_SM_UTIL=2, c_nvmlGpmMetricsGet_t=GpmQuery,
         nvmlGpmQueryDeviceSupport=lambda handle: types.SimpleNamespace(isSupportedDevice=int(gpm)),
@@ -120,31 +139,46 @@ def test_names_units_and_attributes(monkeypatch):
         return point
 
     assert only("hw.gpu.utilization") == (device, 0.87, "1")
-    assert only("hw.gpu.memory.utilization") == (device, 0.40, "1")
+    assert only("hw.gpu.memory.utilization") == (device, 0.75, "1"), "the conventions' fraction of memory used"
+    assert only("nvidia.gpu.memory_controller.utilization") == (device, 0.40, "1"), "NVML's memory busy time"
     assert only("hw.gpu.memory.usage") == (device, 60 * 2**30, "By")
     assert only("hw.gpu.memory.limit") == (device, 80 * 2**30, "By")
     assert only("hw.power") == (device, 612.5, "W")
     assert only("hw.energy") == (device, 9000, "J")
     assert only("hw.temperature") == (device, 71, "Cel")
-    assert only("hw.gpu.clock.sm") == (device, 1980e6, "Hz")
-    assert only("hw.gpu.clock.memory") == (device, 2619e6, "Hz")
-    assert only("hw.gpu.process.memory.usage") == (device, 2**30, "By"), "this rank's process only"
-    assert sorted((a["error.type"], v) for a, v, _ in found["hw.errors"]) == [("corrected", 3), ("uncorrected", 0)]
+    for name in ("nvidia.gpu.clock.sm", "hw.gpu.clock.sm"):  # the new name and, for one release, the old one
+        assert only(name) == (device, 1980e6, "Hz")
+    assert only("nvidia.gpu.clock.memory") == only("hw.gpu.clock.memory") == (device, 2619e6, "Hz")
+    assert only("nvidia.gpu.process.memory.usage") == (device, 2**30, "By"), "this rank's process only"
+    assert only("hw.gpu.process.memory.usage") == (device, 2**30, "By")
+    assert sorted((a["error.type"], v) for a, v, _ in found["hw.errors"]) == [
+        ("corrected", 3), ("pcie_replay", 5), ("uncorrected", 0), ("xid", 0)]
     assert {a["network.io.direction"] for a, _, _ in found["hw.gpu.io"]} == {"transmit", "receive"}
-    throttled = {a["hw.gpu.throttle.reason"] for a, v, _ in found["hw.gpu.throttle"] if v == 1}
+    throttled = {a["nvidia.gpu.throttle.reason"] for a, v, _ in found["nvidia.gpu.throttle"] if v == 1}
     assert throttled == {"sw_power_cap", "hw_thermal_slowdown"}
+    assert {a["hw.gpu.throttle.reason"] for a, v, _ in found["hw.gpu.throttle"] if v == 1} == throttled
+    # A hardware thermal slowdown is active: degraded, one state at 1.
+    assert {a["hw.state"]: v for a, v, _ in found["hw.status"]} == {"ok": 0, "degraded": 1, "failed": 0}
+    assert all(a["hw.type"] == "gpu" and a["hw.id"] == "GPU-0" for a, _, _ in found["hw.status"])
+    assert sorted((a["error.type"], v) for a, v, _ in found["nvidia.gpu.memory.remapped_rows"]) == [
+        ("corrected", 0), ("uncorrected", 0)]
+    assert sorted((a["error.type"], v) for a, v, _ in found["nvidia.gpu.memory.retired_pages"]) == [
+        ("corrected", 0), ("uncorrected", 1)]
+    assert "nvidia.gpu.xid" not in found, "no XID yet: no last code"
     # One NVML read per field per collection, although two instruments use utilization and memory.
-    reads = [name for name, _ in nvml.calls]
+    reads = [call[0] for call in nvml.calls]
     assert reads.count("utilization") == 1 and reads.count("memory") == 1
 
 
 def test_sm_activity_from_gpm_between_collections():
     nvml = fake_nvml()
     _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
-    assert "hw.gpu.sm.activity" not in points(), "one GPM sample is not an interval yet"
+    assert "nvidia.gpu.sm.activity" not in points(), "one GPM sample is not an interval yet"
     for _ in range(3):
-        ((_, value, unit),) = points()["hw.gpu.sm.activity"]
+        found = points()
+        ((_, value, unit),) = found["nvidia.gpu.sm.activity"]
         assert (value, unit) == (0.625, "1")
+        assert found["hw.gpu.sm.activity"] == found["nvidia.gpu.sm.activity"], "the alias repeats, samples nothing"
     assert [call[1:] for call in nvml.calls if call[0] == "gpm"] == [(1, 2), (2, 3), (3, 4)]
 
 
@@ -163,11 +197,12 @@ def test_unsupported_field_reports_nothing_and_warns_once(caplog):
         first, second = points(), points()
     for found in (first, second):
         assert "hw.power" not in found, "never a made-up 0"
-        assert "hw.gpu.utilization" not in found and "hw.gpu.memory.utilization" not in found
+        assert "hw.gpu.utilization" not in found and "nvidia.gpu.memory_controller.utilization" not in found
+        assert "hw.gpu.memory.utilization" in found, "from the memory info, not the utilization rates"
         assert "hw.temperature" in found
     warnings = [r.getMessage() for r in caplog.records if "GPM" not in r.getMessage()]
     assert len(warnings) == 2 and all("not reported from now on" in w for w in warnings)
-    assert [name for name, _ in nvml.calls].count("power") == 1, "a failed field is not read again"
+    assert [call[0] for call in nvml.calls].count("power") == 1, "a failed field is not read again"
 
 
 def test_failure_mid_run_stops_that_field(caplog):
@@ -213,3 +248,41 @@ def test_each_rank_of_a_multi_gpu_host_reports_only_its_own_gpu(gpus):
         _, points = collect(lambda meter, rank=rank: gpu_metrics.start(meter, nvml, [f"GPU-{rank}"]))
         reported.append({attributes["hw.id"] for attributes, _, _ in points()["hw.power"]})
     assert reported == [{f"GPU-{rank}"} for rank in range(gpus)]
+
+
+def test_xid_events_are_counted_without_waiting_and_set_the_status():
+    xids = []
+    nvml = fake_nvml(xids=xids, throttle=0)
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+
+    def read():
+        found = points()
+        errors = {a["error.type"]: v for a, v, _ in found["hw.errors"]}
+        state = next(a["hw.state"] for a, v, _ in found["hw.status"] if v == 1)
+        return errors["xid"], [v for _, v, _ in found.get("nvidia.gpu.xid", [])], state
+
+    assert read() == (0, [], "ok")
+    assert ("register", "handle-0", 0x8) in nvml.calls
+    xids += [13, 31]  # graphics engine exception, MMU fault: the job's own errors, the GPU is degraded
+    assert read() == (2, [31], "degraded")
+    xids.append(79)  # fallen off the bus
+    assert read() == (3, [79], "failed")
+
+
+def test_a_failed_row_remapping_is_a_failed_gpu_a_pending_one_degraded():
+    for rows, state in (((2, 1, 1, 0), "degraded"), ((2, 1, 0, 1), "failed"), ((2, 0, 0, 0), "ok")):
+        _, points = collect(lambda meter, r=rows: gpu_metrics.start(meter, fake_nvml(rows=r, throttle=0x4), ["GPU-0"]))
+        found = points()
+        assert next(a["hw.state"] for a, v, _ in found["hw.status"] if v == 1) == state, rows
+
+
+def test_fields_older_gpus_or_pynvml_lack_report_nothing_quietly(caplog):
+    nvml = fake_nvml(unsupported=("remapped_rows", "pcie_replay"))
+    del nvml.nvmlEventSetCreate, nvml.nvmlDeviceGetRetiredPages
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+    with caplog.at_level(logging.WARNING):
+        found = points()
+    assert "nvidia.gpu.memory.remapped_rows" not in found and "nvidia.gpu.memory.retired_pages" not in found
+    assert sorted(a["error.type"] for a, _, _ in found["hw.errors"]) == ["corrected", "uncorrected"]
+    assert found["hw.status"], "the state still comes from what is known"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "by design, not worth a warning"

@@ -63,8 +63,9 @@ def test_exit_runs_the_stages_in_order_once_and_past_a_failing_handler():
     """)
     assert result.returncode == 0, result.stderr
     stages = [rest for _, rest in _lines(result, "exit")]
-    assert stages == [f"{stage} | first" for stage in lifecycle.EXIT_ORDER[:3]] + ["drain again"] + [
-        f"{stage} | first" for stage in lifecycle.EXIT_ORDER[3:]]
+    after_drain = lifecycle.EXIT_ORDER.index(lifecycle.DRAIN) + 1
+    assert stages == [f"{stage} | first" for stage in lifecycle.EXIT_ORDER[:after_drain]] + ["drain again"] + [
+        f"{stage} | first" for stage in lifecycle.EXIT_ORDER[after_drain:]]
     shutdowns = [rest for _, rest in _lines(result, "shutdown")]
     assert shutdowns == ["traces", "metrics"]
     order = result.stdout.splitlines()

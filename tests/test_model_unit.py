@@ -327,3 +327,20 @@ def test_the_html_report_shows_loss_and_gradient_norm_with_the_finding_circled()
     assert "<h2>Loss and gradient norm</h2>" in page
     assert page.count("<polyline") == 3, "step time, loss, gradient norm"
     assert "rank 0 step 15:" in page
+
+
+def test_a_broken_run_outranks_a_slow_one_a_spike_does_not():
+    from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+
+    def run(last_loss):
+        analysis = Analysis()
+        for number, (loss, norm) in enumerate(healthy(20, 5), start=1):
+            step = step_span(0, number, {"training.loss": last_loss if number == 18 else loss,
+                                         "training.grad_norm": norm})
+            wait = Span("training.data.wait", step.trace_id, f"w{number}", step.span_id, step.start,
+                        step.start + 3 * 10**8, "job", 0, {})  # 60% of each step waits for data
+            analysis.add([step, wait])
+        return analysis.result()["verdict"]
+
+    assert run(math.nan)["layer"] == "MODEL", "a NaN loss: the run is broken, whatever else is slow"
+    assert run(50.0)["layer"] == "data loading", "a spike stays a finding beside the time-based verdict"

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
+from collections import Counter
 
 import pytest
 
 from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
 from tests.otlp_json import read_spans
+from tests.otlp_receiver import Misbehaving, OtlpReceiver
 
 pytestmark = pytest.mark.slow  # real DeepSpeed jobs
 
@@ -31,27 +34,40 @@ def _steps(spans) -> dict[int, list]:
     return steps
 
 
-def _terminated_mid_run(workdir, **env) -> tuple[int, str]:
-    """A long 1-process run, sent SIGTERM once its first spans are on disk: (return code, output).
+BLOCKED_STEP = 8
+BLOCKED_STEP_TEXT = str(BLOCKED_STEP)
 
-    Each forward sleeps 100 ms (the example's straggler option), so the signal lands inside a step,
-    not in the fraction of a millisecond between two, whatever the machine's load."""
+
+def _terminated_mid_run(workdir, *, after_export: bool = False, **env) -> tuple[int, str]:
+    """A 1-process run sent SIGTERM inside step 8: (return code, output).
+
+    The forward of step 8 blocks until a signal arrives (the example's ``--block-in-step``) after
+    saying so: the signal lands inside that step, whatever the machine's load. ``after_export``:
+    once the batch processor has written the earlier steps' spans (it runs while the step blocks)."""
     process = subprocess.Popen([str(BIN / "opentelemetry-instrument"), str(BIN / "python"), str(TRAIN),
-                                "--steps", "100000", "--slow-rank", "0", "--slow-ms", "100"],
+                                "--steps", "100", "--block-in-step", str(BLOCKED_STEP)],
                                cwd=workdir, env=clean_env(MASTER_PORT=str(free_port()), **env),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
     try:
-        # Training is under way once the first spans are written (after the batch delay, 5 s).
-        deadline = time.monotonic() + 240
-        while not list(workdir.glob("telemetry/*/traces-rank0.jsonl")):
-            assert process.poll() is None, process.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "no spans written"
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(f"blocked in step {BLOCKED_STEP}"):
+                deadline = time.monotonic() + 60
+                while after_export and not list(workdir.glob("telemetry/*/traces-rank0.jsonl")):
+                    assert time.monotonic() < deadline, "no spans exported while the step blocked"
+                    time.sleep(0.1)
+                sent = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                break
+        else:
+            pytest.fail("the run ended before blocking: " + "".join(lines)[-3000:])
+        output, _ = process.communicate(timeout=120)
+        # Dead within the exit budget (5 s) of the signal, with room for a loaded machine.
+        assert time.monotonic() - sent < 30, "".join(lines) + output
     finally:
         process.kill()
-    return process.returncode, output
+    return process.returncode, "".join(lines) + output
 
 
 def test_sigterm_flushes_completed_steps_and_marks_the_interrupted_one(workdir):
@@ -61,21 +77,22 @@ def test_sigterm_flushes_completed_steps_and_marks_the_interrupted_one(workdir):
     _whole_lines(workdir)
     (traces,) = workdir.glob("telemetry/*/traces-rank0.jsonl")
     steps = _steps(read_spans(traces))
-    last = max(steps)
-    # Every step before the interrupted one arrived, complete; the interrupted one says why it ended.
-    assert sorted(steps) == list(range(1, last + 1))
-    assert last > 5, "the steps since the last periodic export were flushed at the signal"
-    assert all(span.status != 2 for number in range(1, last) for span in steps[number])
-    (interrupted,) = steps[last]
+    # Every step before the interrupted one arrived, complete (most were still queued at the signal);
+    # the interrupted one says why it ended.
+    assert sorted(steps) == list(range(1, BLOCKED_STEP + 1))
+    assert all(span.status != 2 for number in range(1, BLOCKED_STEP) for span in steps[number])
+    (interrupted,) = steps[BLOCKED_STEP]
     assert (interrupted.status, interrupted.status_message) == (2, "terminated by SIGTERM")
     assert list(workdir.glob("telemetry/*/metrics-rank0.jsonl")), "the metrics were flushed too"
 
 
 def test_sigterm_is_left_alone_when_asked(workdir):
-    returncode, output = _terminated_mid_run(workdir, OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH="false")
+    returncode, output = _terminated_mid_run(workdir, after_export=True, OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH="false")
     assert returncode == -signal.SIGTERM, output[-3000:]
     (traces,) = workdir.glob("telemetry/*/traces-rank0.jsonl")
-    assert not any(span.status_message == "terminated by SIGTERM" for span in read_spans(traces))
+    spans = read_spans(traces)
+    assert spans and not any(span.status_message == "terminated by SIGTERM" for span in spans)
+    assert BLOCKED_STEP not in _steps(spans), "nothing ran at the signal: the step in progress was never written"
 
 
 def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step(workdir):
@@ -108,3 +125,151 @@ def test_files_rotate_at_the_size_limit(workdir):
     _whole_lines(workdir)
     # The newest steps are kept: the last step is in the current file.
     assert max(_steps(read_spans(current))) == 200, run.output[-2000:]
+
+
+# -- a bounded exit, whatever the collector does (2 ranks) --------------------------------------------
+
+# Every export may wait this long (the default is 10 s): unbounded, one flush of spans and one of
+# metrics would keep each rank a minute past training; bounded, the exit budget (5 s) holds.
+COLLECTOR_TIMEOUT_S = "30"
+EXIT_STEPS = "8"
+# The bound the tests allow over an uninstrumented run: the 5 s budget, and a loaded machine's slack.
+EXIT_SLACK_S = 20
+
+
+def _lost(line: str) -> tuple[int, int]:
+    match = re.search(r"(\d+) spans and (\d+) metric data points of this process were not delivered", line)
+    assert match, line
+    return int(match.group(1)), int(match.group(2))
+
+
+def _timed_two_ranks(workdir, env: dict | None, *extra: str, instrument: bool = True) -> tuple[float, str]:
+    """A 2-rank torchrun run of the example: (seconds from rank 0's last line to the launcher's exit, output)."""
+    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),
+               "--steps", EXIT_STEPS, *extra]
+    if instrument:
+        command.insert(0, str(BIN / "opentelemetry-instrument"))
+    process = subprocess.Popen(command, cwd=workdir, env=clean_env(**(env or {})), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    trained_at, lines = None, []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("trained "):
+                trained_at = time.monotonic()
+        process.wait(timeout=300)
+    finally:
+        process.kill()
+    output = "".join(lines)
+    assert process.returncode == 0 and trained_at is not None, output[-3000:]
+    return time.monotonic() - trained_at, output
+
+
+def _otlp(endpoint: str) -> dict:
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": COLLECTOR_TIMEOUT_S}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """An uninstrumented run's exit time, and the spans each rank of a healthy instrumented run delivers."""
+    bare_tail, _ = _timed_two_ranks(tmp_path_factory.mktemp("bare"), None, instrument=False)
+    with OtlpReceiver() as receiver:
+        _, output = _timed_two_ranks(tmp_path_factory.mktemp("healthy"), _otlp(receiver.endpoint))
+        spans = Counter(span.resource["training.rank"] for span in receiver.spans())
+    assert "were not delivered" not in output
+    return bare_tail, sorted(spans.values())
+
+
+@pytest.mark.parametrize("collector", ["black hole", "refused"])
+def test_exit_is_bounded_and_every_lost_span_counted(workdir, references, collector):
+    bare_tail, spans_per_rank = references
+    server = Misbehaving(status=None) if collector == "black hole" else None
+    endpoint = server.endpoint if server else f"http://127.0.0.1:{free_port()}"
+    try:
+        tail, output = _timed_two_ranks(workdir, _otlp(endpoint))
+    finally:
+        if server is not None:
+            server.close()
+    assert tail - bare_tail < EXIT_SLACK_S, f"{collector}: exit {tail:.1f} s after training, bare {bare_tail:.1f} s"
+    summaries = [line for line in output.splitlines() if "were not delivered" in line]
+    assert len(summaries) == 2, output[-3000:]  # one per rank
+    # Nothing arrived: every span a healthy rank delivers is counted lost, exactly; and the
+    # metrics' last flush (cut by the budget) is counted too, not reported as 0 points.
+    assert sorted(_lost(line)[0] for line in summaries) == spans_per_rank, summaries
+    assert all(_lost(line)[1] > 0 for line in summaries), summaries
+    # Said after the last flush attempt: nothing of ours follows it.
+    last = max(index for index, line in enumerate(output.splitlines()) if "were not delivered" in line)
+    assert not [line for line in output.splitlines()[last + 1:] if "opentelemetry" in line.lower()], output[-2000:]
+
+
+def test_sigterm_with_a_black_holed_collector_dies_within_the_exit_budget(workdir):
+    import psutil
+
+    server = Misbehaving(status=None)
+    command = [str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"), "--nproc_per_node", "2",
+               "--master_port", str(free_port()), str(TRAIN), "--steps", "100", "--block-in-step", BLOCKED_STEP_TEXT]
+    process = subprocess.Popen(command, cwd=workdir, env=clean_env(**_otlp(server.endpoint)),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(f"blocked in step {BLOCKED_STEP}"):
+                break
+        (rank0,) = [child for child in psutil.Process(process.pid).children(recursive=True)
+                    if child.environ().get("RANK") == "0" and "train.py" in " ".join(child.cmdline())]
+        sent = time.monotonic()
+        rank0.send_signal(signal.SIGTERM)
+        rank0.wait(timeout=120)
+        died_after = time.monotonic() - sent
+        lines.extend(process.communicate(timeout=120)[0])
+    finally:
+        process.kill()
+        server.close()
+    output = "".join(lines)
+    assert died_after < EXIT_SLACK_S, f"rank 0 died {died_after:.1f} s after SIGTERM"
+    # Rank 0's line (and rank 1's, stopped by torchrun in turn): the flush it cut short is counted.
+    summaries = [line for line in output.splitlines() if "were not delivered" in line]
+    assert summaries and any("exit_timeout" in line for line in summaries), output[-3000:]
+    assert all(min(_lost(line)) > 0 for line in summaries), summaries
+
+
+def test_bad_settings_are_named_once_per_rank_and_launchers_say_nothing(workdir):
+    """`deepspeed --num_gpus 2` runs four instrumented processes (its runner, its launcher, two ranks):
+    an endpoint that is not a URL, and a bad value of ours, are each named by the two ranks only;
+    the endpoint is not retried as a collector that is down (the telemetry goes to the files)."""
+    started = time.monotonic()
+    run = launch(workdir, "deepspeed", "--steps", "3", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url",
+                                                              "OTEL_PYTHON_DEEPSPEED_COMM": "verbose"}).check()
+    seconds = time.monotonic() - started
+    lines = run.output.splitlines()
+    endpoint = [line for line in lines if "OTEL_EXPORTER_OTLP_ENDPOINT='not a url' cannot be used" in line]
+    assert len(endpoint) == 2, run.output[-3000:]
+    assert "go to the embedded default" in endpoint[0] and "logs are not exported" in endpoint[0]
+    assert len([line for line in lines if "OTEL_PYTHON_DEEPSPEED_COMM='verbose' is not valid" in line]) == 2
+    assert not [line for line in lines if "Transient error" in line or "were not delivered" in line]
+    assert {span.resource["training.rank"] for span in run.spans if span.name == "training.step"} == {0, 1}
+    assert seconds < 240, seconds
+
+
+def test_hostile_job_id_and_service_name_stay_inside_and_exception_detail_is_obeyed(workdir):
+    """A job id and a service name that climb out, and an exception whose message holds a secret
+    while OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL=type: the files stay in one plain directory under
+    ./telemetry, and only the exception's type leaves the process."""
+    run = launch(workdir, "python", "--steps", "6", "--crash-after", "3", env={
+        "OTEL_PYTHON_DEEPSPEED_JOB_ID": "../../escaped", "OTEL_SERVICE_NAME": "/tmp/../../svc",
+        "OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL": "type"})
+    assert run.returncode != 0 and "injected crash in forward" in run.stderr  # the job's own traceback
+    written = sorted(path.relative_to(workdir).as_posix() for path in workdir.rglob("*") if path.is_file())
+    assert written == ["telemetry/___.._escaped/metrics-rank0.jsonl", "telemetry/___.._escaped/traces-rank0.jsonl"]
+    assert not (workdir.parent.parent / "escaped").exists()
+    _whole_lines(workdir)
+    spans = run.spans
+    assert {span.resource["training.job.id"] for span in spans} == {"../../escaped"}, "the id itself is kept"
+    (failed,) = _steps(spans)[4]
+    assert (failed.status, failed.status_message) == (2, "RuntimeError")
+    (event,) = [event for span in spans for event in span.events if event["name"] == "exception"]
+    assert event["attributes"] == {"exception.type": "RuntimeError", "exception.escaped": "False"}
+    text = "".join(path.read_text() for path in run.trace_files)
+    assert "injected crash" not in text

@@ -107,7 +107,7 @@ SHAPES = {
     "rank an object": (request(span("training.step", 1, 2, 1), resource_={"attributes": [
         RESOURCE["attributes"][0], {"key": "training.rank", "value": {"kvlistValue": {}}}]}), "ignored"),
     "bus bandwidth NaN": (_stepped({"key": "comm.busbw", "value": {"doubleValue": "NaN"}}), "accepted"),
-    "step number 2**300": (request(span("training.step", 1, 2, 2**300, trace_id="ee" * 16)), "accepted"),
+    "step number 2**300": (request(span("training.step", 1, 2, 2**300, trace_id="ee" * 16)), "bad"),  # not an int64
 }
 
 

@@ -10,15 +10,16 @@ collective's bus bandwidth against the best of the run.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs, pipeline, waits
 from opentelemetry_instrumentation_deepspeed.diagnose import findings as findings_module
-from opentelemetry_instrumentation_deepspeed.diagnose import inputs, waits  # inputs: the input layer
-from opentelemetry_instrumentation_deepspeed.diagnose.model import ModelFindings  # model and memory layers
+from opentelemetry_instrumentation_deepspeed.diagnose.model import BROKEN_RUN, ModelFindings  # model, memory
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
@@ -41,13 +42,85 @@ class _Step:
 
 def _union_overlap(intervals: list[tuple[int, int]], start: int, end: int) -> int:
     """Nanoseconds of [start, end] covered by the union of ``intervals``."""
-    covered, cursor = 0, start
-    for first, last in sorted(intervals):
-        low, high = max(first, cursor), min(last, end)
-        if high > low:
-            covered += high - low
-            cursor = high
-    return covered
+    return _Coverage(intervals).overlap(start, end)
+
+
+class _Coverage:
+    """The union of intervals, merged once (n log n); then how much of [start, end] it covers, or
+    whether it holds a time, in log n: a step's phases are each measured against all its
+    collectives, and a run's GPU samples against all its steps."""
+
+    def __init__(self, intervals):
+        self.starts, self.ends, self.before = [], [], [0]  # before[i]: covered up to starts[i]
+        for first, last in sorted(intervals):
+            if last <= first:
+                continue
+            if self.ends and first <= self.ends[-1]:
+                self.ends[-1] = max(self.ends[-1], last)
+                continue
+            if self.starts:
+                self.before.append(self.before[-1] + self.ends[-1] - self.starts[-1])
+            self.starts.append(first)
+            self.ends.append(last)
+
+    def _upto(self, at: int) -> int:
+        """Nanoseconds covered before ``at``."""
+        index = bisect.bisect_right(self.starts, at) - 1
+        if index < 0:
+            return 0
+        return self.before[index] + min(at, self.ends[index]) - self.starts[index]
+
+    def overlap(self, start: int, end: int) -> int:
+        return self._upto(end) - self._upto(start) if end > start else 0
+
+    def holds(self, at: int) -> bool:
+        index = bisect.bisect_right(self.starts, at) - 1
+        return index >= 0 and at <= self.ends[index]
+
+
+class _Intervals:
+    """Intervals sorted by start, to find the latest-starting one that holds a time by bisection
+    (nearly always the one just before it: a rank's steps and a step's phases do not overlap)."""
+
+    def __init__(self, items: list, start, end):
+        self.items = sorted(items, key=start)
+        self.starts = [start(item) for item in self.items]
+        self.ends = [end(item) for item in self.items]
+        self.reach, latest = [], None  # the latest end among the items up to each index
+        for last in self.ends:
+            latest = last if latest is None else max(latest, last)
+            self.reach.append(latest)
+
+    def holding(self, at: int):
+        index = bisect.bisect_right(self.starts, at) - 1
+        while index >= 0 and self.reach[index] >= at:
+            if self.ends[index] >= at:
+                return self.items[index]
+            index -= 1
+        return None
+
+
+class _PartIndex:
+    """Which part of a rank's step runs at a time, for GPU samples: steps, phases and collectives
+    indexed once, then looked up by bisection. Where steps or phases overlap, the latest to start wins."""
+
+    def __init__(self, steps: list):
+        self.steps = _Intervals(steps, lambda s: s.start, lambda s: s.end)
+        self._phases = {}
+
+    def at(self, at: int) -> str:
+        step = self.steps.holding(at)
+        if step is None:
+            return "between_steps"
+        found = self._phases.get(id(step))
+        if found is None:
+            found = self._phases[id(step)] = (_Intervals(step.phases, lambda p: p[1], lambda p: p[2]),
+                                              _Coverage((a, b) for a, b, _g, _s in step.comm))
+        phases, comm = found
+        phase = phases.holding(at)
+        if phase is None:
+            return "unaccounted"
+        return "exposed_comm" if phase[0] != "data_wait" and comm.holds(at) else phase[0]
 
 
 class Analysis:
@@ -57,8 +130,12 @@ class Analysis:
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
+        self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
+        self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
         self.model = ModelFindings()  # model and memory layers
         self._inputs = inputs.InputSeries()  # the input layer
+        self.pipeline = pipeline.PipelineAnalysis()  # pipeline parallelism (diagnose/pipeline.py)
+        self._arrivals: dict[tuple[str, str, int], int] = {}  # filled by result(), from _collectives
 
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
@@ -67,7 +144,10 @@ class Analysis:
     def add(self, spans: Iterable[Span]) -> None:
         for span in spans:
             self.jobs[span.job] += 1
+            self.hangs.add(span)  # HANG and DESYNC (hangs.py)
+            self.clocks.add(span)  # clocks.py
             self.model.add(span)  # model and memory layers
+            self.pipeline.add(span)  # pipeline parallelism (diagnose/pipeline.py)
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
                 step = self._steps.setdefault(key, _Step())
@@ -78,7 +158,7 @@ class Analysis:
                 self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
-            elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
+            elif span.name.startswith(semconv.SPAN_COMM_PREFIX) and not pipeline.is_transfer(span):  # pipeline: bubble
                 attributes = span.attributes
                 group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
                 if not attributes.get(semconv.COMM_ASYNC):
@@ -96,6 +176,7 @@ class Analysis:
             return {"job_id": None, "ranks": {}, "findings": [],
                     "verdict": findings_module.none("no training spans in the input")}
         job = job if job is not None else max(self.jobs, key=self.jobs.get)
+        self._waits_where_they_happened(job)  # data waits fetched ahead (issue 19)
         by_rank: dict[int, list[dict]] = defaultdict(list)
         for (step_job, rank, _trace), step in self._steps.items():
             if step_job == job and step.seen:
@@ -116,10 +197,7 @@ class Analysis:
         for rank, summary in ranks.items():
             summary["anomaly"] = _anomaly(steps.patterns.get(rank), by_rank[rank], found)
         job_summary = self._job_summary(ranks)
-        # Other analyses append their findings to ``found`` here.
-        found += self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)  # model, memory
-        found += inputs.findings(self._inputs, job, by_rank)  # the input layer: INPUT / COMPUTE change points
-        found = findings_module.ranked(found)
+        found = findings_module.ranked(found)  # other layers join below, ranked with these
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
@@ -133,10 +211,48 @@ class Analysis:
             "verdict": found[0] if found else findings_module.none(_quiet(job_summary)),
             "model_series": model_series(self.model, job),
         }
+        result["pipeline"] = self.pipeline.result(job)  # pipeline parallelism (diagnose/pipeline.py)
+        pipeline.reconcile(result, result["pipeline"], _without_cross_stage_stragglers)
+        # Model and memory layers (diagnose/model.py), the input layer (diagnose/inputs.py: INPUT / COMPUTE
+        # change points): ranked with the others by the time they cost.
+        model = self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)
+        result["findings"] = findings_module.ranked(result["findings"] + model
+                                                    + inputs.findings(self._inputs, job, by_rank))
+        result["verdict"] = (result["findings"][0] if result["findings"]
+                             else findings_module.none(_quiet(job_summary)))
+        broken = [f for f in model if f["confidence"] >= BROKEN_RUN]  # a NaN or an OOM: broken, not slow
+        if broken:
+            result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
+        # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
+        found = self.hangs.findings(job)
+        if found:
+            result["findings"] = found + result.get("findings", [])
+            result["verdict"] = found[0]
+        result["clocks"] = self.clocks.residuals(job)
+        # -- end HANG and DESYNC, clocks
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)
         return result
+
+    def _waits_where_they_happened(self, job: str) -> None:
+        """A data wait fetched ahead (a loader's look-ahead) is the child of the step whose micro-batch
+        it fetched, but the loop was blocked on it before that step started: its time counts in the
+        step of the same rank that was running then."""
+        by_rank: dict[int, list[_Step]] = defaultdict(list)
+        for (step_job, rank, _trace), step in self._steps.items():
+            if step_job == job and step.seen:
+                by_rank[rank].append(step)
+        for steps in by_rank.values():
+            steps.sort(key=lambda s: s.start)
+            starts = [s.start for s in steps]
+            for step in steps:
+                ahead = [p for p in step.phases if p[0] == "data_wait" and p[2] <= step.start]
+                for phase in ahead:
+                    index = bisect.bisect_right(starts, phase[1]) - 1
+                    if index >= 0 and phase[1] < steps[index].end and steps[index] is not step:
+                        step.phases.remove(phase)
+                        steps[index].phases.append(phase)
 
     def _timelines(self, job: str, by_rank: dict[int, list[dict]]) -> dict:
         """The slowest and a typical step, on every rank: phases and collectives on one clock."""
@@ -162,32 +278,30 @@ class Analysis:
             timelines[label] = {"trace_id": trace_id, "step": number, "ranks": lanes}
         return timelines
 
-    def _part_at(self, at: int, steps: list) -> str:
+    @staticmethod
+    def _part_at(at: int, steps: _PartIndex) -> str:
         """The part of the rank's step running at ``at``; "between_steps" outside every step."""
-        for step in steps:
-            if step.start <= at <= step.end:
-                for part, start, end in step.phases:
-                    if start <= at <= end:
-                        if part != "data_wait" and any(a <= at <= b for a, b, _g, _s in step.comm):
-                            return "exposed_comm"
-                        return part
-                return "unaccounted"
-        return "between_steps"
+        return steps.at(at)
 
     def _gpu(self, job: str, by_rank: dict) -> dict:
         """Per rank: utilization overall and by the part of the step it was sampled in; throttling; ECC."""
         found = {}
-        for rank in sorted({sample.rank for sample in self._samples} & set(by_rank)):
-            samples = [s for s in self._samples if s.rank == rank]
-            steps = sorted((s for (j, r, _t), s in self._steps.items() if j == job and r == rank and s.seen),
-                           key=lambda s: s.start)
+        samples_of, steps_of = defaultdict(list), defaultdict(list)  # grouped once: ranks x samples is large
+        for sample in self._samples:
+            samples_of[sample.rank].append(sample)
+        for (j, r, _t), step in self._steps.items():
+            if j == job and step.seen:
+                steps_of[r].append(step)
+        for rank in sorted(set(samples_of) & set(by_rank)):
+            samples = samples_of[rank]
+            steps = _PartIndex(steps_of[rank])
             utilization = [s for s in samples if s.metric == semconv.METRIC_HW_GPU_UTILIZATION]
             by_part = defaultdict(list)
             for sample in utilization:
                 by_part[self._part_at(sample.time, steps)].append(sample.value)
             throttle = defaultdict(list)
             for sample in samples:
-                if sample.metric == semconv.METRIC_HW_GPU_THROTTLE:
+                if sample.metric == semconv.METRIC_NVIDIA_GPU_THROTTLE:
                     throttle[sample.detail].append(sample.value)
             found[rank] = {
                 "utilization_mean": statistics.fmean(s.value for s in utilization) if utilization else None,
@@ -205,20 +319,31 @@ class Analysis:
         parts = dict.fromkeys(PARTS, 0)
         waits, transfers = [], []
         for start, end, group, sequence in step.comm:
-            starts = self._collectives.get((job, group, sequence)) if sequence is not None else None
-            last = min(max(starts.values()), end) if starts else start
+            last = self._last_arrival(job, group, sequence)
+            last = min(last, end) if last is not None else start
             if last > start:
                 waits.append((start, last))
             transfers.append((max(last, start), end))
-        comm = [(start, end) for start, end, _group, _sequence in step.comm]
+        comm = _Coverage((start, end) for start, end, _group, _sequence in step.comm)
         for part, start, end in step.phases:
-            parts[part] += (end - start) - (_union_overlap(comm, start, end) if part != "data_wait" else 0)
+            parts[part] += (end - start) - (comm.overlap(start, end) if part != "data_wait" else 0)
         parts["exposed_comm"] = _union_overlap(transfers, step.start, step.end)
         parts["comm_wait"] = _union_overlap(waits, step.start, step.end)
         total = step.end - step.start
         parts["unaccounted"] = max(total - sum(parts.values()), 0)
         return {"step": step.number, "trace_id": step.trace_id, "seconds": total / 1e9,
                 "parts": {name: value / 1e9 for name, value in parts.items()}}
+
+    def _last_arrival(self, job: str, group, sequence) -> int | None:
+        """When the last rank arrived at a collective; computed once per collective, not once per rank."""
+        if sequence is None:
+            return None
+        key = (job, group, sequence)
+        last = self._arrivals.get(key)
+        if last is None:
+            starts = self._collectives.get(key)
+            last = self._arrivals[key] = max(starts.values()) if starts else None
+        return last
 
     @staticmethod
     def _rank_summary(steps: list[dict]) -> dict:
@@ -250,11 +375,33 @@ class Analysis:
         return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
 
 
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of sorted ``ordered`` less one occurrence of ``value``: the others' median of one
+    rank, in log n rather than a copy and a sort per rank (ranks squared per step at 1,024 ranks)."""
+    removed = bisect.bisect_left(ordered, value)
+    count = len(ordered) - 1
+
+    def at(index):
+        return ordered[index if index < removed else index + 1]
+
+    if count % 2:
+        return at(count // 2)
+    return (at(count // 2 - 1) + at(count // 2)) / 2
+
+
 def _quantile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _without_cross_stage_stragglers(result: dict) -> dict:
+    """pipeline.reconcile's second decision: in a pipeline job stages differ by design, so a late rank
+    whose stage peers are not slower than it is no straggler; its late-rank findings go."""
+    result["findings"] = [f for f in result["findings"]
+                          if not (f.get("test") == "signed-rank" and f.get("phase") in findings_module.COMPUTE)]
+    return result["findings"][0] if result["findings"] else findings_module.none(_quiet(result["job"]))
 
 
 def _steady(steps: list[dict]) -> list[dict]:

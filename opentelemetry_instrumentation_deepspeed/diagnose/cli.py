@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+import unicodedata
 from pathlib import Path
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis
-from opentelemetry_instrumentation_deepspeed.diagnose.backends import BackendError, jaeger_spans, tempo_spans
+from opentelemetry_instrumentation_deepspeed.diagnose.backends import BackendError, check_url, jaeger_spans, tempo_spans
 from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, read_spans
 
@@ -54,7 +57,45 @@ def _cost(finding: dict) -> list[str]:
     return [f"  cost: {finding['cost_seconds']:.2f} s{share}; confidence {finding.get('confidence', 1.0):.1%}"]
 
 
+# What a terminal could act on: C0/C1 controls (escape sequences, carriage return, bell), line and
+# paragraph separators, and format characters (bidirectional overrides that reorder what is shown).
+_UNPRINTABLE = ("Cc", "Cf", "Zl", "Zp")
+
+
+def printable(line: str) -> str:
+    """``line`` with every character a terminal could act on written as a Python escape (``\\x1b``):
+    a job id or a span name from the input can neither forge a line of the report nor drive the
+    terminal."""
+    if line.isprintable():  # the common case, in C
+        return line
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in _UNPRINTABLE
+                   else c for c in line)
+
+
+def strict(value):
+    """``value`` with every float that JSON cannot hold (NaN, the infinities) made null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(item) for item in value]
+    return value
+
+
+def write_json(report: dict, stream=None) -> None:
+    """The report as strict JSON (RFC 8259: no NaN or Infinity, which strict parsers refuse)."""
+    stream = stream or sys.stdout
+    json.dump(strict(report), stream, indent=2, default=str, allow_nan=False)
+    stream.write("\n")
+
+
 def render_text(report: dict) -> str:
+    """The report for a terminal: one line per fact, each escaped by ``printable``."""
+    return "\n".join(printable(line) for line in _text_lines(report))
+
+
+def _text_lines(report: dict) -> list[str]:
     lines = []
     verdict = report["verdict"]
     lines.append(f"Job {report['job_id']}: {report['job'].get('ranks', 0) if report.get('job') else 0} rank(s)")
@@ -78,6 +119,10 @@ def render_text(report: dict) -> str:
                      f"p95 {seconds['p95'] * 1e3:.1f} ms, max {seconds['max'] * 1e3:.1f} ms"
                      + (f"; slowest step {summary['slowest']['step']} (trace {summary['slowest']['trace_id']})"
                         if summary.get("slowest") else ""))
+    for stage, summary in (report.get("pipeline") or {}).get("stages", {}).items():  # diagnose/pipeline.py
+        lines.append(f"  pipeline stage {stage} (ranks {', '.join(map(str, summary['ranks']))}): compute "
+                     f"{summary['compute_seconds'] * 1e3:.1f} ms, bubble {summary['bubble_seconds'] * 1e3:.1f} ms "
+                     f"({summary['bubble_share']:.0%}) per step")
     for rank, gpu in report.get("gpu", {}).items():
         if gpu["utilization_mean"] is not None:
             parts = ", ".join(f"{part.replace('_', ' ')} {value:.0%}"
@@ -91,7 +136,21 @@ def render_text(report: dict) -> str:
                  + (f"; {read['bad_lines']} malformed line(s) skipped" if read["bad_lines"] else "")
                  + (f"; other jobs ignored: {', '.join(report['other_jobs'])}" if report.get("other_jobs") else ""))
     lines += [f"  {problem}" for problem in read["problems"]]
-    return "\n".join(lines)
+    return lines
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 10 * 366 * 86400:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 10 years]")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if not 0 < value <= 10**6:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count in [1, 1000000]")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,10 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--tempo", metavar="URL", help="read from Tempo's HTTP API (needs --job)")
     source.add_argument("--jaeger", metavar="URL", help="read from Jaeger v2's HTTP API (/api/v3; needs --service)")
     command.add_argument("--service", help="service.name to search in Jaeger")
-    command.add_argument("--since", type=float, default=86400.0, metavar="SECONDS",
+    command.add_argument("--since", type=_seconds, default=86400.0, metavar="SECONDS",
                          help="backends: how far back to search (default one day)")
-    command.add_argument("--limit", type=int, default=1000, help="backends: most traces to fetch")
+    command.add_argument("--limit", type=_count, default=1000, help="backends: most traces to fetch")
     args = parser.parse_args(argv)
+    for option, url in (("--tempo", args.tempo), ("--jaeger", args.jaeger)):
+        if url is not None and (why := check_url(url)):
+            parser.error(f"{option}: {why}")
+    try:
+        return _run(parser, args)
+    except KeyboardInterrupt:
+        print("opentelemetry-deepspeed diagnose: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of the output left (| head): nothing more to say
+        # Python would complain again at exit, flushing stdout into the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     backend = None
     if args.tempo:
         if not args.job:
@@ -124,16 +198,20 @@ def main(argv: list[str] | None = None) -> int:
                                 stats=stats)
     paths = args.paths or ([] if backend else _default_paths())
     report = diagnose(paths, args.job, backend)
+    written = True
     if args.html:
-        Path(args.html).write_text(render_html(report), encoding="utf-8")
+        try:
+            Path(args.html).write_text(render_html(report), encoding="utf-8")
+        except OSError as error:
+            report["input"]["problems"].append(f"cannot write {args.html}: {error.strerror or error}")
+            written = False
     if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        write_json(report)
     else:
         print(render_text(report))
     for problem in report["input"]["problems"]:
-        print(f"opentelemetry-deepspeed diagnose: {problem}", file=sys.stderr)
-    return 0 if report["input"]["spans"] else 1
+        print(printable(f"opentelemetry-deepspeed diagnose: {problem}"), file=sys.stderr)
+    return 0 if report["input"]["spans"] and written else 1
 
 
 if __name__ == "__main__":

@@ -13,19 +13,22 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   The finding says by how much each changed, and whether the time per token stayed the same
   (the step got slower because it holds more tokens) or changed too (attention grows with the
   sequence length, a device is more efficient on larger batches).
-- The time per token changes at step K while the tokens per step do not: the compute got slower
-  (or faster) per token: a hardware or model finding (COMPUTE), not the input's.
+- The time per token rises at step K while the tokens per step do not: the compute got slower per
+  token: a hardware or model finding (COMPUTE), not the input's. (Faster is no finding.)
 
 A change point is the split of a segment that best separates the logarithms of its values (least
 squares, both sides at least ``MIN_SEGMENT`` steps), searched again inside each side (binary
 segmentation). It counts only if it holds beyond the noise: the medians of the two sides differ by
 the factor below, and at least ``SEPARATION`` of the steps on each side lie on their side of the
-geometric middle of the two medians (a run of a few slow steps, or noise, does not). The first
-step is left out: it pays for warm-up.
+geometric middle of the two medians (a run of a few slow steps, or noise, does not). A stretch of
+slow steps in the middle of a run (a neighbour's job on the host for a while) is no single split
+that holds, so it makes no finding: the findings here are "from step K on". The first step is left
+out: it pays for warm-up.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import defaultdict
@@ -90,7 +93,11 @@ def _separation(before: list[float], after: list[float]) -> float:
 
 def _follows(before: list[float], after: list[float], up: bool) -> float:
     """Probability that a value after is above (``up``) or below one before, ties counting half."""
-    wins = sum((a > b if up else a < b) + 0.5 * (a == b) for a in after for b in before)
+    ordered = sorted(before)
+    wins = 0.0
+    for value in after:  # by bisection: long runs have many steps on each side
+        below, not_above = bisect.bisect_left(ordered, value), bisect.bisect_right(ordered, value)
+        wins += (below if up else len(ordered) - not_above) + 0.5 * (not_above - below)
     return wins / (len(before) * len(after))
 
 

@@ -12,7 +12,6 @@ error with its rank, step, phase and memory figures (MEMORY).
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict, deque
 
 from opentelemetry_instrumentation_deepspeed import semconv
@@ -34,12 +33,19 @@ class _Baseline:
         """``value`` over the median when it is a spike, else None; ``value`` then joins the baseline."""
         found = None
         if len(self.values) >= MIN_BASELINE:
-            median = statistics.median(self.values)
-            spread = 1.4826 * statistics.median(abs(v - median) for v in self.values)
-            if median > 0 and value > self.factor * median and value - median > SPREAD_FACTOR * spread:
-                found = value / median
+            median = _median(sorted(self.values))
+            # The spread (a second sort) only for a candidate: this runs on the emitter's thread every step.
+            if median > 0 and value > self.factor * median:
+                spread = 1.4826 * _median(sorted(abs(v - median) for v in self.values))
+                if value - median > SPREAD_FACTOR * spread:
+                    found = value / median
         self.values.append(value)
         return found
+
+
+def _median(ordered: list) -> float:
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class NumericsWatch:
@@ -102,6 +108,9 @@ _TITLES = {semconv.NUMERICS_NONFINITE_LOSS: "non-finite loss", semconv.NUMERICS_
            "non-finite gradient norm", semconv.NUMERICS_LOSS_SPIKE: "loss spike",
            semconv.NUMERICS_GRAD_NORM_SPIKE: "gradient-norm spike", semconv.NUMERICS_SKIPPED_RUN:
            "run of skipped steps"}
+# Findings this sure (non-finite numerics, an out-of-memory error) mean a broken run, not a slow one: they
+# are the verdict even where a time-based layer stands out.
+BROKEN_RUN = 0.95
 _CONFIDENCE = {semconv.NUMERICS_NONFINITE_LOSS: 0.95, semconv.NUMERICS_NONFINITE_GRAD_NORM: 0.95,
                semconv.NUMERICS_LOSS_SPIKE: 0.8, semconv.NUMERICS_GRAD_NORM_SPIKE: 0.7,
                semconv.NUMERICS_SKIPPED_RUN: 0.8}

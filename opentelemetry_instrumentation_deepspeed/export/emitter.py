@@ -34,11 +34,11 @@ from collections import deque
 from opentelemetry.trace import Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import batches, kernels, sdk, trace_ids
+from opentelemetry_instrumentation_deepspeed.export import batches, hangs, kernels, sdk, trace_ids
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
-from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, Phase, StepRecord
+from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, HangReport, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 
 _logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class StepFacts:
             semconv.TRAINING_MICRO_BATCH_SIZE: engine.train_micro_batch_size_per_gpu(),
         }
         self.profile_top = profile_top
+        self.peer_stages: dict | None = None  # a pipeline stage's {global rank: stage} of its pipeline
         # The root of a step that raised, kept open for its retry (same number) until the next step.
         self.held_root: _HeldRoot | None = None
 
@@ -100,6 +101,10 @@ def span_attributes(collective: Collective, seconds: float, on_gpu: bool) -> dic
     }
     if on_gpu:
         attributes[semconv.COMM_TIMING] = semconv.COMM_TIMING_GPU
+    if collective.peer is not None:
+        attributes[semconv.COMM_PEER_RANK] = collective.peer
+        if collective.peer_stage is not None:
+            attributes[semconv.COMM_PEER_STAGE] = collective.peer_stage
     return attributes
 
 
@@ -110,8 +115,10 @@ def _status(failure) -> Status | None:
 def _exception(failure) -> dict | None:
     if not isinstance(failure, Failure):
         return None
-    return {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
-            semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
+    # Message and stack trace only where OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL kept them.
+    attributes = {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
+                  semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
+    return {key: value for key, value in attributes.items() if value}
 
 
 class Emitter(Component):
@@ -187,6 +194,8 @@ class Emitter(Component):
                         queue.appendleft(item)  # its successors wait with it: steps stay in order
                         break
                     self._step(item, writers)
+                elif type(item) is HangReport:  # the hang watchdog's (runtime/watchdog.py)
+                    hangs.emit(item, writers)
                 else:
                     self._collective(item, None, None, None, writers)
                 done += 1
@@ -281,7 +290,10 @@ class Emitter(Component):
         intervals: list | None = [] if record.profile is not None and step.recording else None
         by_micro_step, batch_sums, counted = batches.summarize(list(record.phases))
         phases = self._phases(record, step, intervals, writers, by_micro_step)
+        peer_stages = facts.peer_stages
         for collective in list(record.collectives):
+            if peer_stages is not None and collective.peer is not None:
+                collective.peer_stage = peer_stages.get(collective.peer)
             spanned = step.recording and collective.spanned
             parent_context = phases.get(collective.parent, step.context) if spanned else None
             self._collective(collective, writer if parent_context is not None else None, parent_context, intervals,
@@ -291,8 +303,10 @@ class Emitter(Component):
         facts.metrics.inputs(counted, record.end, step.context)
         more = dict(batch_sums)
         if record.failure is None:
-            micro_batch_size = facts.static[semconv.TRAINING_MICRO_BATCH_SIZE]
-            more.update({semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size,
+            # A plain PyTorch loop has no configured micro-batch size: its samples are counted per forward.
+            micro_batch_size = facts.static.get(semconv.TRAINING_MICRO_BATCH_SIZE)
+            more.update({semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size
+                         if micro_batch_size is not None else record.samples,
                          semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
                          semconv.TRAINING_STEP_SKIPPED: record.skipped})
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)

@@ -116,8 +116,9 @@ class SpanWriter:
         return Started(name, context, parent, merged, sampling.decision.is_recording())
 
     def end(self, started: Started, start: int, end: int, more: dict | None = None,  # noqa: PLR0917
-            status: Status | None = None, exception: dict | None = None) -> None:
-        """Write ``started`` as it ended: ``more`` attributes, a status, an ``exception`` event's attributes."""
+            status: Status | None = None, exception: dict | None = None, events: tuple = ()) -> None:
+        """Write ``started`` as it ended: ``more`` attributes, a status, an ``exception`` event's attributes,
+        other ``events`` as (name, attributes, time)."""
         if not started.recording:
             return
         span = started.sdk_span
@@ -126,6 +127,8 @@ class SpanWriter:
                 span.set_attributes(more)
             if exception is not None:
                 span.add_event(semconv.EVENT_EXCEPTION, exception, timestamp=end)
+            for name, event_attributes, timestamp in events:
+                span.add_event(name, event_attributes, timestamp=timestamp)
             if status is not None:
                 span.set_status(status)
             span.end(end_time=end)
@@ -133,10 +136,13 @@ class SpanWriter:
         attributes = started.attributes
         if more:
             attributes.update(more)
-        events = (self._event(semconv.EVENT_EXCEPTION, exception, end),) if exception is not None else ()
+        written = (self._event(semconv.EVENT_EXCEPTION, exception, end),) if exception is not None else ()
+        if events:
+            written += tuple(self._event(name, event_attributes, timestamp)
+                             for name, event_attributes, timestamp in events)
         self._batch.append(self._readable(
             name=started.name, context=started.context, parent=started.parent, resource=self._resource,
-            attributes=attributes, events=events, kind=_INTERNAL, status=status or _UNSET,
+            attributes=attributes, events=written, kind=_INTERNAL, status=status or _UNSET,
             start_time=start, end_time=end, instrumentation_scope=self._scope,
         ))
 

@@ -41,6 +41,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "monitored_barrier": ((), "one"),
 }
 ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
+# Point-to-point ops: the parameter that names the rank at the other end
+_PEERS = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 
 # Ops of deepspeed.comm.comm that its timed_op wraps (deepspeed 0.19), and the tensor
 # collectives of torch.distributed that a program can call without DeepSpeed.
@@ -113,6 +115,8 @@ class OpSpec:
     group_index: int
     async_index: int
     always_async: bool
+    peer_index: int = -1
+    peer_name: str | None = None  # None: not a point-to-point op
 
     @classmethod
     def of(cls, name: str, function) -> OpSpec:
@@ -123,7 +127,14 @@ class OpSpec:
         def index(parameter):
             return parameters.index(parameter) if parameter in parameters else -1
 
-        return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"), name in ALWAYS_ASYNC)
+        peer_name = _PEERS.get(name) if _PEERS.get(name) in parameters else None
+        return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"), name in ALWAYS_ASYNC,
+                   index(peer_name), peer_name)
+
+    def peer(self, args, kwargs) -> int | None:
+        """The global rank at the other end of a send or recv (None: any source)."""
+        peer = args[self.peer_index] if 0 <= self.peer_index < len(args) else kwargs.get(self.peer_name)
+        return peer if isinstance(peer, int) else None
 
     def read(self, args, kwargs) -> tuple[object, int, object, bool]:
         """(group, bytes of this rank's data, its first tensor, async) of one call, in one pass."""

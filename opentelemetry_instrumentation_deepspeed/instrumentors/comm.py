@@ -55,6 +55,7 @@ _DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0
 _DEFAULT_GROUP_NAME = "0"  # torch names the default process group "0"
 
 _guard = threading.local()
+_observers: weakref.WeakSet = weakref.WeakSet()  # read by the hang watchdog (last_sequences)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class CommObserver(Component):
         self._gpu = None
         self._gpu_step: object = -1  # the step whose start was last considered for an anchor
         self._emitter = emitter()
+        _observers.add(self)
         self._sdk_seen = False  # an SDK instrument is behind the histograms (once true, for good)
         self._emitter.watch_collections(meter)
         self._duration = TimedHistogram(meter.create_histogram(
@@ -121,6 +123,8 @@ class CommObserver(Component):
         route = group.routes.get(id(spec)) or self._route(spec, group)
         call = Collective(route, group.sequence, data_bytes, self._dtype(tensor), is_async, time.time_ns())
         group.sequence += 1
+        if spec.peer_name is not None:
+            call.peer = spec.peer(args, kwargs)
         recorder = registry.active()
         if recorder is not None:
             recorder.comm_issued(call, self._spans)
@@ -248,6 +252,16 @@ class CommObserver(Component):
             self._gpu_step = step
             self._gpu.anchor_if_idle()
         return self._gpu
+
+
+def last_sequences() -> dict[str, int]:
+    """Group name -> the last sequence number this process issued on it (any thread: for hang reports)."""
+    found = {}
+    for observer in list(_observers):
+        for group in list(observer._groups.values()):
+            if group.sequence:
+                found[group.name] = max(found.get(group.name, -1), group.sequence - 1)
+    return found
 
 
 def _collective_wrapper(observer: CommObserver, spec: OpSpec):

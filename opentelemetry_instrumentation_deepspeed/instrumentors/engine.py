@@ -3,7 +3,8 @@
 Patch points (deepspeed 0.19): ``DeepSpeedEngine.__init__`` starts the process's telemetry;
 ``forward``, ``backward`` and ``step`` are the phases; ``_backward_prologue`` /
 ``_backward_epilogue`` also run when the user calls ``loss.backward()`` directly (ZeRO >= 1),
-which is how that path gets its backward span.
+which is how that path gets its backward span. A ``PipelineEngine`` starts at the end of its own
+``__init__`` and steps in ``train_batch()`` (``pipeline.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.instrumentors import pipeline
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments
 from opentelemetry_instrumentation_deepspeed.recording import registry
@@ -28,20 +30,26 @@ _logger = logging.getLogger(__name__)
 _ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
-def _init_wrapper(tracer_provider, meter_provider):
+def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if type(instance).__name__ == "PipelineEngine":
-            # train_batch() runs its own schedule and never calls step(): its steps would never close.
-            _logger.warning("opentelemetry-instrumentation-deepspeed does not trace PipelineEngine steps yet")
+        if pipeline.is_pipeline(instance) != pipeline_init:
+            # A PipelineEngine's DeepSpeedEngine.__init__ returns before its stage is known: its own
+            # __init__'s wrapper starts it.
             return result
         try:
-            identity = session.start()
+            coordinates = pipeline.coordinates(instance) if pipeline_init else None
+            identity = session.start(coordinates)
             if session.silent and tracer_provider is None and meter_provider is None:
                 return result
             provider = tracer_provider or trace.get_tracer_provider()
             meter = get_meter(semconv.SCOPE_NAME, __version__, meter_provider)
-            registry.track(instance, build_recorder(instance, identity, provider, meter))
+            recorder = build_recorder(instance, identity, provider, meter)
+            if pipeline_init:
+                recorder.facts.static.update(coordinates)
+                recorder.facts.peer_stages = pipeline.peer_stages(instance)
+                recorder.pipelined = True
+            registry.track(instance, recorder)
         except Exception:
             _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                               "training is not affected")
@@ -62,13 +70,18 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     session.end_with_the_process()
     sink = emitter()
     sink.watch_collections(meter)
-    metrics = TrainingMetrics(meter, flops_per_token(engine.module) if hasattr(engine, "module") else None, engine)
+    module = getattr(engine, "module", None)
+    metrics = TrainingMetrics(meter, flops_per_token(module) if module is not None else None, engine)
     step_profiler = profiler.from_environment()
     facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
                       step_profiler.top if step_profiler is not None else 0)
     on_cuda = _on_cuda(engine, cuda)
-    return StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), env.comm_span_limit(),
-                        _allocator(on_cuda), _device_scalars(on_cuda))
+    recorder = StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), env.comm_span_limit(),
+                            _allocator(on_cuda), _device_scalars(on_cuda))
+    from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+
+    watchdog.watch(recorder, meter)  # its own thread reads the open record: nothing per step here
+    return recorder
 
 
 def _on_cuda(engine, cuda):
@@ -213,10 +226,20 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
             if self._patching:
                 wrap_methods(module.DeepSpeedEngine, wrappers)
 
+        def patch_pipeline(module):
+            if self._patching:
+                wrap_methods(module.PipelineEngine, {
+                    "__init__": _init_wrapper(kwargs.get("tracer_provider"), kwargs.get("meter_provider"), True),
+                    "train_batch": pipeline.train_batch})
+                pipeline.patch_schedule(module)
+
         when_imported(_ENGINE_MODULE, patch)
+        when_imported(pipeline.MODULE, patch_pipeline)
 
     def _uninstrument(self, **kwargs):
         self._patching = False
         module = sys.modules.get(_ENGINE_MODULE)
         unwrap_methods(getattr(module, "DeepSpeedEngine", None), ["__init__", *_PHASES])
+        unwrap_methods(getattr(sys.modules.get(pipeline.MODULE), "PipelineEngine", None), ["__init__", "train_batch"])
+        pipeline.restore_schedule()
         registry.forget_all()

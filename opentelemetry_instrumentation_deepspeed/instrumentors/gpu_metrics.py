@@ -1,11 +1,17 @@
 """NVML GPU metrics of the GPU this rank trains on, as OpenTelemetry ``hw.*`` observable instruments.
 
 Names follow the OpenTelemetry hardware semantic conventions where they define one
-(``hw.gpu.utilization``, ``hw.gpu.memory.utilization``, ``hw.gpu.memory.usage``,
-``hw.gpu.memory.limit``, ``hw.gpu.io``, ``hw.power``, ``hw.energy``, ``hw.temperature``,
-``hw.errors``) and extend them in the same style (``hw.gpu.clock.*``, ``hw.gpu.nvlink.io``,
-``hw.gpu.throttle``, ``hw.gpu.process.memory.usage``). Every point carries ``hw.id`` (the GPU's
-UUID), ``hw.name``, ``hw.vendor`` and ``hw.type``; a MIG instance also ``hw.parent`` (its GPU's UUID).
+(``hw.gpu.utilization``, ``hw.gpu.memory.utilization`` (the fraction of memory used),
+``hw.gpu.memory.usage``, ``hw.gpu.memory.limit``, ``hw.gpu.io``, ``hw.power``, ``hw.energy``,
+``hw.temperature``, ``hw.errors``, ``hw.status``); NVML's other readings are ours, named under
+``nvidia.gpu.*`` (memory-controller busy time, clocks, NVLink, throttle reasons, the process's
+memory, SM activity, the last XID, remapped rows, retired pages), outside the namespace the
+conventions own. Their earlier ``hw.gpu.*`` names are still emitted for one release
+(``semconv.ALIASES``). Every point carries ``hw.id`` (the GPU's UUID), ``hw.name``, ``hw.vendor``
+and ``hw.type``; a MIG instance also ``hw.parent`` (its GPU's UUID).
+
+XID errors arrive as NVML events: an event set is registered once, and each collection takes what
+it holds without waiting (timeout 0).
 
 NVML is only called from the metric reader's thread, at collection. Handles are looked up once.
 A field the device does not support, or that starts failing, reports nothing from then on
@@ -39,6 +45,16 @@ THROTTLE_REASONS = (
     (0x80, semconv.THROTTLE_HW_POWER_BRAKE_SLOWDOWN), (0x100, semconv.THROTTLE_DISPLAY_CLOCK_SETTING),
 )
 _CACHE_SECONDS = 0.5  # one NVML read serves every instrument of one collection
+_HARDWARE_THROTTLE = 0x8 | 0x40 | 0x80  # hw_slowdown, hw_thermal_slowdown, hw_power_brake_slowdown
+# XIDs after which NVIDIA's guidance is to reset the GPU or drain the node: 48 double-bit ECC, 63/64
+# row-remapping events that failed, 74 NVLink error, 79 fallen off the bus, 94/95 contained and
+# uncontained ECC errors, 119/120 GSP errors.
+_FATAL_XIDS = frozenset({48, 64, 74, 79, 95, 119, 120})
+_EVENTS_PER_COLLECTION = 64  # XID events taken per collection at most
+# Fields newer or older GPUs lack by design (retired pages before Ampere, remapped rows since):
+# their absence is said at debug level, not as a warning.
+_GENERATIONAL = frozenset({"retired_pages.corrected", "retired_pages.uncorrected", "remapped_rows", "xid",
+                           "pcie_replay"})
 
 
 class _Device:
@@ -60,6 +76,10 @@ class _Device:
         self.pcie_bytes = {semconv.DIRECTION_TRANSMIT: 0.0, semconv.DIRECTION_RECEIVE: 0.0}
         self.pcie_read_at: float | None = None
         self.gpm_samples: list | None = None  # [previous, current] GPM samples, once known supported
+        self.xids = 0  # XID events seen since the reader started
+        self.last_xid: int | None = None
+        self.fatal_xid = False
+        self.uncorrected_at_start: int | None = None
 
 
 def _text(value) -> str:
@@ -76,6 +96,7 @@ class NvmlReader:
         self._stopped = False
         self._cache: dict[tuple[int, str], tuple[float, object]] = {}
         self._lock = threading.Lock()
+        self._events = self._xid_events()
 
     def register(self, meter) -> None:
         nvml = self._nvml
@@ -85,8 +106,11 @@ class NvmlReader:
               [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates, lambda u: u.gpu / 100)], unit="1",
               description="Fraction of time the GPU ran kernels")
         gauge(semconv.METRIC_HW_GPU_MEMORY_UTILIZATION,
+              [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.used / m.total if m.total else None)],
+              unit="1", description="Fraction of GPU memory used")
+        gauge(semconv.METRIC_NVIDIA_GPU_MEMORY_CONTROLLER_UTILIZATION,
               [self._each("utilization", nvml.nvmlDeviceGetUtilizationRates, lambda u: u.memory / 100)], unit="1",
-              description="Fraction of time the GPU memory was read or written")
+              description="Fraction of time the GPU memory was read or written (NVML's memory utilization)")
         updown(semconv.METRIC_HW_GPU_MEMORY_USAGE,
                [self._each("memory", nvml.nvmlDeviceGetMemoryInfo, lambda m: m.used)],
                unit="By", description="GPU memory in use")
@@ -101,23 +125,39 @@ class NvmlReader:
         gauge(semconv.METRIC_HW_TEMPERATURE,
               [self._each("temperature", lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
                           float)], unit="Cel", description="GPU temperature")
-        gauge(semconv.METRIC_HW_GPU_CLOCK_SM,
-              [self._each("clock.sm", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
-                          lambda mhz: mhz * 1e6)], unit="Hz", description="SM clock")
-        gauge(semconv.METRIC_HW_GPU_CLOCK_MEMORY,
-              [self._each("clock.memory", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
-                          lambda mhz: mhz * 1e6)], unit="Hz", description="Memory clock")
-        counter(semconv.METRIC_HW_ERRORS, [self._ecc], unit="{error}",
-                description="GPU memory ECC errors over the GPU's lifetime")
+        counter(semconv.METRIC_HW_ERRORS, [self._errors], unit="{error}",
+                description="GPU errors: memory ECC errors over the GPU's lifetime, PCIe replays, XID errors "
+                            "since the rank started")
+        updown(semconv.METRIC_HW_STATUS, [self._status], unit="1",
+               description="1 for the GPU's current state (ok, degraded, failed), 0 for the others")
         counter(semconv.METRIC_HW_GPU_IO, [self._pcie], unit="By",
                 description="PCIe bytes, integrated from NVML's throughput samples between collections")
-        counter(semconv.METRIC_HW_GPU_NVLINK_IO, [self._nvlink], unit="By", description="NVLink data bytes")
-        gauge(semconv.METRIC_HW_GPU_THROTTLE, [self._throttle], unit="1",
-              description="1 while a clock-throttle reason is active, else 0, per reason")
-        updown(semconv.METRIC_HW_GPU_PROCESS_MEMORY_USAGE, [self._process_memory], unit="By",
-               description="GPU memory used by this rank's process")
-        gauge(semconv.METRIC_HW_GPU_SM_ACTIVITY, [self._sm_activity], unit="1",
-              description="Fraction of SMs busy between two collections (NVML GPM, Hopper and newer)")
+        gauge(semconv.METRIC_NVIDIA_GPU_XID, [self._last_xid], unit="1",
+              description="Code of the last XID error NVML reported since the rank started")
+        counter(semconv.METRIC_NVIDIA_GPU_REMAPPED_ROWS, [self._remapped_rows], unit="{row}",
+                description="GPU memory rows remapped after correctable or uncorrectable errors (Ampere and newer)")
+        counter(semconv.METRIC_NVIDIA_GPU_RETIRED_PAGES, [self._retired_pages], unit="{page}",
+                description="GPU memory pages retired after ECC errors (before Ampere)")
+        sm = self._each("clock.sm", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM), lambda mhz: mhz * 1e6)
+        memory = self._each("clock.memory", lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
+                            lambda mhz: mhz * 1e6)
+        ours = (
+            (gauge, semconv.METRIC_NVIDIA_GPU_CLOCK_SM, sm, "Hz", "SM clock"),
+            (gauge, semconv.METRIC_NVIDIA_GPU_CLOCK_MEMORY, memory, "Hz", "Memory clock"),
+            (counter, semconv.METRIC_NVIDIA_GPU_NVLINK_IO, self._nvlink, "By", "NVLink data bytes"),
+            (gauge, semconv.METRIC_NVIDIA_GPU_THROTTLE, self._throttle, "1",
+             "1 while a clock-throttle reason is active, else 0, per reason"),
+            (updown, semconv.METRIC_NVIDIA_GPU_PROCESS_MEMORY_USAGE, self._process_memory, "By",
+             "GPU memory used by this rank's process"),
+            (gauge, semconv.METRIC_NVIDIA_GPU_SM_ACTIVITY, self._sm_activity, "1",
+             "Fraction of SMs busy between two collections (NVML GPM, Hopper and newer)"),
+        )
+        for create, name, callback, unit, description in ours:
+            current, alias = _shared(callback)
+            create(name, [current], unit=unit, description=description)
+            # The name it shipped under, for one release: the same points (the throttle reason under its old key).
+            alias = _renamed(alias) if name == semconv.METRIC_NVIDIA_GPU_THROTTLE else alias
+            create(semconv.ALIASES[name], [alias], unit=unit, description=f"Deprecated: renamed {name}")
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -142,31 +182,144 @@ class NvmlReader:
             self._cache[key] = (now, value)
             return value
 
+    def _function(self, name: str):
+        """pynvml's ``name``; where this nvidia-ml-py lacks it, a call that fails as an unsupported field does."""
+        function = getattr(self._nvml, name, None)
+        if function is not None:
+            return function
+        error = self._nvml.NVMLError
+
+        def missing(*_args):
+            raise error(f"{name} is not in this nvidia-ml-py")
+
+        return missing
+
     def _fail(self, field: str, device: _Device, error) -> None:
         self._failed.add(field)
-        _logger.warning("NVML %s of GPU %s: %s; it is not reported from now on.", field,
-                        device.attributes[semconv.HW_ID], error)
+        log = _logger.debug if field in _GENERATIONAL else _logger.warning
+        log("NVML %s of GPU %s: %s; it is not reported from now on.", field, device.attributes[semconv.HW_ID], error)
 
     def _each(self, field: str, read, convert):
         def observe(_options):
             observations = []
             for device in self._devices:
                 value = self._read(device, field, read)
-                if value is not None:
-                    observations.append(Observation(convert(value), device.attributes))
+                converted = None if value is None else convert(value)
+                if converted is not None:
+                    observations.append(Observation(converted, device.attributes))
             return observations
 
         return observe
 
-    def _ecc(self, _options):
-        nvml, observations = self._nvml, []
+    def _ecc_count(self, device: _Device, error_type: str) -> int | None:
+        nvml = self._nvml
+        kind = (nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED if error_type == semconv.ECC_CORRECTED
+                else nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)
+        return self._read(device, f"ecc.{error_type}",
+                          lambda h: nvml.nvmlDeviceGetTotalEccErrors(h, kind, nvml.NVML_AGGREGATE_ECC))
+
+    def _errors(self, _options):
+        observations = []
+        self._take_xids()
         for device in self._devices:
-            for error_type, kind in ((semconv.ECC_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                                     (semconv.ECC_UNCORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
-                count = self._read(device, f"ecc.{error_type}", lambda h, kind=kind: nvml.nvmlDeviceGetTotalEccErrors(
-                    h, kind, nvml.NVML_AGGREGATE_ECC))
+            for error_type in (semconv.ECC_CORRECTED, semconv.ECC_UNCORRECTED):
+                count = self._ecc_count(device, error_type)
                 if count is not None:
                     observations.append(Observation(count, {**device.attributes, semconv.ERROR_TYPE: error_type}))
+            replays = self._read(device, "pcie_replay", self._function("nvmlDeviceGetPcieReplayCounter"))
+            if replays is not None:
+                observations.append(Observation(replays, {**device.attributes,
+                                                          semconv.ERROR_TYPE: semconv.PCIE_REPLAY}))
+            if self._events is not None:
+                observations.append(Observation(device.xids, {**device.attributes, semconv.ERROR_TYPE: semconv.XID}))
+        return observations
+
+    # -- XID errors, hw.status --------------------------------------------------------------------
+
+    def _xid_events(self):
+        """An NVML event set with every device's XID errors registered, or None where NVML has none."""
+        nvml = self._nvml
+        try:
+            events = nvml.nvmlEventSetCreate()
+            for device in self._devices:
+                nvml.nvmlDeviceRegisterEvents(device.handle, nvml.nvmlEventTypeXidCriticalError, events)
+        except (nvml.NVMLError, AttributeError) as error:
+            if self._devices:
+                self._fail("xid", self._devices[0], error)
+            return None
+        return events
+
+    def _take_xids(self) -> None:
+        """The XID events NVML holds now, without waiting; with one device per rank, each is that device's."""
+        if self._events is None or self._stopped or not self._devices:
+            return
+        nvml, device = self._nvml, self._devices[0]
+        with self._lock:
+            for _ in range(_EVENTS_PER_COLLECTION):
+                try:
+                    data = nvml.nvmlEventSetWait_v2(self._events, 0)
+                except nvml.NVMLError as error:
+                    if getattr(error, "value", None) != getattr(nvml, "NVML_ERROR_TIMEOUT", 10):
+                        self._fail("xid", device, error)
+                        self._events = None
+                    return  # a timeout: nothing (more) to take
+                device.xids += 1
+                device.last_xid = int(data.eventData)
+                device.fatal_xid = device.fatal_xid or device.last_xid in _FATAL_XIDS
+
+    def _last_xid(self, _options):
+        self._take_xids()
+        return [Observation(device.last_xid, device.attributes) for device in self._devices
+                if device.last_xid is not None]
+
+    def _remapped_rows(self, _options):
+        observations = []
+        for device in self._devices:
+            rows = self._read(device, "remapped_rows", self._function("nvmlDeviceGetRemappedRows"))
+            if rows is not None:
+                observations += [Observation(count, {**device.attributes, semconv.ERROR_TYPE: error_type})
+                                 for count, error_type in ((rows[0], semconv.ECC_CORRECTED),
+                                                           (rows[1], semconv.ECC_UNCORRECTED))]
+        return observations
+
+    def _retired_pages(self, _options):
+        nvml, observations = self._nvml, []
+        retired = self._function("nvmlDeviceGetRetiredPages")
+        causes = ((semconv.ECC_CORRECTED,
+                   getattr(nvml, "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", 0)),
+                  (semconv.ECC_UNCORRECTED, getattr(nvml, "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR", 1)))
+        for device in self._devices:
+            for error_type, cause in causes:
+                pages = self._read(device, f"retired_pages.{error_type}",
+                                   lambda h, c=cause: retired(h, c))
+                if pages is not None:
+                    observations.append(Observation(len(pages), {**device.attributes, semconv.ERROR_TYPE: error_type}))
+        return observations
+
+    def state(self, device: _Device) -> str:
+        """failed: a row remapping failed, or a fatal XID; degraded: a remapping pending, any other XID,
+        uncorrected ECC errors since the rank started, or a hardware throttle reason active; else ok."""
+        self._take_xids()
+        rows = self._read(device, "remapped_rows", self._function("nvmlDeviceGetRemappedRows"))
+        if device.fatal_xid or (rows is not None and rows[3]):
+            return semconv.HW_STATE_FAILED
+        uncorrected = self._ecc_count(device, semconv.ECC_UNCORRECTED)
+        if uncorrected is not None and device.uncorrected_at_start is None:
+            device.uncorrected_at_start = uncorrected
+        throttle = self._read(device, "throttle", self._throttle_reasons())
+        if ((rows is not None and rows[2]) or device.xids or (throttle or 0) & _HARDWARE_THROTTLE
+                or (uncorrected or 0) > (device.uncorrected_at_start or 0)):
+            return semconv.HW_STATE_DEGRADED
+        return semconv.HW_STATE_OK
+
+    def _status(self, _options):
+        observations = []
+        for device in self._devices:
+            if self._stopped:
+                break
+            current = self.state(device)
+            observations += [Observation(int(state == current), {**device.attributes, semconv.HW_STATE: state})
+                             for state in semconv.HW_STATES]
         return observations
 
     def _pcie(self, _options):
@@ -199,15 +352,18 @@ class NvmlReader:
                     observations.append(Observation(value * 1024, device.with_direction[direction]))
         return observations
 
-    def _throttle(self, _options):
-        nvml, observations = self._nvml, []
-        read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+    def _throttle_reasons(self):
+        nvml = self._nvml
+        return getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
             nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+
+    def _throttle(self, _options):
+        observations, read = [], self._throttle_reasons()
         for device in self._devices:
             mask = self._read(device, "throttle", read)
             if mask is not None:
                 observations += [
-                    Observation(1 if mask & bit else 0, {**device.attributes, semconv.HW_GPU_THROTTLE_REASON: name})
+                    Observation(1 if mask & bit else 0, {**device.attributes, semconv.NVIDIA_GPU_THROTTLE_REASON: name})
                     for bit, name in THROTTLE_REASONS]
         return observations
 
@@ -249,6 +405,34 @@ class NvmlReader:
             except nvml.NVMLError as error:
                 self._fail("gpm", device, error)
         return observations
+
+
+def _shared(callback):
+    """Two callbacks for one reading: the alias's, run after the first in a collection, repeats its points
+    (a GPM sample or a throttle mask is taken once per collection, not once per name)."""
+    last: list = [0.0, []]
+
+    def first(options):
+        last[:] = [time.monotonic(), callback(options)]
+        return last[1]
+
+    def again(options):
+        if time.monotonic() - last[0] < _CACHE_SECONDS:
+            return last[1]
+        return first(options)
+
+    return first, again
+
+
+def _renamed(callback):
+    """``callback``'s points with the throttle reason under the key the alias shipped with."""
+    old, new = semconv.HW_GPU_THROTTLE_REASON, semconv.NVIDIA_GPU_THROTTLE_REASON
+
+    def observe(options):
+        return [Observation(o.value, {(old if key == new else key): value for key, value in o.attributes.items()})
+                for o in callback(options)]
+
+    return observe
 
 
 _ALL_LINKS = 0xFFFFFFFF  # NVML's scope for "summed over every NVLink link"

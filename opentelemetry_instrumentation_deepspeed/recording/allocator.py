@@ -45,5 +45,5 @@ class AllocatorMemory:
 
 
 def is_out_of_memory(failure_type: str) -> bool:
-    """torch.OutOfMemoryError (torch.cuda's alias), and the allocator's RuntimeError text of older torch."""
+    """A ``Failure.type`` of torch.OutOfMemoryError (``torch.cuda.OutOfMemoryError`` is the same class)."""
     return failure_type == "OutOfMemoryError"

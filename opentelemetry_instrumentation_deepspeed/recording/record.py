@@ -13,6 +13,8 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass, field
 
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:
@@ -25,8 +27,27 @@ class Failure:
 
     @classmethod
     def of(cls, error: BaseException) -> Failure:
-        return cls(type(error).__qualname__, str(error), "".join(traceback.format_exception(error)),
-                   f"{type(error).__name__}: {error}")
+        """What of ``error`` leaves the process: ``OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL`` says (type, message,
+        stack trace); messages and stack traces are cut (a message may be a whole tensor's repr)."""
+        detail = env.exception_detail()
+        kind = type(error).__qualname__
+        if detail == "type":
+            return cls(kind, "", "", type(error).__name__)
+        message = _cut(str(error), MAX_MESSAGE, keep_end=False)
+        stacktrace = _cut("".join(traceback.format_exception(error)), MAX_STACKTRACE, keep_end=True) \
+            if detail == "full" else ""
+        return cls(kind, message, stacktrace, f"{type(error).__name__}: {message}")
+
+
+MAX_MESSAGE = 1000  # characters of an exception's message that are kept
+MAX_STACKTRACE = 8000  # characters of a stack trace that are kept: its end, where the error was raised
+_CUT = " [...]"
+
+
+def _cut(text: str, limit: int, *, keep_end: bool) -> str:
+    if len(text) <= limit:
+        return text
+    return (_CUT + text[-(limit - len(_CUT)):]) if keep_end else (text[:limit - len(_CUT)] + _CUT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +82,8 @@ class Collective:
     """One collective call. ``end`` is set when it completed on the host (a synchronous call's return,
     an async one's ``wait()``); the GPU events, when there are any, give the times it ran there."""
 
-    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "in_step", "is_async", "parent",
-                 "remaining", "route", "sequence", "spanned", "start", "timeline")
+    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "in_step", "is_async", "parent", "peer",
+                 "peer_stage", "remaining", "route", "sequence", "spanned", "start", "timeline")
 
     def __init__(self, route, sequence: int, data_bytes: int, dtype: str, is_async: bool,  # noqa: PLR0917
                  start: int):
@@ -81,6 +102,8 @@ class Collective:
         self.gpu_end = None
         self.timeline = None  # the GpuTimeline of its events
         self.remaining = 1  # async work handles not waited for yet
+        self.peer: int | None = None  # send / recv: the global rank at the other end
+        self.peer_stage: int | None = None  # ... and its pipeline stage, set by the emitter
 
 
 @dataclass(slots=True)
@@ -94,6 +117,7 @@ class StepRecord:
     phases: list  # Phase, in the order they started
     collectives: list  # Collective, in the order they were issued
     micro_batches: int = 0
+    backwards: int = 0  # backward phases started (a pipeline numbers its backwards by this)
     samples: int = 0
     tokens: int = 0
     skipped: bool = False
@@ -115,3 +139,22 @@ class StepRecord:
     @property
     def closed(self) -> bool:
         return self.end is not None
+
+
+@dataclass(slots=True)
+class HangReport:
+    """What the watchdog saw of a step that does not close, for the emitter to write as a ``training.hang``
+    span: plain data copied from the open record, and the training thread's stack as text."""
+
+    facts: object  # the step's engine facts: where the span goes, the step's trace ids
+    number: int  # the open step
+    step_start: int
+    at: int  # when the report was made
+    reason: str
+    threshold: float  # seconds
+    phase: str | None  # semconv.PHASE_* of the open phase; None between phases
+    micro_step: int | None
+    phase_start: int | None
+    collective: Collective | None  # the latest one not completed (in flight), if any
+    sequences: dict  # group name -> last sequence issued on this rank
+    stacks: list  # (thread id, thread name, formatted stack)

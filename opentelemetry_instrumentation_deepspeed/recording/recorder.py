@@ -42,6 +42,9 @@ class StepRecorder(Component):
         self._memory = memory  # an AllocatorMemory on CUDA: each phase ends with the allocator's figures
         self._device_scalars = device_scalars  # a DeviceScalars on CUDA: losses are copied, not read
         self._forward_output = None  # a weak reference to the last forward's scalar output (a direct backward's loss)
+        # A pipeline stage runs several forwards before the first backward (1F1B): its backwards are
+        # numbered in their own order, which the schedule keeps in micro-batch order.
+        self.pipelined = False
         self._micro_batch_size = engine.train_micro_batch_size_per_gpu()
         # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
         # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
@@ -116,6 +119,21 @@ class StepRecorder(Component):
         managed = getattr(engine, "managed_gradient_accumulation", None)
         if (managed is None or managed()) and not engine.is_gradient_accumulation_boundary():
             return None
+        self._skipped_before = engine.skipped_steps
+        return self._start(Event.OPTIMIZER, (engine,))
+
+    @fail_open
+    def batch_started(self, engine) -> None:
+        """A pipeline's ``train_batch()``: the whole step, from its first load to the loss it returns."""
+        self._fire(Event.BATCH, (engine,))
+
+    @fail_open
+    def batch_ended(self, engine) -> None:
+        self._fire(Event.BATCH_END, engine)
+
+    @fail_open
+    def pipeline_optimizer_started(self, engine) -> Phase | None:
+        """The pipeline schedule's optimizer step (always a boundary); it ends through ``phase_ended``."""
         self._skipped_before = engine.skipped_steps
         return self._start(Event.OPTIMIZER, (engine,))
 
@@ -261,6 +279,9 @@ class StepRecorder(Component):
                 record.tokens += tokens
         elif event == Event.OPTIMIZER:
             micro_step = None
+        elif self.pipelined:
+            micro_step = record.backwards
+            record.backwards += 1
         else:
             micro_step = max(record.micro_batches - 1, 0)
         if event == Event.BACKWARD:

@@ -41,6 +41,14 @@ def track(engine, recorder: StepRecorder) -> None:
     _several = len(_recorders) > 1
 
 
+def forget(engine) -> None:
+    global _active, _several  # noqa: PLW0603
+    recorder = _recorders.pop(engine, None)
+    if recorder is not None and recorder is _active:
+        _active = next(reversed(list(_recorders.values())), None)
+    _several = len(_recorders) > 1
+
+
 def forget_all() -> None:
     global _active, _several
     _recorders.clear()

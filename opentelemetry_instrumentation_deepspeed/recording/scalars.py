@@ -1,6 +1,6 @@
 """Loss and gradient norm, taken from the training thread without ever waiting for the device.
 
-A host tensor's value is read at once (``float``: no device is involved). A CUDA scalar is copied,
+A host value is read at once (a CPU tensor's ``item()``: no device is involved). A CUDA scalar is copied,
 asynchronously, into a slot of a small pinned host ring; the step's close records one CUDA event
 behind its copies, and the emitter reads the slots once that event has completed, a drain (half a
 second) or more later. Nothing here calls ``item()`` on a device tensor or ``synchronize``.

@@ -4,6 +4,10 @@
     IDLE ──(first event of a step)──> OPEN ──forward/backward/optimizer──> <phase> ──end──> OPEN
     OPTIMIZER ──end──> IDLE (the step closes)      any state ──failure / interrupt──> IDLE
 
+A pipeline's ``train_batch()`` runs its whole step inside one call: it opens the step (BATCH),
+its optimizer phase ends like any phase (back to OPEN: the loss is still reduced after it), and
+its return closes the step (BATCH_END).
+
 A phase that starts while another runs (an engine forward inside a forward) is not a phase of its
 own. A direct ``loss.backward()`` opens DIRECT_BACKWARD at DeepSpeed's backward prologue and ends
 at its epilogue; an epilogue never reached (the user caught an exception and went on) is closed,
@@ -38,6 +42,8 @@ class Event:
     PHASE_FAILED = "phase failed"
     DIRECT_BACKWARD_FAILED = "direct backward failed"
     INTERRUPT = "interrupt"  # the process goes away with the step open
+    BATCH = "pipeline batch"  # PipelineEngine.train_batch() starts: a whole step in one call
+    BATCH_END = "pipeline batch end"  # ... and returns
 
 
 # Actions, run in order. Their implementations are the recorder's methods of the same name.
@@ -86,6 +92,10 @@ def _table() -> dict[tuple[State, Event], tuple[State | None, tuple[str, ...]]]:
     # A caught failure inside a direct backward still ends its step: the retry opens a new one.
     table[State.DIRECT_BACKWARD, Event.DIRECT_BACKWARD_FAILED] = (State.IDLE, (FAIL_PHASE, FAIL_STEP))
     table[State.OPTIMIZER, Event.OPTIMIZER_END] = (State.IDLE, (END_PHASE, CLOSE_STEP))
+    # A pipeline's step: train_batch() opens and closes it; its optimizer step is a phase among others.
+    table[State.IDLE, Event.BATCH] = (State.OPEN, (OPEN_STEP,))
+    table[State.OPTIMIZER, Event.PHASE_END] = (State.OPEN, (END_PHASE,))
+    table[State.OPEN, Event.BATCH_END] = (State.IDLE, (CLOSE_STEP,))
     return table
 
 

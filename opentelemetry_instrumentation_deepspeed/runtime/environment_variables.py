@@ -1,7 +1,10 @@
 """Every environment variable of this project: its name, its default, and its parser.
 
 A bad value never stops training: it gets one warning that names the variable,
-the value and the default, and the default is used.
+the value and the default, and the default is used. The warning is given in processes that
+train (from ``check_all``, when training starts), never in the launcher and helper processes
+that ``opentelemetry-instrument`` also runs in: a value read there (the collective
+instrumentation reads its mode when it is set up, in every process) waits until then.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT"
 collector does (refuses, never answers, answers errors, slowly): the last spans get about half of
 it, the last metrics most of the rest; what is not delivered by then is counted as lost and said
 in the summary line. 0: no last flush at all. Default: 5.
+"""
+
+OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL = "OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL"
+"""What of an exception raised in a step leaves the process (in the span status and the
+``exception`` event of the phase, collective and step it ended): ``full``, as OpenTelemetry's
+exception conventions record it (type, message, stack trace); ``message`` (type and message, no
+stack trace); ``type`` (the type alone: a message that may hold data or secrets stays in the
+process). Messages are cut at 1,000 characters and stack traces at 8,000 (their end kept) in
+every mode. Default: ``full``.
 """
 
 OTEL_PYTHON_DEEPSPEED_JOB_ID = "OTEL_PYTHON_DEEPSPEED_JOB_ID"
@@ -96,6 +108,18 @@ OTEL_PYTHON_DEEPSPEED_PROFILE_TOP = "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP"
 OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR = "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR"
 """Profile the next step when one takes more than this times the recent median; 0 turns it off."""
 
+OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT"
+"""The hang watchdog's floor, in seconds: a step open longer than the larger of this and 10 times the
+slowest recent step (10 times this before a step has closed) is reported as a hang: the open step, its
+phase, the collective in flight and the training thread's stack (docs/telemetry.md, ``training.hang``).
+0 turns the watchdog off. Default: 30.
+"""
+
+OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW = "OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW"
+"""For tests only: ``<rank>:<seconds>`` moves that rank's ``time.time_ns()`` by that many seconds, as a
+skewed host clock would (the clock alignment's tests). Unset: nothing changes.
+"""
+
 OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET = "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET"
 """On CUDA: reset the caching allocator's peak at each phase start, so every phase reports its own
 peak (``training.memory.peak``). ``torch.cuda.max_memory_allocated()`` then tells the peak since the
@@ -112,6 +136,8 @@ DEFAULT_OUTPUT_DIR = "telemetry"
 DEFAULT_OUTPUT_MAX_MB = 1024
 DEFAULT_JOB_ID_TIMEOUT = 60.0
 DEFAULT_EXIT_TIMEOUT = 5.0
+EXCEPTION_DETAILS = ("full", "message", "type")
+DEFAULT_EXCEPTION_DETAIL = "full"
 DEFAULT_COMM_MODE = "spans"
 COMM_MODES = ("spans", "metrics", "off")
 DEFAULT_COMM_SPAN_LIMIT = 64
@@ -121,10 +147,19 @@ DEFAULT_PROFILE_EVERY = 1000
 DEFAULT_PROFILE_TRIGGER = "otel-profile-trigger"
 DEFAULT_PROFILE_TOP = 64
 DEFAULT_PROFILE_SLOW_FACTOR = 3.0
+DEFAULT_HANG_TIMEOUT = 30.0
+
+
+_deferred: dict[str, tuple] = {}  # variable -> its warning's arguments, until this process trains
+_training = False  # check_all() ran: this process trains, and hears about bad values at once
 
 
 def _warn_default(name: str, raw: str, default: object, why: str) -> None:
-    _logger.warning("%s=%r is not valid (%s); using the default %r.", name, raw, why, default)
+    arguments = ("%s=%r is not valid (%s); using the default %r.", name, raw, why, default)
+    if _training:
+        _logger.warning(*arguments)
+    else:
+        _deferred[name] = arguments
 
 
 def _read(name: str, default: T, parse: Callable[[str], T]) -> T:
@@ -228,6 +263,11 @@ def memory_peak_reset() -> bool:
 
 
 @cache
+def exception_detail() -> str:
+    return _read(OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL, DEFAULT_EXCEPTION_DETAIL, _one_of(EXCEPTION_DETAILS))
+
+
+@cache
 def job_id() -> str | None:
     return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID, None, _non_empty)
 
@@ -323,6 +363,16 @@ def comm_span_limit() -> int:
     return _read(OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT, DEFAULT_COMM_SPAN_LIMIT, _count)
 
 
+def _seconds_or_off(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 <= value <= 86_400:
+        raise ValueError("expected 0 (off) or seconds up to 86400")
+    return value
+
+
 def _token_id(raw: str) -> int:
     try:
         value = int(raw)
@@ -334,13 +384,34 @@ def _token_id(raw: str) -> int:
 
 
 @cache
+def hang_timeout() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT, _seconds_or_off)
+
+
+def _rank_and_seconds(raw: str) -> tuple[int, float]:
+    rank, separator, seconds = raw.partition(":")
+    try:
+        if not separator or not -86_400 <= float(seconds) <= 86_400:
+            raise ValueError
+        return int(rank), float(seconds)
+    except ValueError:
+        raise ValueError("expected <rank>:<seconds>, seconds within a day") from None
+
+
+@cache
+def test_clock_skew() -> tuple[int, float] | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW, None, _rank_and_seconds)
+
+
+@cache
 def pad_token_id() -> int | None:
     return _read(OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID, None, _token_id)
 
 
-_READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, job_id, job_id_timeout, comm_mode, comm_span_limit,
-            flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every, profile_trigger, profile_top,
-            profile_slow_factor, memory_peak_reset, pad_token_id)
+_READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, exception_detail, job_id, job_id_timeout,
+            comm_mode, comm_span_limit, flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every,
+            profile_trigger, profile_top, profile_slow_factor, memory_peak_reset, pad_token_id, hang_timeout,
+            test_clock_skew)
 
 
 # The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).
@@ -377,12 +448,21 @@ def unusable_otlp_endpoint(signal: str) -> tuple[str, str, str] | None:
 
 
 def check_all() -> None:
-    """Parse every variable now, so a bad value is reported when training starts, whether used or not."""
+    """Parse every variable now, so a bad value is reported when training starts, whether used or not:
+    once, in a process that trains (the warnings of values read before are given now)."""
+    global _training  # noqa: PLW0603 - this process trains from now on
+    _training = True
     for reader in _READERS:
         reader()
+    for arguments in _deferred.values():
+        _logger.warning(*arguments)
+    _deferred.clear()
 
 
 def reset_cache() -> None:
     """Forget parsed values (tests change the environment between cases)."""
+    global _training  # noqa: PLW0603
+    _training = False
+    _deferred.clear()
     for reader in _READERS:
         reader.cache_clear()

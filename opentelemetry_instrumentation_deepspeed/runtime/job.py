@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.runtime import clock
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
 _logger = logging.getLogger(__name__)
@@ -24,9 +25,11 @@ class JobIdentity:
     rank: int
     local_rank: int
     world_size: int
+    clock: tuple[int, int] | None = None  # (offset, error) to rank 0's clock, nanoseconds (clock.py)
 
-    def resource_attributes(self) -> dict[str, object]:
-        """Ours, less what the user set in ``OTEL_RESOURCE_ATTRIBUTES`` or ``OTEL_SERVICE_NAME``: theirs wins."""
+    def resource_attributes(self, extra: dict | None = None) -> dict[str, object]:
+        """Ours (and ``extra``), less what the user set in ``OTEL_RESOURCE_ATTRIBUTES`` or ``OTEL_SERVICE_NAME``:
+        theirs wins."""
         attributes: dict[str, object] = {
             semconv.SERVICE_NAME: _script_name(),
             semconv.SERVICE_INSTANCE_ID: f"{self.job_id}-rank{self.rank}",
@@ -38,9 +41,12 @@ class JobIdentity:
             semconv.TRAINING_WORLD_SIZE: self.world_size,
             semconv.TRAINING_FRAMEWORK: semconv.TRAINING_FRAMEWORK_DEEPSPEED,
         }
+        if self.clock is not None:
+            attributes[semconv.TRAINING_CLOCK_OFFSET], attributes[semconv.TRAINING_CLOCK_OFFSET_ERROR] = self.clock
         deepspeed = sys.modules.get("deepspeed")
         if deepspeed is not None:
             attributes[semconv.DEEPSPEED_VERSION] = getattr(deepspeed, "__version__", "unknown")
+        attributes.update(extra or {})
         user_keys = set(_user_resource_attributes())
         if os.environ.get("OTEL_SERVICE_NAME", "").strip():
             user_keys.add(semconv.SERVICE_NAME)
@@ -116,10 +122,25 @@ def identify() -> JobIdentity:
     if dist is not None and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = _env_int("LOCAL_RANK", rank)
+    clock.apply_test_skew(rank)
     job_id = job_id_from_environment()
     if job_id is None:
         try:
             job_id = _agree_through_store(rank)
         except Exception:
             _logger.warning("Could not agree on a job id through the process group's store", exc_info=True)
-    return JobIdentity(job_id or uuid.uuid4().hex, rank, local_rank, world_size)
+    job_id = job_id or uuid.uuid4().hex
+    return JobIdentity(job_id, rank, local_rank, world_size, _clock_offset(job_id, rank, world_size))
+
+
+def _clock_offset(job_id: str, rank: int, world_size: int) -> tuple[int, int] | None:
+    dist = sys.modules.get("torch.distributed")
+    if world_size < 2 or dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed import distributed_c10d
+
+        return clock.estimate(distributed_c10d._get_default_store(), job_id, rank, world_size)
+    except Exception:  # only the alignment of this rank's times is lost
+        _logger.debug("No clock offset to rank 0", exc_info=True)
+        return None

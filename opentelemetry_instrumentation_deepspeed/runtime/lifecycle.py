@@ -33,6 +33,12 @@ its handlers under a stage, and the order is the list's, not the order of regist
   between bytecodes: a rank blocked in a long C call (a collective waiting for a dead peer) gets
   to it when the call returns, or is killed by the agent's SIGKILL first.
   ``OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH=false`` leaves SIGTERM alone.
+- Signals while the training thread is blocked in native code: the hang watchdog's thread
+  (``watchdog.py``) reads the signal numbers the interpreter writes to its wakeup fd
+  (``signal.set_wakeup_fd``, set here when nothing else set one) even then. When the handler
+  above has not started ``GRACE_SECONDS`` after a SIGTERM (or a SIGINT leaves the training thread
+  where it was), that thread runs the same exit stages, then the process dies by the signal
+  (``finish_elsewhere``), with its telemetry out.
 
 The exit stages run once, in the process that registered them (never in a forked child). In a
 process whose SDK the application set up, ``install`` is not called: handlers registered there
@@ -45,9 +51,12 @@ their own handlers.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +65,7 @@ from opentelemetry_instrumentation_deepspeed.runtime import environment_variable
 
 # Stages at exit (atexit, or SIGTERM when handled here), in the order they run.
 STOP_PROFILER = "stop profiler"  # a running torch.profiler is stopped, nothing emitted
+REPORT_HANGS = "report hangs"  # a signal with a step open: where the training thread is (watchdog.py)
 CLOSE_OPEN_STEPS = "close open steps"  # open steps end with status ERROR and the reason
 DRAIN = "drain"  # closed step records become spans and metric points
 FLUSH_SPANS = "flush spans"  # tracer provider shut down (its exporter flushes)
@@ -65,8 +75,8 @@ FLUSH_METRICS = "flush metrics"  # meter provider shut down (last collection)
 COUNT_UNSENT_POINTS = "count unsent points"  # points in an unfinished export: lost
 FLUSH_LOGS = "flush logs"  # logger provider shut down, when the SDK set one up
 REPORT = "report"  # the one summary line of undelivered telemetry
-EXIT_ORDER = (STOP_PROFILER, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, COUNT_UNSENT_SPANS, FINAL_SCRAPE, FLUSH_METRICS,
-              COUNT_UNSENT_POINTS, FLUSH_LOGS, REPORT)
+EXIT_ORDER = (STOP_PROFILER, REPORT_HANGS, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, COUNT_UNSENT_SPANS, FINAL_SCRAPE,
+              FLUSH_METRICS, COUNT_UNSENT_POINTS, FLUSH_LOGS, REPORT)
 # The stages that wait on the world, each on a thread of its own, and the share of the exit
 # budget by which each has ended (from the start of exit). The others are quick and run on the
 # exiting thread. The last tenth is left for the report and the interpreter's own exit.
@@ -81,6 +91,8 @@ FORK_ORDER = (RESEED_IDS, FORGET, SILENCE, STOP_SDK)
 
 EXITED = "the process exited during this step"
 TERMINATED = "terminated by SIGTERM"
+INTERRUPTED = "interrupted by SIGINT"
+GRACE_SECONDS = 2.0  # a signal's own handler has this long to start before another thread takes over
 
 _logger = logging.getLogger(__name__)
 _at_exit: dict[str, list[Callable[[str], None]]] = {stage: [] for stage in EXIT_ORDER}
@@ -95,6 +107,7 @@ _terminate_when_done = False  # a SIGTERM came while the stages ran: die by it o
 _deadline = 0.0  # time.monotonic() by which the running stage must end
 _extra_seconds = 0.0  # a configured wait at exit (Prometheus's last scrape) on top of the budget
 cut_short: list[str] = []  # stages that had not ended by their deadline, left behind
+_wakeup: int | None = None  # the fd this module set as the interpreter's wakeup fd
 
 
 def at_exit(stage: str, handler: Callable[[str], None]) -> None:
@@ -180,6 +193,48 @@ def finish(reason: str) -> None:
             _die_by(signal.SIGTERM)
 
 
+def finishing() -> bool:
+    """The exit stages have started (on any thread)."""
+    return _finished.locked()
+
+
+def finish_elsewhere(signum: int, reason: str) -> None:
+    """From a thread other than the main one, blocked where a signal's handler cannot run: the exit
+    stages, then death by ``signum`` as its default action would have it."""
+    finish(reason)
+    _die_by(signum)
+
+
+def wake_on_signals(fd: int) -> bool:
+    """Make the interpreter write each signal's number to ``fd`` (non-blocking), even while the main
+    thread is blocked in native code; False where another wakeup fd is set or this is not the main thread."""
+    global _wakeup  # noqa: PLW0603 - one wakeup fd per process
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+    if previous != -1:  # someone else's (an asyncio loop): theirs stays
+        signal.set_wakeup_fd(previous)
+        return False
+    _wakeup = fd
+    in_forked_child(SILENCE, _no_wakeup)
+    return True
+
+
+def _no_wakeup() -> None:
+    # A forked child would otherwise write its own signals into the parent's socket.
+    global _wakeup  # noqa: PLW0603
+    if _wakeup is not None and threading.current_thread() is threading.main_thread():
+        current = signal.set_wakeup_fd(-1)
+        if current != _wakeup:
+            signal.set_wakeup_fd(current)
+    _wakeup = None
+
+
+def handles_sigterm() -> bool:
+    """SIGTERM runs this module's exit stages (its handler is installed)."""
+    return signal.getsignal(signal.SIGTERM) is _on_sigterm
+
+
 def _run_bounded(stage: str, reason: str) -> None:
     if not _at_exit[stage]:
         return
@@ -229,6 +284,14 @@ def _name(handler) -> str:
     return getattr(handler, "__qualname__", None) or repr(handler)
 
 
+def interrupted_frame():
+    """On the thread running SIGTERM's handler: the frame the signal interrupted, else None."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code is not _on_sigterm.__code__:
+        frame = frame.f_back
+    return None if frame is None else frame.f_back
+
+
 def _on_sigterm(signum, _frame) -> None:
     global _terminate_when_done  # noqa: PLW0603
     if _finished.locked() and not _done.is_set():
@@ -243,8 +306,20 @@ def _on_sigterm(signum, _frame) -> None:
 
 
 def _die_by(signum) -> None:
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    # Another thread (the watchdog's, the main one blocked): signal.signal() works on the main thread
+    # only, so the default action is restored in C.
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(signum, None)  # SIG_DFL
+        os.kill(os.getpid(), signum)
+        time.sleep(1)  # the signal is on its way
+    os._exit(128 + signum)
 
 
 # -- the handlers install() registers ---------------------------------------------------------------

@@ -69,11 +69,12 @@ def defer_sdk(arguments: dict) -> None:
     _deferred_sdk_arguments = dict(arguments)
 
 
-def start() -> JobIdentity:
+def start(resource: dict | None = None) -> JobIdentity:
     """Identify this process in its job and, when deferred, set the SDK up. Idempotent.
 
     Collective on first call (the job id may be agreed through the process group's store),
-    which is why it runs while every rank builds its engine.
+    which is why it runs while every rank builds its engine. ``resource``: more attributes of the
+    process's resource (a pipeline rank's coordinates), used if this call sets the SDK up.
     """
     global _identity, silent  # noqa: PLW0603 - one training identity per process
     if _identity is None:
@@ -83,7 +84,7 @@ def start() -> JobIdentity:
 
         output.use_identity(identity)
         if _deferred_sdk_arguments is not None:
-            _configure_sdk(identity)
+            _configure_sdk(identity, resource)
         _identity = identity
         from opentelemetry_instrumentation_deepspeed.export import sdk
 
@@ -93,7 +94,7 @@ def start() -> JobIdentity:
     return _identity
 
 
-def _configure_sdk(identity: JobIdentity) -> None:
+def _configure_sdk(identity: JobIdentity, resource: dict | None = None) -> None:
     global _deferred_sdk_arguments
     arguments, _deferred_sdk_arguments = _deferred_sdk_arguments, None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -108,7 +109,7 @@ def _configure_sdk(identity: JobIdentity) -> None:
         prometheus.assign_port(identity.local_rank)
     _leave_unusable_endpoints()
     delivery.install()
-    sdk.initialize(arguments, identity.resource_attributes())
+    sdk.initialize(arguments, identity.resource_attributes(resource))
     tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
     try:
         delivery.watch(tracer_provider, meter_provider)
@@ -131,20 +132,21 @@ def _leave_unusable_endpoints() -> None:
 
     The OTLP exporters take such an endpoint for a collector that is down: every batch is retried
     until its timeout and lost, and the variable is never named."""
+    unusable: dict[tuple[str, str, str], list[str]] = {}  # (variable, value, why) -> its signals
     for signal, variable in (*_EXPORTER_VARIABLES, ("logs", "OTEL_LOGS_EXPORTER")):
         names = [name.strip() for name in os.environ.get(variable, "").split(",")]
-        if "otlp" not in names:
+        problem = env.unusable_otlp_endpoint(signal) if "otlp" in names else None
+        if problem is None:
             continue
-        unusable = env.unusable_otlp_endpoint(signal)
-        if unusable is None:
-            continue
-        endpoint, value, why = unusable
         instead = "none" if signal == "logs" else env.EMBEDDED_EXPORTER
         os.environ[variable] = ",".join(dict.fromkeys(instead if name == "otlp" else name for name in names))
-        where = ("are not exported" if signal == "logs"
-                 else f"go to the embedded default ({env.EMBEDDED_EXPORTER}: OTLP JSON lines under "
-                      f"{env.output_dir()}/) instead")
-        _logger.warning("%s=%r cannot be used (%s): the %s of this process %s.", endpoint, value, why, signal, where)
+        unusable.setdefault(problem, []).append(signal)
+    for (variable, value, why), signals in unusable.items():
+        written = [signal for signal in signals if signal != "logs"]
+        where = (f"the {' and '.join(written)} of this process go to the embedded default "
+                 f"({env.EMBEDDED_EXPORTER}: OTLP JSON lines under {env.output_dir()}/) instead" if written else "")
+        logs = "logs are not exported" if "logs" in signals else ""
+        _logger.warning("%s=%r cannot be used (%s): %s.", variable, value, why, "; ".join(filter(None, (where, logs))))
 
 
 _ends_with_the_process = False

@@ -146,3 +146,12 @@ def nvmlGpmMetricsGet(query):
     query.metrics[0].nvmlReturn = NVML_SUCCESS
     query.metrics[0].value = 0.0 if _faulty() else 78.0
     return query
+
+
+def nvmlDeviceGetPcieReplayCounter(handle):
+    return 7 if _faulty() else 0
+
+
+def nvmlDeviceGetRemappedRows(handle):
+    # corrected, uncorrected, pending, failure: the sick GPU has a remapping pending
+    return (3, 1, 1, 0) if _faulty() else (0, 0, 0, 0)

@@ -40,4 +40,13 @@ def test_reader_reads_the_rank_gpu_from_real_nvml():
     assert limit == pytest.approx(torch.cuda.get_device_properties(0).total_memory, rel=0.05)
     assert 0 <= found["hw.gpu.utilization"][0][1] <= 1
     assert found["hw.power"][0][1] > 0 and 0 < found["hw.temperature"][0][1] < 120
-    assert found["hw.gpu.process.memory.usage"][0][1] > 8192 * 8192 * 4, "this process's tensors"
+    assert found["nvidia.gpu.process.memory.usage"][0][1] > 8192 * 8192 * 4, "this process's tensors"
+    # The conventions' memory utilization is the fraction used; NVML's busy time is ours, by another name.
+    ((_, used),) = found["hw.gpu.memory.utilization"]
+    assert used == pytest.approx(found["hw.gpu.memory.usage"][0][1] / limit, rel=0.05) and 0 < used < 1
+    assert 0 <= found["nvidia.gpu.memory_controller.utilization"][0][1] <= 1
+    states = {attrs["hw.state"]: value for attrs, value in found["hw.status"]}
+    assert sorted(states) == ["degraded", "failed", "ok"] and sum(states.values()) == 1
+    errors = {attrs["error.type"] for attrs, _ in found["hw.errors"]}
+    assert "pcie_replay" in errors, "data-center GPUs count PCIe replays (XID events need the driver's permission)"
+    assert "nvidia.gpu.memory.remapped_rows" in found, "Ampere and newer remap rows"

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from hf_trainer import SEQ_LEN, VOCAB, Sequences, weights_digest
+from hf_trainer import Sequences, tiny_gpt2, weights_digest
 
 
 def parse_args(argv=None):
@@ -44,7 +44,6 @@ def main(argv=None):
         __compatible_ops__["deepspeed_shm_comm"] = False  # gloo, without a ~40 s JIT build
     from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin
     from accelerate.utils import set_seed
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     set_seed(args.seed)  # Python's random, numpy and torch, identically on every rank
     plugin = DeepSpeedPlugin(hf_ds_config={
@@ -57,8 +56,7 @@ def main(argv=None):
     })
     accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=args.grad_accum,
                               dataloader_config=DataLoaderConfiguration(dispatch_batches=args.dispatch or None))
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # On CPU, Accelerate finds no device backend and counts one process: every rank reads the whole dataset.
     loader = torch.utils.data.DataLoader(Sequences(args.micro_batches * args.micro_batch_size),

@@ -62,6 +62,15 @@ def deepspeed_config(args) -> dict:
     }
 
 
+def tiny_gpt2():
+    """A 2-layer GPT-2 built from its config: nothing is downloaded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+
+
 def weights_digest(model) -> str:
     digest = hashlib.sha256()
     for name, parameter in sorted(model.state_dict().items()):
@@ -77,11 +86,10 @@ def main(argv=None):
 
     if get_accelerator().device_name() == "cpu":
         __compatible_ops__["deepspeed_shm_comm"] = False  # gloo, without a ~40 s JIT build
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+    from transformers import Trainer, TrainingArguments, set_seed
 
     set_seed(args.seed)  # seeds Python's random, numpy and torch, identically on every rank
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = tiny_gpt2()
     # On CPU, Accelerate (under the Trainer) finds no device backend and counts one process: every rank
     # reads the whole dataset, and DeepSpeed still averages the gradients of both ranks.
     dataset = Sequences(args.micro_batches * args.micro_batch_size)

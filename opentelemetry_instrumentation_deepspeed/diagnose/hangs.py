@@ -1,0 +1,265 @@
+"""HANG and DESYNC: ranks that stopped, who waits for them in which collective, and collectives
+whose ranks disagree on what they are.
+
+A rank's hang watchdog writes ``training.hang`` spans while its step does not close (and one more
+when a signal stops it): the open step and phase, the collective in flight, the last sequence
+number it issued per group, and its training thread's stack. Read from a live job's files:
+
+- a rank in a collective waits for those that never issued that (group, sequence): the last
+  sequence each rank reached (from its hang report, else from its collective spans) says who is
+  missing; a rank with a report and no collective in flight stopped where its stack says;
+- every reporting rank in the same collective, none missing: the collective itself does not
+  complete (the network, the communication library);
+- a (group, sequence) that carries another op, size or dtype on some rank is a DESYNC: the ranks
+  do not run the same collective (a rank-dependent branch, a mis-sized or mis-typed tensor),
+  which corrupts the result or hangs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+_OURS = "opentelemetry_instrumentation_deepspeed"
+_LIBRARIES = ("site-packages", "dist-packages", "/lib/python")
+MAX_MISMATCHES = 100  # DESYNC evidence kept
+STACK_FRAMES = 6  # innermost frames shown per rank
+# Point-to-point calls pair different ops (send with recv) and advance a group's sequence on some ranks
+# only: a group that carries them cannot be joined by sequence.
+_P2P = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+# Ops whose per-rank sizes may legitimately differ (uneven splits, objects, lists).
+_SIZE_MAY_DIFFER = frozenset({"all_to_all_single", "all_to_all", "all_gather", "all_gather_object",
+                              "broadcast_object_list", "all_gather_coalesced", "reduce_scatter"})
+
+REMEDIES = {
+    "HANG": ["dump the stopped rank's stacks live (py-spy dump --pid PID) and look at the code named above",
+             "a collective issued on some ranks only (a rank-dependent branch, uneven data at the end of an epoch)",
+             "NCCL: NCCL_DEBUG=INFO, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and a process-group timeout, so a hang "
+             "becomes an error; TORCH_DISTRIBUTED_DEBUG=DETAIL checks collectives' shapes"],
+    "HANG_COMM": ["the collective does not complete on any rank: check the network (NCCL_DEBUG=INFO, "
+                  "InfiniBand/RoCE counters, NVLink) and the communicator's health"],
+    "DESYNC": ["find the code that issues this collective with a rank-dependent tensor (dtype, shape) or op",
+               "TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch check every collective's shape and dtype across ranks"],
+}
+
+
+def frames(stack: str) -> list[tuple[str, int, str, str]]:
+    """(path, line, function, code) of a formatted Python stack, innermost first."""
+    found = []
+    lines = stack.splitlines()
+    for index, text in enumerate(lines):
+        match = _FRAME.match(text)
+        if match:
+            code = lines[index + 1].strip() if index + 1 < len(lines) and not _FRAME.match(lines[index + 1]) else ""
+            found.append((match["path"], int(match["line"]), match["function"], code))
+    return found[::-1]
+
+
+def where(stack: str) -> str:
+    """The innermost frame that is not this instrumentation, and the innermost of the program's own code."""
+    found = [frame for frame in frames(stack) if _OURS not in frame[0]]
+    if not found:
+        return ""
+    text = [_frame_text(found[0])]
+    own = next((frame for frame in found[1:] if not any(part in frame[0] for part in _LIBRARIES)), None)
+    if own is not None:
+        text.append(f"called from {_frame_text(own)}")
+    return ", ".join(text)
+
+
+def _frame_text(frame) -> str:
+    path, line, function, code = frame
+    return f"{path.rsplit('/', 1)[-1]}:{line} in {function}" + (f" ({code})" if code else "")
+
+
+class Hangs:
+    """What the spans say about hangs and desyncs, gathered span by span."""
+
+    def __init__(self):
+        self._reports: dict[tuple[str, int], list[Span]] = defaultdict(list)
+        self._last_step: dict[tuple[str, int], int] = {}
+        self._reached: dict[tuple[str, str, int], int] = {}  # (job, group, rank) -> last sequence seen
+        self._signatures: dict[tuple[str, str, int], tuple] = {}  # (job, group, sequence) -> (signature, rank)
+        self._mismatches: dict[str, list] = defaultdict(list)
+        self._p2p: set = set()  # (job, group) that carried point-to-point calls
+        self._trace_steps: dict[str, int] = {}
+        self.ranks: dict[str, set] = defaultdict(set)
+
+    def add(self, span: Span) -> None:
+        name, attributes = span.name, span.attributes
+        if name == semconv.SPAN_STEP:
+            key = (span.job, span.rank)
+            number = attributes.get(semconv.TRAINING_STEP, 0)
+            self._last_step[key] = max(self._last_step.get(key, 0), number)
+            self._trace_steps[span.trace_id] = number
+            self.ranks[span.job].add(span.rank)
+        elif name == semconv.SPAN_HANG:
+            self._reports[(span.job, span.rank)].append(span)
+            self.ranks[span.job].add(span.rank)
+            for item in attributes.get(semconv.HANG_COMM_SEQUENCES) or ():
+                group, _, sequence = str(item).rpartition(":")
+                if group and sequence.isdigit():
+                    self._reach(span.job, group, span.rank, int(sequence))
+            if attributes.get(semconv.COMM_SEQUENCE) is not None:
+                self._collective(span)
+        elif name.startswith(semconv.SPAN_COMM_PREFIX) and attributes.get(semconv.COMM_SEQUENCE) is not None:
+            self._collective(span)
+
+    def _reach(self, job: str, group: str, rank: int, sequence: int) -> None:
+        key = (job, group, rank)
+        if sequence > self._reached.get(key, -1):
+            self._reached[key] = sequence
+
+    def _collective(self, span: Span) -> None:
+        attributes = span.attributes
+        group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes[semconv.COMM_SEQUENCE]
+        self._reach(span.job, group, span.rank, sequence)
+        op = attributes.get(semconv.COMM_OP) or span.name.removeprefix(semconv.SPAN_COMM_PREFIX)
+        if op in _P2P:
+            self._p2p.add((span.job, group))
+            return
+        size = None if op in _SIZE_MAY_DIFFER else attributes.get(semconv.COMM_BYTES)
+        signature = (op, size, attributes.get(semconv.COMM_DTYPE))
+        key = (span.job, group, sequence)
+        seen = self._signatures.get(key)
+        if seen is None:
+            self._signatures[key] = (signature, span.rank, span.trace_id)
+        elif seen[0] != signature and len(self._mismatches[span.job]) < MAX_MISMATCHES:
+            self._mismatches[span.job].append((group, sequence, seen, (signature, span.rank, span.trace_id)))
+
+    # -- findings -----------------------------------------------------------------------------------
+
+    def findings(self, job: str) -> list[dict]:
+        return [*self._hang(job), *self._desync(job)]
+
+    def _hang(self, job: str) -> list[dict]:
+        latest = {}
+        for (report_job, rank), reports in self._reports.items():
+            if report_job != job:
+                continue
+            report = max(reports, key=lambda s: s.end)
+            stalled = report.attributes.get(semconv.HANG_DURATION) or 0
+            threshold = report.attributes.get(semconv.HANG_THRESHOLD) or 0
+            number = report.attributes.get(semconv.TRAINING_STEP, 0)
+            # Past the threshold, in a step this rank never went beyond.
+            if stalled >= threshold and self._last_step.get((job, rank), 0) <= number:
+                latest[rank] = report
+        if not latest:
+            return []
+        ranks = sorted(self.ranks[job] | set(latest))
+        waiting = {rank: r for rank, r in latest.items() if r.attributes.get(semconv.COMM_SEQUENCE) is not None}
+        missing: dict[int, set] = defaultdict(set)  # stopped rank -> collectives it never reached
+        for rank, report in waiting.items():
+            group = report.attributes.get(semconv.COMM_GROUP_NAME, "0")
+            sequence = report.attributes[semconv.COMM_SEQUENCE]
+            for other in ranks:
+                if other != rank and self._reached.get((job, group, other), -1) < sequence:
+                    missing[other].add((group, sequence))
+        stopped = sorted(set(missing) | (set(latest) - set(waiting)))
+        evidence = [self._rank_line(job, rank, latest.get(rank), waiting, missing) for rank in ranks]
+        lost = max(r.attributes.get(semconv.HANG_DURATION) or 0 for r in latest.values())
+        step = min(r.attributes.get(semconv.TRAINING_STEP, 0) for r in latest.values())
+        trace_ids = sorted({r.trace_id for r in latest.values()})
+        reported_all = set(latest) >= set(ranks)
+        if stopped:
+            culprits = "; ".join(self._stopped_text(job, rank, latest.get(rank), missing.get(rank))
+                                 for rank in stopped)
+            waits = "; ".join(f"rank {rank} waits for {_plural(sorted(r for r in stopped if r != rank))} in "
+                              f"{_collective_text(report)}{_during(report)}" for rank, report in sorted(waiting.items())
+                              if any(r != rank for r in stopped))
+            summary = f"{culprits}" + (f"; {waits}" if waits else "")
+            if len(stopped) == 1 and stopped[0] not in latest and (job, stopped[0]) in self._last_step:
+                step = self._last_step[job, stopped[0]] + 1  # the step it is in: the one after its last closed
+            return [_finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
+                             step, lost, 0.9 if reported_all else 0.7, trace_ids)]
+        report = next(iter(waiting.values()))
+        summary = (f"every rank waits in {_collective_text(report)} and none is missing: the collective itself does "
+                   "not complete")
+        return [_finding("HANG", summary, evidence, REMEDIES["HANG_COMM"], None, step, lost,
+                         0.8 if reported_all else 0.5, trace_ids)]
+
+    def _stopped_text(self, job: str, rank: int, report: Span | None, never: set | None) -> str:
+        if report is None:
+            reached = ", ".join(f"{group}: {sequence}" for group, sequence in sorted(never or ()))
+            last = self._last_step.get((job, rank))
+            in_step = f" in step {last + 1}" if last is not None else ""
+            return (f"rank {rank} stopped{in_step} before {'collective' if len(never or ()) == 1 else 'collectives'} "
+                    f"(group: sequence) {reached}, with no hang report of its own (not yet past its threshold, "
+                    "dead, or its watchdog off)")
+        attributes = report.attributes
+        phase = attributes.get(semconv.TRAINING_PHASE)
+        place = f"{phase} of step {attributes.get(semconv.TRAINING_STEP)}" if phase else \
+            f"step {attributes.get(semconv.TRAINING_STEP)}, between phases"
+        text = f"rank {rank} stopped in {place}"
+        if attributes.get(semconv.COMM_SEQUENCE) is not None:
+            text += f", itself in {_collective_text(report)}"
+        at = where(attributes.get(semconv.CODE_STACKTRACE) or "")
+        return text + (f" at {at}" if at else "")
+
+    def _rank_line(self, job: str, rank: int, report: Span | None, waiting: dict, missing: dict) -> str:
+        reached = ", ".join(f"group {group}: {sequence}" for (j, group, r), sequence in sorted(self._reached.items())
+                            if j == job and r == rank)
+        last = self._last_step.get((job, rank))
+        head = f"rank {rank}: last step span {last if last is not None else 'none'}; last sequence reached " \
+               f"{reached or 'none'}"
+        if report is None:
+            return head + "; no hang report"
+        attributes = report.attributes
+        text = (f"{head}; {attributes.get(semconv.HANG_REASON)} for {attributes.get(semconv.HANG_DURATION, 0):.0f} s "
+                f"in {attributes.get(semconv.TRAINING_PHASE) or 'no phase'} of step "
+                f"{attributes.get(semconv.TRAINING_STEP)}")
+        if rank in waiting:
+            text += f", in {_collective_text(report)}"
+        frames_text = " <- ".join([_frame_text(f) for f in frames(attributes.get(semconv.CODE_STACKTRACE) or "")
+                                   if _OURS not in f[0]][:STACK_FRAMES])
+        return text + (f"; stack (innermost first): {frames_text}" if frames_text else "")
+
+    def _desync(self, job: str) -> list[dict]:
+        mismatches = [m for m in self._mismatches.get(job, ()) if (job, m[0]) not in self._p2p]
+        if not mismatches:
+            return []
+        evidence = []
+        for group, sequence, first, other in mismatches[:10]:
+            evidence.append(f"group {group}, sequence {sequence} (step {self._trace_steps.get(first[2], '?')}): "
+                            f"rank {first[1]} {_signature_text(first[0])}, rank {other[1]} "
+                            f"{_signature_text(other[0])}")
+        group, sequence, first, other = mismatches[0]
+        step = self._trace_steps.get(first[2])
+        differs = [name for name, a, b in zip(("op", "size", "dtype"), first[0], other[0], strict=True) if a != b]
+        summary = (f"collective {sequence} of group {group} (step {step if step is not None else '?'}) differs in "
+                   f"{' and '.join(differs)} across ranks: rank {first[1]} {_signature_text(first[0])}, rank "
+                   f"{other[1]} {_signature_text(other[0])}" +
+                   (f"; {len(mismatches) - 1} more such collective(s)" if len(mismatches) > 1 else ""))
+        return [_finding("DESYNC", summary, evidence, REMEDIES["DESYNC"], other[1], step, None, 0.95,
+                         sorted({first[2], other[2]}))]
+
+
+def _during(report: Span) -> str:
+    phase = report.attributes.get(semconv.TRAINING_PHASE)
+    return f", during {phase}" if phase else ", between phases"
+
+
+def _plural(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(rank) for rank in ranks)
+
+
+def _collective_text(report: Span) -> str:
+    attributes = report.attributes
+    seconds = attributes.get(semconv.HANG_COMM_DURATION)
+    return (f"{attributes.get(semconv.COMM_OP)} (group {attributes.get(semconv.COMM_GROUP_NAME, '0')}, sequence "
+            f"{attributes.get(semconv.COMM_SEQUENCE)}, {attributes.get(semconv.COMM_BYTES)} bytes)"
+            + (f" for {seconds:.0f} s" if seconds is not None else ""))
+
+
+def _signature_text(signature: tuple) -> str:
+    op, size, dtype = signature
+    return op + (f" of {size} bytes" if size is not None else "") + (f" {dtype}" if dtype else "")
+
+
+def _finding(layer, summary, evidence, remedies, rank, step, cost, confidence, trace_ids) -> dict:  # noqa: PLR0917
+    return {"layer": layer, "summary": summary, "evidence": evidence, "remedies": remedies, "rank": rank,
+            "step": step, "cost_seconds": cost, "confidence": confidence, "trace_ids": trace_ids}

@@ -1,0 +1,315 @@
+"""Training with plain PyTorch, no DeepSpeed engine: DDP, FSDP2 (``fully_shard``), or a loop that opts in.
+
+What a step is: everything from the first data wait, forward or backward after the previous step
+to the return of the step optimizer's ``step()``. The step optimizer is the first optimizer whose
+``step()`` runs once training was detected (or the one handed to ``trace_training``). Forwards are
+those of the model wrapped by ``DistributedDataParallel`` or the outermost ``fully_shard`` module
+(or the module handed to ``trace_training``), in training mode with gradients enabled; backwards
+are ``torch.autograd.backward`` calls (``loss.backward()``) made while training. A step whose
+optimizer ``step()`` is never called (a ``GradScaler`` skipping an overflow step) runs on into the
+next one.
+
+Training is detected when a ``DistributedDataParallel`` is built or ``fully_shard`` is applied:
+only then does the process start its telemetry and observe backwards and optimizer steps (through
+``torch.optim``'s global step hooks), so a process that does not train (``torchrun`` itself) only
+holds two untouched wrappers. A process with a DeepSpeed engine is traced by the engine's
+instrumentor alone: no loop starts there, and one started before an engine stops recording.
+
+DDP's gradient all-reduce runs in its C++ reducer: no Python wrapper sees it, so it has no span of
+its own; its exposed part is inside the last micro-batch's backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Collection
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.metrics import get_meter
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import Patches, when_imported
+from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
+from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.runtime import session
+from opentelemetry_instrumentation_deepspeed.version import __version__
+
+_logger = logging.getLogger(__name__)
+
+_DDP_MODULE = "torch.nn.parallel.distributed"
+_FSDP_MODULES = ("torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed.fsdp._fully_shard",
+                 "torch.distributed.fsdp")
+_MAX_MICRO_BATCHES = 1024
+_depth = threading.local()  # forwards of hooked modules running on this thread: the outermost is the micro-batch's
+
+
+class TorchLoop:
+    """The engine-shaped facts the step recorder and the emitter read, for a loop without an engine."""
+
+    def __init__(self, parallelism: str):
+        self.parallelism = parallelism
+        self.global_steps = 0  # steps closed so far: the next one is number global_steps + 1
+        self.skipped_steps = 0
+        self.module = None  # set by the training metrics' FLOPs estimate only
+        self.optimizer = None  # weak reference to the step optimizer, once known
+        self.phase = None  # the optimizer phase running now
+        self.recorder = None
+
+    # What DeepSpeed's engine answers, where a plain loop has no such setting.
+    def managed_gradient_accumulation(self):
+        return False  # every step() of the step optimizer ends a step
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+    def train_micro_batch_size_per_gpu(self):
+        return 0  # unknown: samples are counted from each forward's batch
+
+    def gradient_accumulation_steps(self):
+        # Undeclared: every fetch inside a step is one of its micro-batches, up to this many.
+        return _MAX_MICRO_BATCHES
+
+    def train_batch_size(self):
+        return 0
+
+    def zero_optimization_stage(self):
+        return 0
+
+    def fp16_enabled(self):
+        return False
+
+    def get_global_grad_norm(self):
+        return None
+
+
+class _State:
+    def __init__(self):
+        self.loop: TorchLoop | None = None
+        self.instrumentor = None
+        self.tracer_provider = None
+        self.meter_provider = None
+        self.patches: Patches | None = None
+        self.hooks: list = []  # torch.optim's global hook handles, and module hook handles
+        self.optimizer = None  # named by trace_training() before the loop started
+
+
+_state = _State()
+
+
+def _recorder():
+    """The loop's recorder while it is the one training (not after a DeepSpeed engine came along)."""
+    loop = _state.loop
+    if loop is None:
+        return None, None
+    recorder = loop.recorder
+    return (loop, recorder) if recorder is not None and registry.active() is recorder else (None, None)
+
+
+def start(parallelism: str, module=None, optimizer=None) -> bool:
+    """Begin tracing this process's loop (once); False where it cannot (a DeepSpeed engine traces it)."""
+    if _state.loop is not None or _state.instrumentor is None:
+        return _state.loop is not None
+    if registry.all_recorders():
+        return False
+    try:
+        loop = TorchLoop(parallelism)
+        identity = session.start({semconv.TRAINING_FRAMEWORK: semconv.TRAINING_FRAMEWORK_PYTORCH})
+        if session.silent and _state.tracer_provider is None and _state.meter_provider is None:
+            return False
+        from opentelemetry_instrumentation_deepspeed.instrumentors.engine import build_recorder
+
+        loop.module = module
+        recorder = build_recorder(loop, identity, _state.tracer_provider or trace.get_tracer_provider(),
+                                  get_meter(semconv.SCOPE_NAME, __version__, _state.meter_provider))
+        loop.module = None  # the FLOPs estimate is taken: the loop keeps no model alive
+        facts = recorder.facts
+        facts.static = {semconv.TRAINING_PARALLELISM: parallelism}
+        facts.root_attributes = {semconv.TRAINING_WORLD_SIZE: identity.world_size}
+        loop.recorder = recorder
+        registry.track(loop, recorder)
+        _state.loop = loop
+        if optimizer is not None or _state.optimizer is not None:
+            loop.optimizer = weakref.ref(optimizer if optimizer is not None else _state.optimizer)
+        _observe_steps_and_backwards()
+    except Exception:
+        _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this training loop; "
+                          "training is not affected")
+        return False
+    return True
+
+
+def trace_training(module=None, optimizer=None) -> None:
+    """Opt a custom loop in: trace this process's training from now on.
+
+    For a loop that neither wraps its model in ``DistributedDataParallel`` nor applies ``fully_shard``
+    (one process, model parallelism of its own). ``module``: the model whose forward is one
+    micro-batch's forward (else only backwards and optimizer steps are seen); ``optimizer``: the
+    one whose ``step()`` ends a step (else the first to step). Call it before the first step, on
+    every rank. In a process with a DeepSpeed engine it does nothing: the engine is traced.
+    """
+    if optimizer is not None:
+        _state.optimizer = optimizer
+    if module is not None:
+        _hook_forward(module)
+    if not start("none", module, optimizer):
+        _logger.info("trace_training(): not started (a DeepSpeed engine is traced, or nothing would record)")
+
+
+# -- the phases -----------------------------------------------------------------------------------
+
+
+def _ddp_init(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    start("ddp", getattr(instance, "module", None))
+    return result
+
+
+def _ddp_forward(wrapped, instance, args, kwargs):
+    loop, recorder = _recorder()
+    if recorder is None or getattr(_depth, "value", 0):
+        return wrapped(*args, **kwargs)
+    if not (instance.training and sys.modules["torch"].is_grad_enabled()):
+        recorder.not_training()
+        return wrapped(*args, **kwargs)
+    _depth.value = 1
+    phase = recorder.forward_started(loop, args, kwargs)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as error:
+        recorder.phase_failed(phase, error)
+        raise
+    finally:
+        _depth.value = 0
+    recorder.forward_ended(phase, result)
+    return result
+
+
+def _fully_shard(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        modules = result if isinstance(result, (list, tuple)) else [result]
+        for module in modules:
+            _hook_forward(module)
+        start("fsdp", modules[-1] if modules else None)
+    except Exception:
+        _logger.exception("opentelemetry-instrumentation-deepspeed could not observe this fully_shard module")
+    return result
+
+
+def _hook_forward(module) -> None:
+    """Forward hooks on ``module``: its forward is a micro-batch's when no hooked forward encloses it."""
+
+    def before(hooked, args, kwargs):
+        depth = getattr(_depth, "value", 0)
+        _depth.value = depth + 1
+        if depth:
+            return
+        loop, recorder = _recorder()
+        if recorder is None:
+            return
+        if not (hooked.training and sys.modules["torch"].is_grad_enabled()):
+            recorder.not_training()
+            return
+        _depth.phase = recorder.forward_started(loop, args, kwargs)
+
+    def after(_hooked, _args, output):
+        _depth.value = depth = getattr(_depth, "value", 1) - 1
+        if depth:
+            return
+        phase, _depth.phase = getattr(_depth, "phase", None), None
+        _loop, recorder = _recorder()
+        if recorder is None or phase is None:
+            return
+        error = sys.exc_info()[1]  # always_call: the hook also runs when the forward raised
+        if error is not None:
+            recorder.phase_failed(phase, error)
+        else:
+            recorder.forward_ended(phase, output)
+
+    _state.hooks.append(module.register_forward_pre_hook(before, prepend=True, with_kwargs=True))
+    _state.hooks.append(module.register_forward_hook(after, always_call=True))
+
+
+def _backward(wrapped, instance, args, kwargs):
+    loop, recorder = _recorder()
+    if recorder is None:
+        return wrapped(*args, **kwargs)
+    tensors = args[0] if args else kwargs.get("tensors")
+    phase = recorder.backward_started(loop, loss=tensors if getattr(tensors, "ndim", None) == 0 else None)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as error:
+        recorder.phase_failed(phase, error)
+        raise
+    recorder.phase_ended(phase)
+    return result
+
+
+def _before_step(optimizer, _args, _kwargs):
+    loop, recorder = _recorder()
+    if recorder is None:
+        return
+    if loop.optimizer is None:
+        loop.optimizer = weakref.ref(optimizer)
+    elif loop.optimizer() is not optimizer:
+        return  # another optimizer (a GAN's second one): its step is work inside this step
+    if loop.phase is not None:  # the last step() raised: its step ended with it
+        recorder.interrupted("the optimizer step did not complete")
+    loop.phase = recorder.optimizer_step_started(loop)
+
+
+def _after_step(optimizer, _args, _kwargs):
+    loop, recorder = _recorder()
+    if recorder is None or loop.optimizer is None or loop.optimizer() is not optimizer:
+        return
+    phase, loop.phase = loop.phase, None
+    if phase is not None:
+        loop.global_steps += 1
+        recorder.optimizer_step_ended(loop, phase)
+
+
+def _observe_steps_and_backwards() -> None:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    _state.hooks += [register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step)]
+    _state.patches.wrap(torch.autograd, "backward", _backward)
+
+
+class TorchTrainingInstrumentor(BaseInstrumentor):
+    """Steps of a plain PyTorch loop (DDP, FSDP2, or ``trace_training``) where no DeepSpeed engine trains."""
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments_torch
+
+    def _instrument(self, **kwargs):
+        patches = Patches()
+        _state.instrumentor, _state.patches = self, patches
+        _state.tracer_provider, _state.meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
+
+        def patch_ddp(module):
+            if patches.active:
+                patches.wrap(module.DistributedDataParallel, "__init__", _ddp_init)
+                patches.wrap(module.DistributedDataParallel, "forward", _ddp_forward)
+
+        def patch_fsdp(module):
+            if patches.active:
+                patches.wrap(module, "fully_shard", _fully_shard)
+                patches.rebind([sys.modules[name] for name in _FSDP_MODULES if name in sys.modules])
+
+        when_imported(_DDP_MODULE, patch_ddp)
+        when_imported(_FSDP_MODULES[0], patch_fsdp)
+        when_imported(_FSDP_MODULES[-1], lambda _module: patch_fsdp(sys.modules[_FSDP_MODULES[0]]))
+
+    def _uninstrument(self, **kwargs):
+        for handle in _state.hooks:
+            handle.remove()
+        if _state.patches is not None:
+            _state.patches.restore()
+        if _state.loop is not None:
+            registry.forget(_state.loop)
+        _state.__init__()

@@ -1,0 +1,281 @@
+"""The hang watchdog: a thread that notices a step that does not close, and says where the rank is.
+
+The training thread does nothing for it. Every poll (at most a second) the watchdog's own thread
+reads each recorder's open record (``recording/record.py``: set-once or append-only fields), and
+the steps it sees close give it their durations. A step open longer than ``threshold`` (the
+larger of ``OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT`` and ``FACTOR`` times the slowest of the last
+``WINDOW`` steps it saw close; ``FIRST_STEP_FACTOR`` times the floor before one closed) is reported:
+a ``HangReport`` (the step, its open phase and since when, the collective in flight, the last
+sequence issued per group, the training thread's Python stack from ``sys._current_frames``) goes
+to the emitter, which writes it as a ``training.hang`` span, and the tracer provider is flushed
+while the training thread stays blocked. The report is repeated at 2, 4, 8... times the threshold,
+so a live job's files always say for how long.
+
+A signal that arrives while the training thread is blocked in native code (a collective waiting
+for a peer that will never come) does not run its Python handler. The interpreter still writes its
+number to the wakeup fd this thread reads (``lifecycle.wake_on_signals``): after
+``lifecycle.GRACE_SECONDS`` without the handler starting, this thread runs the lifecycle's exit
+stages (a last report with the stack first) and the process dies by the signal. Never the device:
+nothing here synchronizes or touches a tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+from opentelemetry.metrics import Observation
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.recording.record import HangReport
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
+
+_logger = logging.getLogger(__name__)
+
+FACTOR = 10.0  # a step this many times the slowest recent one is not slow, it is stuck
+FIRST_STEP_FACTOR = 10.0  # before any step closed (warm-up, first collectives), this many times the floor
+WINDOW = 64  # closed steps whose durations set the threshold
+MAX_POLL = 1.0  # seconds between two looks at the open records
+STACK_LIMIT = 64  # innermost frames kept of the training thread's stack
+FLUSH_MILLIS = 5000
+
+
+def threshold(recent: list[float] | deque, floor: float) -> float:
+    """Seconds a step may stay open before it is reported: the larger of ``floor`` and ``FACTOR`` times
+    the slowest of ``recent`` closed steps; ``FIRST_STEP_FACTOR`` times ``floor`` while none closed."""
+    if not recent:
+        return floor * FIRST_STEP_FACTOR
+    return max(floor, FACTOR * max(recent))
+
+
+class _Watched:
+    """The watchdog's view of one recorder."""
+
+    __slots__ = ("durations", "last", "next_report", "recorder", "thread")
+
+    def __init__(self, recorder, thread: int):
+        self.recorder = recorder
+        self.thread = thread  # the thread that built the engine: the one that trains
+        self.last = None  # the open record at the previous look
+        self.durations: deque = deque(maxlen=WINDOW)
+        self.next_report = 0.0  # open seconds of the current record at which to report (again)
+
+
+class Watchdog(Component):
+    def __init__(self, floor: float):
+        super().__init__("hang watchdog")
+        self.floor = floor
+        self.poll = min(MAX_POLL, floor / 4)
+        self._watched: list[_Watched] = []
+        self._thread: threading.Thread | None = None
+        self._signals: socket.socket | None = None
+        self._meters: list = []
+        self.reports = 0
+
+    # -- the training thread, once per engine -------------------------------------------------------
+
+    @fail_open
+    def watch(self, recorder, meter=None, start: bool = True) -> None:
+        """``start``: the thread and the signals (False: tests call ``check`` themselves)."""
+        self._watched.append(_Watched(recorder, threading.get_ident()))
+        if meter is not None and not any(known is meter for known in self._meters):
+            self._meters.append(meter)
+            meter.create_observable_gauge(
+                semconv.METRIC_STEP_OPEN_DURATION, [observing(self, self._observe_open)], unit="s",
+                description="How long the step open now on this rank has been running; 0 between steps")
+        if self._thread is None and start:
+            self._listen_for_signals()
+            lifecycle.at_exit(lifecycle.REPORT_HANGS, self._at_exit)
+            lifecycle.in_forked_child(lifecycle.FORGET, self._forget)
+            self._thread = threading.Thread(target=self._run, daemon=True, name="otel-deepspeed-watchdog")
+            self._thread.start()
+
+    def _listen_for_signals(self) -> None:
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        try:
+            if lifecycle.wake_on_signals(writer.fileno()):
+                self._signals, self._writer = reader, writer  # the writer must stay open
+                return
+        except (ValueError, OSError):
+            pass
+        reader.close()
+        writer.close()
+
+    def _forget(self) -> None:
+        self._watched.clear()
+        self._thread = None
+
+    # -- the watchdog's thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.broken:
+            signals = self._wait(self.poll)
+            self.check()
+            for signum in signals:
+                self._signalled(signum)
+
+    def _wait(self, seconds: float) -> bytes:
+        if self._signals is None:
+            time.sleep(seconds)
+            return b""
+        try:
+            readable, _, _ = select.select([self._signals], [], [], seconds)
+            return self._signals.recv(64) if readable else b""
+        except (BlockingIOError, InterruptedError):
+            return b""
+        except OSError:
+            self._signals = None
+            return b""
+
+    @fail_open
+    def check(self, now: int | None = None) -> list[HangReport]:
+        """One look at every open record: durations of the steps seen closing, and reports of those stuck."""
+        now = time.time_ns() if now is None else now
+        reports = []
+        for watched in list(self._watched):
+            record = watched.recorder.open
+            last = watched.last
+            if record is not last:
+                if last is not None and last.end is not None and last.failure is None:
+                    watched.durations.append((last.end - last.start) / 1e9)
+                watched.last = record
+                watched.next_report = 0.0
+            if record is None:
+                continue
+            limit = threshold(watched.durations, self.floor)
+            open_seconds = (now - record.start) / 1e9
+            if open_seconds > max(limit, watched.next_report):
+                watched.next_report = 2 * max(open_seconds, limit)
+                reports.append(self._report(watched, record, now, semconv.HANG_REASON_WATCHDOG, limit))
+        if reports:
+            self._send(reports)
+        return reports
+
+    def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:
+        phase = record.phase
+        collective = next((c for c in reversed(list(record.collectives)) if c.end is None), None)
+        return HangReport(record.facts, record.number, record.start, now, reason, limit,
+                          None if phase is None else phase.name, None if phase is None else phase.micro_step,
+                          None if phase is None else phase.start, collective, _last_sequences(),
+                          _stacks(watched.thread))
+
+    def _send(self, reports: list[HangReport]) -> None:
+        from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+        sink = emitter()
+        for report in reports:
+            sink.submit(report)
+            self.reports += 1
+        sink.drain()
+        for provider in {id(r.facts.writer.provider): r.facts.writer.provider for r in reports}.values():
+            flush = getattr(provider, "force_flush", None)
+            if flush is not None:
+                flush(FLUSH_MILLIS)
+        for report in reports:
+            where = f"{report.phase} of step {report.number}" if report.phase else f"step {report.number}"
+            if report.collective is not None:
+                where += (f", in {report.collective.route.span_name} (sequence {report.collective.sequence}) for "
+                          f"{(report.at - report.collective.start) / 1e9:.0f} s")
+            _logger.warning("opentelemetry-instrumentation-deepspeed: no step progress for %.0f s (threshold %.0f s): "
+                            "the training thread is in %s; its stack is in the training.hang span",
+                            (report.at - report.step_start) / 1e9, report.threshold, where)
+
+    def _signalled(self, signum: int) -> None:
+        """A signal arrived; if its handler cannot run (the training thread is blocked in native code),
+        this thread does the exit work and the process dies by the signal."""
+        if signum == signal.SIGTERM and lifecycle.handles_sigterm():
+            reason = lifecycle.TERMINATED
+        elif signum == signal.SIGINT and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            reason = lifecycle.INTERRUPTED
+        else:
+            return
+        before = self._positions()
+        deadline = time.monotonic() + lifecycle.GRACE_SECONDS
+        while time.monotonic() < deadline:
+            if lifecycle.finishing():
+                return
+            time.sleep(0.05)
+        if lifecycle.finishing() or not any(before):
+            return
+        if signum == signal.SIGINT and self._positions() != before:
+            return  # the training thread moved: KeyboardInterrupt reached it, the program decides
+        # SIGTERM: its handler did not start within the grace period; the default action is death anyway.
+        _logger.warning("opentelemetry-instrumentation-deepspeed: %s while the training thread is blocked; "
+                        "writing the telemetry from the watchdog's thread", signal.Signals(signum).name)
+        lifecycle.finish_elsewhere(signum, reason)
+
+    def _positions(self) -> list:
+        """Where each watched thread is: its innermost frame and instruction, with a step open; else None."""
+        frames = sys._current_frames()
+        found = []
+        for watched in self._watched:
+            frame = frames.get(watched.thread)
+            found.append(None if frame is None or watched.recorder.open is None else (id(frame), frame.f_lasti))
+        return found
+
+    # -- any thread ---------------------------------------------------------------------------------
+
+    def _at_exit(self, reason: str) -> None:
+        """Stopped by a signal with a step open: where the training thread was, before the step is closed."""
+        if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED) or self.broken:
+            return
+        from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+        now = time.time_ns()
+        for watched in list(self._watched):
+            record = watched.recorder.open
+            if record is not None:
+                emitter().submit(self._report(watched, record, now, reason, threshold(watched.durations, self.floor)))
+
+    def _observe_open(self, _options):
+        now = time.time_ns()
+        opened = [w.recorder.open for w in list(self._watched)]
+        return [Observation(max(((now - r.start) / 1e9 for r in opened if r is not None), default=0.0))]
+
+
+def _last_sequences() -> dict:
+    comm = sys.modules.get("opentelemetry_instrumentation_deepspeed.instrumentors.comm")
+    if comm is None:
+        return {}
+    with contextlib.suppress(Exception):
+        return comm.last_sequences()
+    return {}
+
+
+def _stacks(thread: int) -> list:
+    if thread == threading.get_ident():
+        # The signal's handler runs the exit stages on the training thread itself: its stack below them.
+        frame = lifecycle.interrupted_frame()
+    else:
+        frame = sys._current_frames().get(thread)  # the documented way to see another thread
+    if frame is None:
+        return []
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stack = "".join(traceback.format_stack(frame, STACK_LIMIT))
+    return [(thread, names.get(thread, ""), stack)]
+
+
+_watchdog: Watchdog | None = None
+
+
+def watch(recorder, meter=None) -> None:
+    """Watch ``recorder``'s steps (call on the thread that trains, when its engine is built)."""
+    global _watchdog  # noqa: PLW0603 - one per process
+    floor = env.hang_timeout()
+    if not floor:
+        return
+    if _watchdog is None:
+        _watchdog = Watchdog(floor)
+    _watchdog.watch(recorder, meter)

@@ -1,0 +1,101 @@
+"""Plain PyTorch data-parallel training, no DeepSpeed: DDP or FSDP2 (``fully_shard``) over gloo.
+
+    opentelemetry-instrument torchrun --nproc_per_node 2 tests/scripts/train_torch.py --mode fsdp
+
+Gradient accumulation as such loops do it: DDP's ``no_sync()``, FSDP2's
+``set_requires_gradient_sync(False)``, on every micro-batch but the last of a step. Each step's loss is
+averaged across ranks with ``torch.distributed.all_reduce`` for logging, before the optimizer step.
+``--slow-rank R`` makes rank R sleep ``--slow-ms`` in each forward (a straggler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-ms", type=float, default=30.0)
+    return parser.parse_args(argv)
+
+
+class Model(nn.Module):
+    def __init__(self, width: int, delay_ms: float):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.delay = delay_ms / 1000
+
+    def forward(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(11)
+    model = Model(args.width, args.slow_ms if rank == args.slow_rank else 0.0)
+    if args.mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    samples = args.steps * args.grad_accum * args.micro_batch_size * world_size
+    inputs = torch.randn(samples, args.width, generator=torch.Generator().manual_seed(5))
+    dataset = TensorDataset(inputs, inputs.flip(1))
+    loader = DataLoader(dataset, batch_size=args.micro_batch_size,
+                        sampler=DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False))
+    batches = iter(loader)
+    losses = []
+    model.train()
+    for _ in range(args.steps):
+        total = torch.zeros(())
+        for micro in range(args.grad_accum):
+            last = micro == args.grad_accum - 1
+            x, y = next(batches)
+            if args.mode == "ddp":
+                context = contextlib.nullcontext() if last else model.no_sync()
+            else:
+                model.set_requires_gradient_sync(last)
+                context = contextlib.nullcontext()
+            with context:
+                loss = nn.functional.mse_loss(model(x), y) / args.grad_accum
+                loss.backward()
+            total += loss.detach()
+        dist.all_reduce(total)  # the step's loss across ranks, for logging
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(total) / world_size)
+    if rank == 0:
+        print(f"losses {' '.join(f'{loss:.6f}' for loss in losses)}", flush=True)
+        print(f"trained {args.steps} steps (0 skipped)", flush=True)
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

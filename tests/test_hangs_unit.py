@@ -1,0 +1,282 @@
+"""The hang watchdog's threshold and reports, and diagnose's HANG and DESYNC findings, without a job."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.hangs import Hangs, where
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span, spans_of_request
+from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+from tests.test_steps_unit import recorder_on, train_step
+
+
+@pytest.mark.parametrize(("recent", "floor", "expected"), [
+    ([], 30.0, 300.0),  # before any step closed: warm-up gets 10 floors
+    ([0.05, 0.2, 0.1], 30.0, 30.0),  # fast steps: the floor
+    ([0.05, 4.0, 0.1], 30.0, 40.0),  # one slow step in the window: 10 times it
+    ([90.0], 30.0, 900.0),
+    ([0.5], 2.0, 5.0),
+])
+def test_threshold_is_the_floor_or_ten_times_the_slowest_recent_step(recent, floor, expected):
+    assert watchdog.threshold(recent, floor) == pytest.approx(expected)
+
+
+def _check_from_another_thread(dog, now):
+    # The watchdog reads the training thread's stack from its own thread.
+    found = []
+    thread = threading.Thread(target=lambda: found.extend(dog.check(now)))
+    thread.start()
+    thread.join()
+    return found
+
+
+def test_the_watchdog_reports_a_step_that_does_not_close_and_learns_from_those_that_do():
+    recorder, engine, emitted = recorder_on(1, job="hang-job")
+    dog = watchdog.Watchdog(floor=2.0)
+    dog.watch(recorder, start=False)
+    for _ in range(3):  # the watchdog sees each step open, then closed
+        recorder.phase_ended(recorder.forward_started(engine))
+        assert dog.check() == []
+        recorder.phase_ended(recorder.backward_started(engine))
+        engine.step(recorder)
+    dog.check()
+    assert len(dog._watched[0].durations) == 3  # the closed steps it saw go in the window
+    assert watchdog.threshold(dog._watched[0].durations, 2.0) == 2.0
+
+    phase = recorder.forward_started(engine)  # step 4 opens, and its forward never returns
+    start = recorder.open.start
+    assert _check_from_another_thread(dog, start + int(1.9e9)) == []
+    (report,) = _check_from_another_thread(dog, start + int(2.5e9))
+    assert (report.number, report.phase, report.collective) == (4, semconv.PHASE_FORWARD, None)
+    assert _check_from_another_thread(dog, start + int(3e9)) == [], "next report at twice the time"
+    assert len(_check_from_another_thread(dog, start + int(5.5e9))) == 1
+    spans = [s for s in emitted.get_finished_spans() if s.name == semconv.SPAN_HANG]
+    assert len(spans) == 2
+    hang = spans[0]
+    assert hang.attributes[semconv.TRAINING_STEP] == 4
+    assert hang.attributes[semconv.TRAINING_PHASE] == semconv.PHASE_FORWARD
+    assert hang.attributes[semconv.HANG_REASON] == semconv.HANG_REASON_WATCHDOG
+    assert hang.attributes[semconv.HANG_DURATION] == pytest.approx(2.5, abs=0.01)
+    (event,) = hang.events
+    assert event.name == semconv.EVENT_HANG_STACK
+    assert "_check_from_another_thread" in event.attributes[semconv.CODE_STACKTRACE], "the training thread's stack"
+    step_trace = next(s for s in emitted.get_finished_spans() if s.name == semconv.SPAN_STEP).context.trace_id
+    assert hang.context.trace_id != step_trace  # step 4's trace, not step 1's
+    recorder.phase_ended(phase)
+    recorder.phase_ended(recorder.backward_started(engine))
+    engine.step(recorder)
+    assert dog.check() == []
+
+
+def test_a_failed_step_does_not_count_as_a_step_time():
+    recorder, engine, _ = recorder_on(0, job="failed-step")
+    dog = watchdog.Watchdog(floor=1.0)
+    dog.watch(recorder, start=False)
+    phase = recorder.forward_started(engine)
+    dog.check()
+    recorder.phase_failed(phase, RuntimeError("boom"))
+    train_step(recorder, engine)
+    dog.check()
+    assert list(dog._watched[0].durations) == []
+
+
+def test_the_watchdog_adds_nothing_to_the_training_thread():
+    # Its only link to a step is the recorder's open record: no per-step call, no field written for it.
+    recorder, engine, _ = recorder_on(0, job="no-cost")
+    calls = []
+    dog = watchdog.Watchdog(floor=1.0)
+    dog.watch(recorder, start=False)
+
+    def count(frame, event, _arg):
+        if event == "call" and frame.f_code.co_filename == watchdog.__file__:
+            calls.append(frame.f_code.co_name)
+
+    import sys
+
+    sys.setprofile(count)
+    try:
+        for _ in range(5):
+            train_step(recorder, engine)
+    finally:
+        sys.setprofile(None)
+    assert calls == []
+
+
+# -- diagnose ---------------------------------------------------------------------------------------
+
+STACK_RANK1 = """  File "/app/train.py", line 261, in main
+    loss = engine(**batch)
+  File "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1778, in _wrapped_call_impl
+    return self._call_impl(*args, **kwargs)
+  File "/app/train.py", line 138, in forward
+    block_forever()
+  File "/app/train.py", line 152, in block_forever
+    time.sleep(3600)
+"""
+STACK_RANK0 = """  File "/app/train.py", line 263, in main
+    engine.backward(loss)
+  File "/venv/site-packages/opentelemetry_instrumentation_deepspeed/instrumentors/comm.py", line 268, in wrapper
+    return wrapped(*args, **kwargs)
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252, in all_reduce
+    work.wait()
+"""
+
+
+def _span(name, rank, start, end, trace="t8", **attributes):
+    return Span(name, trace, f"s{rank}{name}{start}", "", int(start * 1e9), int(end * 1e9), "job", rank, attributes)
+
+
+def _steps(hangs, rank, last, collectives=()):
+    for number in range(1, last + 1):
+        hangs.add(_span(semconv.SPAN_STEP, rank, number, number + 0.5, trace=f"t{number}",
+                        **{semconv.TRAINING_STEP: number}))
+    for sequence, op, size, dtype in collectives:
+        hangs.add(_span("comm." + op, rank, 1, 1.1, **{semconv.COMM_OP: op, semconv.COMM_SEQUENCE: sequence,
+                                                      semconv.COMM_GROUP_NAME: "1", semconv.COMM_BYTES: size,
+                                                      semconv.COMM_DTYPE: dtype}))
+
+
+def _report(rank, *, step=8, phase="forward", stack="", duration=40.0, collective=None, sequences=()):
+    attributes = {semconv.TRAINING_STEP: step, semconv.TRAINING_PHASE: phase, semconv.HANG_DURATION: duration,
+                  semconv.HANG_THRESHOLD: 30.0, semconv.HANG_REASON: semconv.HANG_REASON_WATCHDOG,
+                  semconv.CODE_STACKTRACE: stack, semconv.HANG_COMM_SEQUENCES: tuple(sequences)}
+    if collective:
+        attributes.update({semconv.COMM_OP: collective[0], semconv.COMM_GROUP_NAME: "1",
+                           semconv.COMM_SEQUENCE: collective[1], semconv.COMM_BYTES: 540160,
+                           semconv.COMM_DTYPE: "float32", semconv.HANG_COMM_DURATION: duration - 0.1})
+    return _span(semconv.SPAN_HANG, rank, 100, 100 + duration, **attributes)
+
+
+def test_hang_names_the_rank_that_stopped_and_the_one_that_waits_for_it():
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32")])
+    hangs.add(_report(1, stack=STACK_RANK1, sequences=["1:48"]))
+    hangs.add(_report(0, phase="backward", stack=STACK_RANK0, collective=("all_reduce", 49), sequences=["1:49"]))
+    (finding,) = hangs.findings("job")
+    assert finding["layer"] == "HANG" and finding["rank"] == 1 and finding["step"] == 8
+    assert finding["summary"].startswith("rank 1 stopped in forward of step 8 at train.py:152 in block_forever")
+    assert "rank 0 waits for rank 1 in all_reduce (group 1, sequence 49" in finding["summary"]
+    assert finding["cost_seconds"] == 40.0 and finding["trace_ids"] == ["t8"]
+    assert set(finding) == {"layer", "summary", "evidence", "remedies", "rank", "step", "cost_seconds", "confidence",
+                            "trace_ids"}
+
+
+def test_a_rank_without_a_report_is_named_by_the_sequence_it_never_reached():
+    hangs = Hangs()
+    for rank in (0, 1, 2):
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32")])
+    for rank in (0, 1):
+        hangs.add(_report(rank, phase="backward", stack=STACK_RANK0, collective=("all_reduce", 49)))
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] == 2 and finding["step"] == 8
+    assert "rank 2 stopped in step 8 before collective (group: sequence) 1: 49" in finding["summary"]
+
+
+def test_every_rank_in_the_same_collective_is_a_collective_that_does_not_complete():
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7)
+        hangs.add(_report(rank, phase="backward", collective=("all_reduce", 49), sequences=["1:49"]))
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] is None and "none is missing" in finding["summary"]
+
+
+def test_a_report_below_its_threshold_or_of_a_step_that_went_on_is_no_hang():
+    hangs = Hangs()
+    _steps(hangs, 0, 9)  # the slow step 8 closed, and step 9 after it
+    hangs.add(_report(0))
+    _steps(hangs, 1, 7)
+    hangs.add(_report(1, duration=3.0))  # stopped at exit, before the threshold
+    assert hangs.findings("job") == []
+
+
+def test_desync_names_the_collective_and_what_differs():
+    hangs = Hangs()
+    _steps(hangs, 0, 7, [(10, "all_reduce", 16, "float32"), (11, "all_reduce", 64, "float32")])
+    _steps(hangs, 1, 7, [(10, "all_reduce", 16, "int32"), (11, "all_reduce", 64, "float32")])
+    (finding,) = hangs.findings("job")
+    assert finding["layer"] == "DESYNC"
+    assert "collective 10 of group 1" in finding["summary"] and "differs in dtype" in finding["summary"]
+    assert "rank 0 all_reduce of 16 bytes float32, rank 1 all_reduce of 16 bytes int32" in finding["summary"]
+
+
+@pytest.mark.parametrize(("rank0", "rank1"), [
+    ((5, "send", 16, "float32"), (5, "recv", 16, "float32")),  # point-to-point pairs
+    ((5, "all_to_all_single", 16, "float32"), (5, "all_to_all_single", 32, "float32")),  # uneven splits
+    ((5, "all_reduce", 16, "float32"), (5, "all_reduce", 16, "float32")),
+])
+def test_no_desync_where_ranks_legitimately_differ(rank0, rank1):
+    hangs = Hangs()
+    _steps(hangs, 0, 3, [rank0])
+    _steps(hangs, 1, 3, [rank1])
+    assert hangs.findings("job") == []
+
+
+def test_where_skips_the_instrumentation_and_names_the_programs_own_frame():
+    assert where(STACK_RANK1) == ("train.py:152 in block_forever (time.sleep(3600)), called from train.py:138 in "
+                                  "forward (block_forever())")
+    assert where(STACK_RANK0) == "distributed_c10d.py:3252 in all_reduce (work.wait()), called from train.py:263 " \
+                                 "in main (engine.backward(loss))"
+
+
+def _request(offset=None, events=()):
+    resource = [{"key": "training.job.id", "value": {"stringValue": "job"}},
+                {"key": "training.rank", "value": {"intValue": "1"}}]
+    if offset is not None:
+        resource.append({"key": semconv.TRAINING_CLOCK_OFFSET, "value": {"intValue": str(offset)}})
+    span = {"name": semconv.SPAN_HANG, "traceId": "ab", "spanId": "cd", "startTimeUnixNano": "5000000000",
+            "endTimeUnixNano": "7000000000", "events": list(events),
+            "attributes": [{"key": semconv.HANG_COMM_SEQUENCES,
+                            "value": {"arrayValue": {"values": [{"stringValue": "1:48"}]}}}]}
+    return json.loads(json.dumps({"resourceSpans": [{"resource": {"attributes": resource},
+                                                     "scopeSpans": [{"spans": [span]}]}]}))
+
+
+def test_the_reader_moves_a_rank_onto_rank_0s_clock_and_keeps_the_hang_stack():
+    stack = {"name": semconv.EVENT_HANG_STACK, "timeUnixNano": "7000000000",
+             "attributes": [{"key": semconv.CODE_STACKTRACE, "value": {"stringValue": STACK_RANK1}}]}
+    (span,) = spans_of_request(_request(offset=1_500_000_000, events=[stack]))
+    assert (span.start, span.end) == (3_500_000_000, 5_500_000_000)
+    assert span.attributes[semconv.CODE_STACKTRACE] == STACK_RANK1
+    assert span.attributes[semconv.HANG_COMM_SEQUENCES] == ("1:48",)
+    (span,) = spans_of_request(_request())
+    assert (span.start, span.end) == (5_000_000_000, 7_000_000_000)
+    (span,) = spans_of_request(_request(offset=10**15))  # no clock is off by 11 days: left as it is
+    assert span.start == 5_000_000_000
+
+
+def test_the_watchdog_thread_reports_within_its_poll_interval():
+    recorder, engine, emitted = recorder_on(0, job="live")
+    dog = watchdog.Watchdog(floor=0.05)
+    dog.watch(recorder, start=False)
+    dog._thread = threading.Thread(target=dog._run, daemon=True)  # without the signal wiring
+    recorder.forward_started(engine)
+    opened = time.monotonic()
+    dog._thread.start()
+    while not dog.reports and time.monotonic() - opened < 10:
+        time.sleep(0.01)
+    dog.broken = True  # stops its loop
+    # Threshold: 10 floors before any step closed (0.5 s), then at most one poll (0.0125 s) and the flush.
+    assert dog.reports and time.monotonic() - opened < 2
+    assert any(s.name == semconv.SPAN_HANG for s in emitted.get_finished_spans())
+
+
+def test_clock_residuals_come_from_collectives_that_end_together():
+    from opentelemetry_instrumentation_deepspeed.diagnose.clocks import Clocks
+
+    clocks = Clocks()
+    for sequence in range(9):
+        for rank, late in ((0, 0.0), (1, 0.003)):
+            clocks.add(_span("comm.all_reduce", rank, 10 + sequence, 10.5 + sequence + late,
+                             **{semconv.COMM_OP: "all_reduce", semconv.COMM_SEQUENCE: sequence}))
+        # Broadcasts and async calls do not end together: not used.
+        clocks.add(_span("comm.broadcast", 1, 30, 31, **{semconv.COMM_OP: "broadcast", semconv.COMM_SEQUENCE: 99}))
+    (rank, residual), = clocks.residuals("job").items()
+    assert rank == 1 and residual["collectives"] == 9
+    assert residual["residual_seconds"] == pytest.approx(0.003, abs=1e-6)

@@ -1,0 +1,189 @@
+"""Pipeline parallelism without DeepSpeed: the recorder's pipeline steps, and the diagnosis of pipeline
+timelines (a GPipe schedule simulated with noise) whose slow stage is known."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
+from opentelemetry_instrumentation_deepspeed.recording.state import State
+from tests.test_steps_unit import Engine
+
+# -- the recorder ---------------------------------------------------------------------------------
+
+
+def pipelined_recorder(micro_batches):
+    records = []
+    engine = Engine(micro_batches)
+    recorder = StepRecorder(engine, "facts", records.append)
+    recorder.pipelined = True
+    return recorder, engine, records
+
+
+def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[str]:
+    """The order of forwards (F) and backwards (B) on one stage under 1F1B."""
+    warm = min(stages - stage - 1, micro_batches)
+    order = ["F"] * warm
+    forwards, backwards = warm, 0
+    while backwards < micro_batches:
+        if forwards < micro_batches:
+            order.append("F")
+            forwards += 1
+        order.append("B")
+        backwards += 1
+    return order
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_train_batch_is_one_step_with_its_backwards_numbered_in_order(stage):
+    recorder, engine, records = pipelined_recorder(4)
+    for done in range(2):
+        recorder.batch_started(engine)
+        for kind in one_f_one_b(stage, 3, 4):
+            if kind == "F":
+                recorder.data_waited(1, 2)
+                recorder.phase_ended(recorder.forward_started(engine))
+            else:
+                recorder.phase_ended(recorder.backward_started(engine))
+        phase = recorder.pipeline_optimizer_started(engine)
+        engine.global_steps += 1
+        recorder.phase_ended(phase)
+        # The step stays open after its optimizer step: the loss is reduced before train_batch() returns.
+        assert recorder.state == State.OPEN and len(records) == done
+        recorder.batch_ended(engine)
+        assert recorder.state == State.IDLE
+    assert [record.number for record in records] == [1, 2]
+    for record in records:
+        forwards = [p.micro_step for p in record.phases if p.name == semconv.PHASE_FORWARD]
+        backwards = [p.micro_step for p in record.phases if p.name == semconv.PHASE_BACKWARD]
+        assert forwards == backwards == [0, 1, 2, 3]
+        assert [p.name for p in record.phases][-1] == semconv.PHASE_OPTIMIZER_STEP
+        assert [w[2] for w in record.waits] == [0, 1, 2, 3]
+        assert record.micro_batches == 4 and record.closed and record.failure is None
+
+
+def test_outside_train_batch_nothing_opens_and_a_failure_ends_the_step():
+    recorder, engine, records = pipelined_recorder(2)
+    recorder.batch_ended(engine)  # a stale end: nothing to close
+    assert recorder.state == State.IDLE and not records
+    recorder.batch_started(engine)
+    phase = recorder.forward_started(engine)
+    recorder.phase_failed(phase, RuntimeError("stage 1 died"))
+    recorder.phase_failed(None, RuntimeError("stage 1 died"))  # train_batch()'s own wrapper: already ended
+    assert recorder.state == State.IDLE and len(records) == 1
+    assert records[0].failure.description == "RuntimeError: stage 1 died"
+
+
+# -- the diagnosis ----------------------------------------------------------------------------------
+
+MS = 1_000_000
+
+
+def simulate(stages: int, micro_batches: int, compute_ms: list[float], steps: int, rng: random.Random, *,
+             data_parallel: int = 1, job: str = "job") -> list[Span]:
+    """Spans of a GPipe schedule: stage s's forward of micro-batch i waits for stage s-1's, its backward
+    for stage s+1's; time blocked waiting is a comm.recv from the neighbour waited for."""
+    spans: list[Span] = []
+    ids = iter(range(1, 10**9))
+    clock = 1_000 * MS
+    for number in range(1, steps + 1):
+        trace = f"{number:032x}"
+        for replica in range(data_parallel):
+            def noisy(ms):
+                return int(ms * rng.uniform(0.7, 1.3) * MS)
+
+            forward = [[0] * micro_batches for _ in range(stages)]
+            backward = [[0] * micro_batches for _ in range(stages)]
+            lanes: list[list] = [[] for _ in range(stages)]
+            ready = [clock] * stages
+            for i in range(micro_batches):
+                for s in range(stages):
+                    arrive = forward[s - 1][i] if s else ready[s]
+                    if arrive > ready[s]:
+                        lanes[s].append(("comm.recv", ready[s], arrive, s - 1))
+                    start = max(arrive, ready[s])
+                    forward[s][i] = ready[s] = start + noisy(compute_ms[s])
+                    lanes[s].append((semconv.SPAN_FORWARD, start, ready[s], i))
+            for i in range(micro_batches):
+                for s in reversed(range(stages)):
+                    arrive = backward[s + 1][i] if s < stages - 1 else ready[s]
+                    if arrive > ready[s]:
+                        lanes[s].append(("comm.recv", ready[s], arrive, s + 1))
+                    start = max(arrive, ready[s])
+                    backward[s][i] = ready[s] = start + noisy(2 * compute_ms[s])
+                    lanes[s].append((semconv.SPAN_BACKWARD, start, ready[s], i))
+            end = max(ready) + MS
+            for s in range(stages):
+                rank = replica * stages + s
+                step_id = f"{next(ids):016x}"
+                spans.append(Span(semconv.SPAN_STEP, trace, step_id, "", clock, end + MS, job, rank, {
+                    semconv.TRAINING_STEP: number, semconv.TRAINING_PIPELINE_STAGE: s,
+                    semconv.TRAINING_PIPELINE_STAGES: stages, semconv.TRAINING_STEP_MICRO_BATCHES: micro_batches}))
+                spans.append(Span(semconv.SPAN_OPTIMIZER_STEP, trace, f"{next(ids):016x}", step_id, end, end + MS,
+                                  job, rank, {}))
+                for name, start, stop, detail in lanes[s]:
+                    attributes = ({semconv.COMM_PEER_STAGE: detail, semconv.COMM_OP: "recv"} if name == "comm.recv"
+                                  else {semconv.TRAINING_MICRO_STEP: detail})
+                    spans.append(Span(name, trace, f"{next(ids):016x}", step_id, start, stop, job, rank, attributes))
+        clock = end + 3 * MS
+    return spans
+
+
+def diagnose(spans):
+    analysis = Analysis()
+    analysis.add(spans)
+    return analysis.result()
+
+
+def test_injected_slow_stages_are_named_and_balanced_pipelines_raise_no_alarm():
+    rng = random.Random(19)
+    named, missed, false_alarms, cases = 0, [], [], 0
+    for case in range(24):
+        stages, micro_batches = rng.choice([2, 3, 4]), rng.choice([4, 6, 8])
+        base = rng.uniform(2, 8)
+        compute = [base * rng.uniform(0.95, 1.1) for _ in range(stages)]  # balanced: within 15%
+        slow = case % 2 == 0
+        slow_stage = rng.randrange(stages)
+        if slow:
+            compute[slow_stage] = base * rng.uniform(1.6, 3.0)
+        report = diagnose(simulate(stages, micro_batches, compute, rng.choice([6, 10]), rng,
+                                   data_parallel=rng.choice([1, 2])))
+        findings = report["pipeline"]["findings"]
+        assert set(report["pipeline"]["stages"]) == set(range(stages))
+        cases += 1
+        if slow:
+            if findings and findings[0]["stage"] == slow_stage and report["verdict"]["layer"] == "PIPELINE":
+                named += 1
+            else:
+                missed.append((case, stages, micro_batches, compute, slow_stage, report["verdict"]))
+        elif findings or report["verdict"]["layer"] != "none":
+            false_alarms.append((case, stages, compute, report["verdict"]))
+    assert not missed and not false_alarms, (missed, false_alarms)
+    assert named == cases // 2
+
+
+def test_the_finding_has_the_shared_shape_and_bubbles_per_stage():
+    rng = random.Random(7)
+    report = diagnose(simulate(2, 4, [4.0, 10.0], 8, rng))
+    finding = report["verdict"]
+    assert finding["layer"] == "PIPELINE" and finding["stage"] == 1 and finding["rank"] == 1
+    assert {"layer", "summary", "evidence", "remedies", "rank", "step", "cost_seconds", "confidence",
+            "trace_ids"} <= set(finding)
+    assert 0 < finding["confidence"] <= 1 and finding["trace_ids"] and finding["cost_seconds"] > 0
+    # The faster stage waits for the slower one: its bubble is most of its step, spent receiving from stage 1.
+    stages = report["pipeline"]["stages"]
+    assert stages[0]["bubble_share"] > 0.5 > stages[1]["bubble_share"]
+    assert stages[0]["recv_seconds_by_peer_stage"][1] > stages[1]["recv_seconds_by_peer_stage"][0]
+    # Ranks of different stages are not stragglers of each other.
+    assert report["straggler"] is None
+
+
+def test_a_job_without_stages_has_no_pipeline_section():
+    spans = [Span(semconv.SPAN_STEP, f"{n:032x}", f"{n:016x}", "", n * MS, (n + 5) * MS, "job", 0,
+                  {semconv.TRAINING_STEP: n}) for n in range(1, 6)]
+    assert diagnose(spans)["pipeline"] == {}

@@ -1,0 +1,100 @@
+"""The plain PyTorch loop's step rule in-process (one gloo rank, no DeepSpeed): which calls make a step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from torch import nn
+
+from opentelemetry_instrumentation_deepspeed import TorchTrainingInstrumentor, trace_training
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.runtime import session
+from tests.conftest import free_port
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    original = (torch.autograd.backward, nn.parallel.DistributedDataParallel.forward)
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider)
+
+    def spans():
+        emitter().drain()
+        return exporter.get_finished_spans()
+
+    yield spans
+    instrumentor.uninstrument()
+    registry.forget_all()
+    session.reset()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    assert (torch.autograd.backward, nn.parallel.DistributedDataParallel.forward) == original
+
+
+def micro_steps(spans, name):
+    return [span.attributes["training.micro_step"] for span in spans if span.name == name]
+
+
+@pytest.mark.slow  # building a DistributedDataParallel takes seconds (its imports), even for one rank
+def test_ddp_steps_end_at_the_first_optimizers_step(traced):
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)  # e.g. a loss-scale or EMA optimizer
+    for _ in range(3):
+        for micro in range(2):
+            with contextlib.nullcontext() if micro else model.no_sync():
+                model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        other.step()  # not the step optimizer: inside the next step, it ends nothing
+        with torch.no_grad():
+            model(torch.randn(5, 4))  # evaluation: no span
+    spans = traced()
+    steps = [span for span in spans if span.name == "training.step"]
+    assert [step.attributes["training.step"] for step in steps] == [1, 2, 3]
+    assert all(step.attributes["training.parallelism"] == "ddp" for step in steps)
+    assert all(step.attributes["training.step.samples"] == 10 for step in steps)
+    assert micro_steps(spans, "training.forward") == micro_steps(spans, "training.backward") == [0, 1] * 3
+    assert [span.name for span in spans].count("training.optimizer.step") == 3
+
+
+def test_a_custom_loop_opts_in_and_names_its_step_optimizer(traced):
+    model = nn.Linear(4, 4)
+    warmup = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        warmup.step()  # stepped first, but not the one named
+        optimizer.step()
+    spans = traced()
+    steps = [span for span in spans if span.name == "training.step"]
+    assert len(steps) == 2 and steps[0].attributes["training.parallelism"] == "none"
+    assert micro_steps(spans, "training.forward") == [0, 0]
+
+
+def test_no_loop_beside_a_deepspeed_engine(traced):
+    class Engine:
+        pass
+
+    engine = Engine()
+    registry.track(engine, object())  # a DeepSpeed engine's recorder: the engine traces this process
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    registry.forget_all()
+    assert traced() == ()

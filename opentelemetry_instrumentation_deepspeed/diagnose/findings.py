@@ -74,10 +74,12 @@ def none(summary: str) -> dict:
 
 
 def ranked(findings: list[dict]) -> list[dict]:
-    """By time lost, most first, then the surer; findings with no measured cost (hardware counters,
-    an out-of-memory error) after them."""
-    return sorted(findings, key=lambda f: (f["cost_seconds"] is None, -(f["cost_seconds"] or 0.0),
-                                           -f.get("confidence", 0.0)))
+    """By time lost, most first, then the surer; the findings at least 1 - ALPHA sure (every finding
+    of this module) before the less sure ones of other layers, so a heuristic's guess does not
+    outrank a tested finding; findings with no measured cost (hardware counters, an out-of-memory
+    error) last."""
+    return sorted(findings, key=lambda f: (f["cost_seconds"] is None, (f.get("confidence") or 0.0) < 1 - ALPHA,
+                                           -(f["cost_seconds"] or 0.0), -(f.get("confidence") or 0.0)))
 
 
 def _ordinal(number: int) -> str:

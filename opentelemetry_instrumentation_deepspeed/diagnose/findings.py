@@ -32,6 +32,7 @@ ALPHA = periodic.ALPHA  # and hold beyond chance at this level
 DATA_WAIT_SHARE = 0.25  # data wait above this share of a step, in most steps
 COMM_SHARE = 0.30  # exposed communication above this share of a step, in most steps
 BOOTSTRAP = 999  # resamples of the steps for a share's test
+LATE_STEP_SHARE = 0.20  # a late rank's part must exceed the others' by this share of the median step (median)
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
 
 LAYER_OF_PART = {"data_wait": "data loading", "forward": "compute", "backward": "compute", "optimizer": "compute",
@@ -108,6 +109,8 @@ class StepFindings:
         totals = [sum(s["seconds"] for s in steps) for steps in steady.values() if steps]
         self.run_seconds = statistics.median(totals) if totals else 0.0
         self.min_cost = MIN_COST_SHARE * self.run_seconds
+        medians = [statistics.median(s["seconds"] for s in steps) for steps in steady.values() if steps]
+        self.step_seconds = statistics.median(medians) if medians else 0.0
         self.rng = random.Random(seed)  # the permutation tests: the same report for the same input
         self.patterns: dict[int, periodic.Pattern] = {}  # rank -> its costliest periodic pattern
 
@@ -225,6 +228,8 @@ class StepFindings:
             if best is None:
                 continue
             part, cost, p_value, excess, longer = best
+            if statistics.median(excess.values()) < LATE_STEP_SHARE * self.step_seconds:
+                continue  # smaller per-rank differences are what a shared host makes (docs/diagnose.md)
             # Late because its previous collective ended later: that is communication, judged by its share.
             if part == "exposed_comm" or (rank, part) in covered:
                 continue

@@ -322,6 +322,7 @@ def named(report: dict, rank: int) -> list[str]:
 
 def show(label: str, run: tuple, args) -> None:
     report, seconds, cpu, peak = run
+    (Path(args.out) / f"report-{label.split(maxsplit=1)[0].lower()}.json").write_text(json.dumps(report, indent=1))
     verdict = report["verdict"]
     print(f"{label}: {report['input']['spans']} spans in {seconds:.1f} s ({cpu:.1f} s of CPU), peak RSS {peak:.0f} MiB")
     print(f"  verdict: {verdict['layer'].upper()}: {verdict['summary']}")
@@ -349,6 +350,7 @@ def main():
     parser.add_argument("--metric-interval", type=float, default=10.0, help="seconds between GPU samples")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--diagnose", action="store_true", help="then time diagnose from files and from Tempo")
+    parser.add_argument("--sources", default="files,tempo", help="what --diagnose reads: files, tempo or both")
     args = parser.parse_args()
     out = Path(args.out)
     started = time.perf_counter()
@@ -364,7 +366,10 @@ def main():
     print(f"{size / 2**20:.0f} MiB of OTLP JSON lines in {len(list(job['folder'].iterdir()))} files")
     if not args.diagnose:
         return
-    show("files", diagnose(str(job["folder"])), args)
+    if "files" in args.sources:
+        show("files", diagnose(str(job["folder"])), args)
+    if "tempo" not in args.sources:
+        return
     server, url = serve_tempo(job["tempo"], job["job"])
     try:
         show("Tempo API", diagnose("--tempo", url, "--job", job["job"]), args)

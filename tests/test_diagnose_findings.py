@@ -192,3 +192,12 @@ def test_a_throttled_gpu_with_no_cost_measured_is_still_reported():
     analysis.add_samples(throttled(spans, 0))
     verdict = analysis.result()["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["cost_seconds"]) == ("GPU/hardware", 0, None)
+
+
+def test_a_rank_slower_at_everything_is_a_straggler_of_its_whole_compute():
+    # A slower device: every compute phase of rank 1 takes 40% longer, none alone carrying most of it.
+    report = analyse(synthetic_job(16, extra=lambda r, _step: {"forward": 3.2, "backward": 6, "optimizer": 1.2}
+                                   if r == 1 else {}))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"]) == ("straggler", 1, "compute"), verdict
+    assert report["straggler"]["rank"] == 1

@@ -400,7 +400,8 @@ def _without_cross_stage_stragglers(result: dict) -> dict:
     """pipeline.reconcile's second decision: in a pipeline job stages differ by design, so a late rank
     whose stage peers are not slower than it is no straggler; its late-rank findings go."""
     result["findings"] = [f for f in result["findings"]
-                          if not (f.get("test") == "signed-rank" and f.get("phase") in findings_module.COMPUTE)]
+                          if not (f.get("test") == "signed-rank"
+                                  and f.get("phase") in (*findings_module.COMPUTE, "compute"))]
     return result["findings"][0] if result["findings"] else findings_module.none(_quiet(result["job"]))
 
 

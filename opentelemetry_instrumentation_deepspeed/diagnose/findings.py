@@ -38,7 +38,8 @@ THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GP
 LAYER_OF_PART = {"data_wait": "data loading", "forward": "compute", "backward": "compute", "optimizer": "compute",
                  "exposed_comm": "communication", "unaccounted": "HOST WORK"}
 WHAT = {"data_wait": "data wait", "forward": "forward", "backward": "backward", "optimizer": "optimizer step",
-        "exposed_comm": "an earlier collective", "unaccounted": "host work between phases"}
+        "exposed_comm": "an earlier collective", "unaccounted": "host work between phases",
+        "compute": "compute (forward, backward and optimizer step)"}
 COMPUTE = ("forward", "backward", "optimizer")
 
 REMEDIES = {
@@ -216,20 +217,24 @@ class StepFindings:
             if sum(held.values()) < self.min_cost:
                 continue  # its cost is at most the others' wait for it
             excesses = {step: excess_of.of(rank, step) for step in numbers}
-            best = None
-            for part in OWN_PARTS:
+            for step_excess in excesses.values():  # a rank slower at everything (a slower device) is slow here
+                step_excess["compute"] = sum(step_excess.get(part, 0.0) for part in COMPUTE)
+            tested = {}
+            for part in (*OWN_PARTS, "compute"):
                 excess = {step: excesses[step].get(part, 0.0) for step in numbers}
-                longer = sum(value > 0 for value in excess.values())
                 p_value = waits_module.signed_rank_p(list(excess.values()))
                 # The job loses what the others wait for, up to this part's excess.
                 cost = sum(min(max(excess[step], 0.0), held.get(step, 0.0)) for step in numbers)
-                if p_value <= ALPHA and cost >= self.min_cost and (best is None or cost > best[1]):
-                    best = (part, cost, p_value, excess, longer)
+                if (p_value <= ALPHA and cost >= self.min_cost
+                        and statistics.median(excess.values()) >= LATE_STEP_SHARE * self.step_seconds):
+                    tested[part] = (part, cost, p_value, excess, sum(value > 0 for value in excess.values()))
+            single = max((tested[part] for part in OWN_PARTS if part in tested), key=lambda t: t[1], default=None)
+            # The compute as a whole only when no one phase carries most of it.
+            best = tested.get("compute") if "compute" in tested and (
+                single is None or single[1] < 0.6 * tested["compute"][1]) else single
             if best is None:
-                continue
-            part, cost, p_value, excess, longer = best
-            if statistics.median(excess.values()) < LATE_STEP_SHARE * self.step_seconds:
                 continue  # smaller per-rank differences are what a shared host makes (docs/diagnose.md)
+            part, cost, p_value, excess, longer = best
             # Late because its previous collective ended later: that is communication, judged by its share.
             if part == "exposed_comm" or (rank, part) in covered:
                 continue
@@ -241,7 +246,7 @@ class StepFindings:
                        for other in self.steady if other != rank}
             extra = statistics.median(excess.values())
             found.append(finding(
-                "straggler" if part in COMPUTE else LAYER_OF_PART[part],
+                "straggler" if part in (*COMPUTE, "compute") else LAYER_OF_PART[part],
                 f"rank {rank}'s {WHAT[part]} takes {_ms(extra)} longer than the other ranks' (median per step); "
                 f"they wait for it in collectives",
                 evidence=[f"longer than the other ranks' median in {longer} of {len(numbers)} steps "
@@ -259,7 +264,7 @@ class StepFindings:
 
     def straggler(self, findings: list[dict]) -> dict | None:
         """The former ``straggler`` block of the report, from a late-rank finding whose cause is compute."""
-        late = [f for f in findings if f.get("test") == "signed-rank" and f["phase"] in COMPUTE]
+        late = [f for f in findings if f.get("test") == "signed-rank" and f["phase"] in (*COMPUTE, "compute")]
         if not late:
             return None
         top = max(late, key=lambda f: f["cost_seconds"])

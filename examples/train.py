@@ -51,9 +51,14 @@ def parse_args(argv=None):
     faults.add_argument("--stall-every", type=int, default=0, metavar="K",
                         help="the data loader stalls on every K-th optimizer step (its first micro-batch)")
     faults.add_argument("--stall-ms", type=float, default=200.0, metavar="D", help="length of each stall")
+    faults.add_argument("--stall-rank", type=int, default=-1, metavar="R",
+                        help="only rank R's data loader stalls (default: every rank's)")
     faults.add_argument("--slow-rank", type=int, default=-1, metavar="R",
-                        help="rank R computes --slow-ms longer in each forward (a straggler)")
+                        help="rank R computes --slow-ms longer in each --slow-phase (a straggler)")
     faults.add_argument("--slow-ms", type=float, default=50.0, metavar="D")
+    faults.add_argument("--slow-phase", choices=("forward", "backward", "optimizer"), default="forward",
+                        help="where the slow rank spends its extra time: each forward, each backward, or each "
+                             "optimizer step")
     faults.add_argument("--comm-heavy", action="store_true",
                         help="add 8M parameters that cost no compute, as a large embedding does, and update "
                              "with SGD: each step's large gradient all-reduce dominates")
@@ -161,11 +166,26 @@ class StallingCollate:
         return batch
 
 
+class _SlowBackward(torch.autograd.Function):
+    """The identity forward; its backward sleeps first: extra backward time on one rank."""
+
+    @staticmethod
+    def forward(ctx, tensor, seconds):
+        ctx.seconds = seconds
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, d_model: int, layers: int, seq_len: int, *, delay_ms: float = 0.0,
-                 ballast: int = 0):
+                 backward_delay_ms: float = 0.0, ballast: int = 0):
         super().__init__()
         self.delay = delay_ms / 1000
+        self.backward_delay = backward_delay_ms / 1000
         self.slowdown = 1.0  # the forward's compute takes this many times as long (fault injection)
         self.ballast = nn.Parameter(torch.zeros(ballast)) if ballast else None
         self.embed = nn.Embedding(vocab, d_model)
@@ -201,6 +221,8 @@ class TinyLM(nn.Module):
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
+        if self.backward_delay:
+            loss = _SlowBackward.apply(loss, self.backward_delay)
         return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
 
 
@@ -294,12 +316,23 @@ def average_loss(loss: torch.Tensor, asynchronous: bool) -> float:
     return total.item() / torch.distributed.get_world_size()
 
 
-def make_optimizer(args, model):
+def make_optimizer(args, model, delay_ms: float = 0.0):
     """A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU. The
-    communication-heavy configuration updates with plain SGD, so its large gradients dominate."""
+    communication-heavy configuration updates with plain SGD, so its large gradients dominate.
+    ``delay_ms``: each of its steps takes that much longer (a slow optimizer on one rank)."""
     if args.comm_heavy:
-        return torch.optim.SGD(model.parameters(), lr=1e-2)
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if delay_ms:
+        step = optimizer.step
+
+        def slow_step(*args, **kwargs):
+            time.sleep(delay_ms / 1000)
+            return step(*args, **kwargs)
+
+        optimizer.step = slow_step
+    return optimizer
 
 
 def write_comms_counts(prefix: str, rank: int) -> None:
@@ -326,13 +359,14 @@ def inject_faults(args, model, rank: int, step: int) -> None:
 
 def make_loader(args, engine, dataset) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
+    every = args.stall_every if args.stall_rank in (-1, engine.global_rank) else 0
     lengths = None
     if args.shift_seq_len:
         def lengths(step):
             return args.shift_seq_len if step >= args.shift_at else args.seq_len
     pad_id = args.vocab if args.padding else None
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
-                      collate_fn=StallingCollate(args.stall_every, args.stall_ms, args.grad_accum, lengths=lengths,
+                      collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum, lengths=lengths,
                                                  pad_id=pad_id, seed=args.seed + engine.global_rank))
 
 
@@ -342,6 +376,12 @@ def print_step(args, engine, loss: float) -> None:
     grad_norm = engine.get_global_grad_norm()
     print(f"step {engine.global_steps} rank {engine.global_rank} loss {loss!r} "
           f"grad_norm {None if grad_norm is None else float(grad_norm)!r}", flush=True)
+
+
+def slow_rank_delays(args) -> dict[str, float]:
+    """Milliseconds this rank adds to each forward, backward and optimizer step (--slow-rank)."""
+    delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
+    return {phase: delay if phase == args.slow_phase else 0.0 for phase in ("forward", "backward", "optimizer")}
 
 
 def main(argv=None):
@@ -357,12 +397,12 @@ def main(argv=None):
         # gloo is what it falls back to without it, and what this example is for.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
-    delay = args.slow_ms if int(os.environ.get("RANK", "0")) == args.slow_rank else 0.0
+    delays = slow_rank_delays(args)
     longest = max(args.seq_len, args.shift_seq_len)
     # With padding, the id after the vocabulary pads (it gets an embedding of its own).
-    model = TinyLM(args.vocab + args.padding, args.d_model, args.layers, longest, delay_ms=delay,
-                   ballast=8 * 2**20 if args.comm_heavy else 0)
-    optimizer = make_optimizer(args, model)
+    model = TinyLM(args.vocab + args.padding, args.d_model, args.layers, longest, delay_ms=delays["forward"],
+                   backward_delay_ms=delays["backward"], ballast=8 * 2**20 if args.comm_heavy else 0)
+    optimizer = make_optimizer(args, model, delays["optimizer"])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dataset = SyntheticTokens(args.steps * args.grad_accum * args.micro_batch_size * world_size,
                               longest, args.vocab, args.seed)

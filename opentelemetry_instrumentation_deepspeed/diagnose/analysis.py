@@ -1,23 +1,24 @@
 """From step spans to "which layer holds training back".
 
 Per rank and step: the step time, and its split into data wait, forward, backward and optimizer
-compute, exposed communication (synchronous collectives: the rank waits through them) and time no
-phase accounts for. Then, over the steps: the step-time distribution, periodic stalls (every k-th
-step slower, and in which phase), a straggler rank (one whose compute is longer, so the others wait
-for it in collectives), and each collective's bus bandwidth against the best of the run.
+compute, exposed communication (synchronous collectives: the rank waits through them), waiting for
+other ranks, and time no phase accounts for. Then, over the steps: the step-time distribution, who
+waits for whom in the collectives and why (``waits``), the findings (``findings``: periodic stalls
+per rank, a rank the others wait for, large shares), ranked by the time they cost, and each
+collective's bus bandwidth against the best of the run.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs, pipeline
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs, pipeline, waits
+from opentelemetry_instrumentation_deepspeed.diagnose import findings as findings_module
 from opentelemetry_instrumentation_deepspeed.diagnose.model import BROKEN_RUN, ModelFindings  # model, memory
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
@@ -26,14 +27,6 @@ PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", 
           semconv.SPAN_OPTIMIZER_STEP: "optimizer"}
 PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_wait", "unaccounted")
 
-# Thresholds of the verdict, shares of step time.
-DATA_WAIT_SHARE = 0.25
-COMM_SHARE = 0.30
-STRAGGLER_SHARE = 0.20  # a rank computing this much longer than the others, per step
-ANOMALY_FACTOR = 1.5  # a step this much slower than the median is an anomaly
-THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
-HARDWARE_THROTTLE = (semconv.THROTTLE_HW_SLOWDOWN, semconv.THROTTLE_HW_THERMAL_SLOWDOWN,
-                     semconv.THROTTLE_HW_POWER_BRAKE_SLOWDOWN, semconv.THROTTLE_SW_THERMAL_SLOWDOWN)
 
 
 @dataclass
@@ -180,7 +173,8 @@ class Analysis:
 
     def result(self, job: str | None = None) -> dict:
         if not self.jobs:
-            return {"job_id": None, "ranks": {}, "verdict": _verdict_none("no training spans in the input")}
+            return {"job_id": None, "ranks": {}, "findings": [],
+                    "verdict": findings_module.none("no training spans in the input")}
         job = job if job is not None else max(self.jobs, key=self.jobs.get)
         self._waits_where_they_happened(job)  # data waits fetched ahead (issue 19)
         by_rank: dict[int, list[dict]] = defaultdict(list)
@@ -190,31 +184,42 @@ class Analysis:
         for steps in by_rank.values():
             steps.sort(key=lambda s: s["step"])
         ranks = {rank: self._rank_summary(steps) for rank, steps in sorted(by_rank.items())}
-        straggler = self._straggler(job, by_rank, ranks)
         gpu = self._gpu(job, by_rank)
+        # -- findings: follow the waits across ranks, then the patterns of each rank's own steps --
+        comm = defaultdict(dict)
+        for (step_job, rank, _trace), step in self._steps.items():
+            if step_job == job and step.seen:
+                comm[rank][step.number] = step.comm
+        steps = findings_module.StepFindings({rank: _steady(s) for rank, s in by_rank.items()}, waits.follow(comm))
+        found = steps.all()
+        straggler = steps.straggler(found)
+        found += findings_module.hardware_findings(gpu, found)
+        for rank, summary in ranks.items():
+            summary["anomaly"] = _anomaly(steps.patterns.get(rank), by_rank[rank], found)
+        job_summary = self._job_summary(ranks)
+        found = findings_module.ranked(found)  # other layers join below, ranked with these
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
             "ranks": ranks,
-            "job": self._job_summary(ranks),
+            "job": job_summary,
             "straggler": straggler,
             "gpu": gpu,
             "bandwidth": {op: {"median_busbw": statistics.median(values), "best_busbw": max(values),
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
+            "findings": found,
+            "verdict": found[0] if found else findings_module.none(_quiet(job_summary)),
+            "model_series": model_series(self.model, job),
         }
-        result["verdict"] = _verdict(result)
         result["pipeline"] = self.pipeline.result(job)  # pipeline parallelism (diagnose/pipeline.py)
-        pipeline.reconcile(result, result["pipeline"], _verdict)  # pipeline parallelism (diagnose/pipeline.py)
-        # Model and memory layers (diagnose/model.py): their findings; the verdict when no other layer stands out.
-        model = self.model.findings(job, result["job"].get("step_seconds_p50") if result["job"] else None)
-        result["model_series"] = model_series(self.model, job)
-        # -- the input layer (diagnose/inputs.py): INPUT / COMPUTE change points
-        findings = result.get("findings", []) + model + inputs.findings(self._inputs, job, by_rank)
-        findings.sort(key=lambda f: (-(f["cost_seconds"] or 0.0), -f["confidence"]))
-        result["findings"] = findings
-        if findings and result["verdict"]["layer"] == "none":
-            result["verdict"] = findings[0]
-        # --
+        pipeline.reconcile(result, result["pipeline"], _without_cross_stage_stragglers)
+        # Model and memory layers (diagnose/model.py), the input layer (diagnose/inputs.py: INPUT / COMPUTE
+        # change points): ranked with the others by the time they cost.
+        model = self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)
+        result["findings"] = findings_module.ranked(result["findings"] + model
+                                                    + inputs.findings(self._inputs, job, by_rank))
+        result["verdict"] = (result["findings"][0] if result["findings"]
+                             else findings_module.none(_quiet(job_summary)))
         broken = [f for f in model if f["confidence"] >= BROKEN_RUN]  # a NaN or an OOM: broken, not slow
         if broken:
             result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
@@ -343,8 +348,7 @@ class Analysis:
     @staticmethod
     def _rank_summary(steps: list[dict]) -> dict:
         durations = [s["seconds"] for s in steps]
-        # The first step pays for warm-up (allocation, first collectives): not part of the pattern.
-        steady = steps[1:] if len(steps) > 3 else steps
+        steady = _steady(steps)
         total = sum(s["seconds"] for s in steady) or 1.0
         shares = {part: sum(s["parts"][part] for s in steady) / total for part in PARTS}
         return {
@@ -352,11 +356,9 @@ class Analysis:
             "step_seconds": {"p50": _quantile(durations, 0.5), "p95": _quantile(durations, 0.95),
                              "max": max(durations) if durations else 0.0},
             "shares": shares,
-            "anomaly": _periodic_anomaly(steady),
+            "anomaly": None,
             "slowest": max(steps, key=lambda s: s["seconds"]) if steps else None,
             "typical": sorted(steady, key=lambda s: s["seconds"])[len(steady) // 2] if steady else None,
-            "compute_by_step": {s["step"]: s["parts"]["forward"] + s["parts"]["backward"] + s["parts"]["optimizer"]
-                                for s in steady},
         }
 
     @staticmethod
@@ -371,33 +373,6 @@ class Analysis:
         if anomalies and len(anomalies) * 2 > count:
             anomaly = max(anomalies, key=lambda a: a["extra_seconds"])
         return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
-
-    def _straggler(self, job: str, by_rank: dict[int, list[dict]], summaries: dict) -> dict | None:
-        if len(by_rank) < 2:
-            return None
-        ranks = {rank: summaries[rank]["compute_by_step"] for rank in by_rank}
-        common = set.intersection(*(set(steps) for steps in ranks.values()))
-        if len(common) < 3:
-            return None
-        extra: dict[int, list[float]] = defaultdict(list)
-        slowest_count: dict[int, int] = defaultdict(int)
-        step_p50 = statistics.median(s["seconds"] for steps in by_rank.values() for s in steps)
-        for number in common:
-            computes = {rank: ranks[rank][number] for rank in ranks}
-            ordered = sorted(computes.values())
-            for rank, value in computes.items():
-                extra[rank].append(value - _median_without(ordered, value))
-            slowest_count[max(computes, key=computes.get)] += 1
-        rank = max(extra, key=lambda r: statistics.fmean(extra[r]))
-        mean_extra = statistics.fmean(extra[rank])
-        if mean_extra < STRAGGLER_SHARE * step_p50 or slowest_count[rank] < 0.7 * len(common):
-            return None
-        # Evidence from the collectives: how late this rank arrives, joined across ranks by sequence number.
-        lateness = [starts[rank] - min(starts.values()) for (j, _g, _s), starts in self._collectives.items()
-                    if j == job and rank in starts and len(starts) > 1]
-        return {"rank": rank, "extra_compute_seconds": mean_extra, "slowest_in_steps": slowest_count[rank],
-                "steps": len(common), "collectives_joined": len(lateness),
-                "mean_arrival_lateness_seconds": statistics.fmean(lateness) / 1e9 if lateness else 0.0}
 
 
 def _median_without(ordered: list[float], value: float) -> float:
@@ -421,162 +396,40 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _find_period(numbers: list[int], slow: set[int]) -> tuple[int, int] | None:
-    """A period k and offset r such that the steps = r mod k are (nearly) exactly the slow ones.
-
-    Candidates are the most common gaps between consecutive slow steps: linear in the steps.
-    """
-    ordered = sorted(slow)
-    gaps = Counter(b - a for a, b in itertools.pairwise(ordered) if b - a > 1)
-    for period, _count in sorted(gaps.most_common(3)):
-        offset = Counter(n % period for n in ordered).most_common(1)[0][0]
-        expected = sum(1 for n in numbers if n % period == offset)
-        hits = sum(1 for n in ordered if n % period == offset)
-        if hits >= 3 and hits >= 0.8 * expected and hits >= 0.8 * len(slow):
-            return period, offset
-    return None
+def _without_cross_stage_stragglers(result: dict) -> dict:
+    """pipeline.reconcile's second decision: in a pipeline job stages differ by design, so a late rank
+    whose stage peers are not slower than it is no straggler; its late-rank findings go."""
+    result["findings"] = [f for f in result["findings"]
+                          if not (f.get("test") == "signed-rank"
+                                  and f.get("phase") in (*findings_module.COMPUTE, "compute"))]
+    return result["findings"][0] if result["findings"] else findings_module.none(_quiet(result["job"]))
 
 
-def _period_of(numbers: list[int], values: dict[int, float], floor: float) -> tuple[int, int] | None:
-    """The period of the steps whose value stands out, trying each threshold from ``floor`` up."""
-    outliers = sorted({value for value in values.values() if value > floor})
-    if len(outliers) < 2:
+def _steady(steps: list[dict]) -> list[dict]:
+    """The first step pays for warm-up (allocation, first collectives): not part of the patterns."""
+    return steps[1:] if len(steps) > 3 else steps
+
+
+def _anomaly(pattern, steps: list[dict], found: list[dict]) -> dict | None:
+    """A rank's periodic pattern in the report's former shape, if a finding reported it."""
+    if pattern is None or not any(f.get("period") == pattern.period and f.get("offset") == pattern.offset
+                                  for f in found):
         return None
-    for threshold in [floor, *[value * 0.999 for value in outliers[1:]][:63]]:
-        slow = {step for step, value in values.items() if value > threshold}
-        if len(slow) < 3:
-            return None
-        best = _find_period(numbers, slow)
-        if best:
-            return best
-    return None
+    slow = set(pattern.steps)
+    inside = [s for s in steps if s["step"] in slow]
+    outside = [s for s in _steady(steps) if s["step"] not in slow]
+    finding = next(f for f in found if f.get("period") == pattern.period and f.get("offset") == pattern.offset)
+    return {"period": pattern.period, "offset": pattern.offset, "phase": finding["phase"],
+            "extra_seconds": statistics.fmean(s["seconds"] for s in inside) -
+            statistics.fmean(s["seconds"] for s in outside) if inside and outside else 0.0,
+            "steps": pattern.steps,
+            "trace_ids": [s["trace_id"] for s in sorted(inside, key=lambda s: s["seconds"], reverse=True)[:5]]}
 
 
-def _periodic_anomaly(steps: list[dict]) -> dict | None:
-    """Every k-th step slower: the period, the phase that grows, and by how much.
-
-    Slow steps are those above a threshold; noise makes any single threshold wrong somewhere, so
-    each threshold between 1.5 x the median and the slowest step is tried, lowest first, and the
-    first that leaves a periodic set of slow steps wins. When a third or more of the steps are
-    slow (a stall every 2nd or 3rd step, and the noise of a busy host), the median is no baseline
-    for the step time: then each part of the step (data wait, forward, ...) is searched the same
-    way, for a part that grows periodically by at least a tenth of the median step.
-    """
-    if len(steps) < 6:
-        return None
-    median = statistics.median(s["seconds"] for s in steps)
-    numbers = [s["step"] for s in steps]
-    best = _period_of(numbers, {s["step"]: s["seconds"] for s in steps}, ANOMALY_FACTOR * median)
-    for part in PARTS if best is None else ():
-        values = {s["step"]: s["parts"][part] for s in steps}
-        baseline = statistics.median(values.values())
-        best = _period_of(numbers, values, max(ANOMALY_FACTOR * baseline, baseline + 0.1 * median))
-        if best:
-            break
-    if best:
-        slow = {n for n in numbers if n % best[0] == best[1]}  # the pattern, not the noise around it
-    else:
-        slow = {s["step"] for s in steps if s["seconds"] > ANOMALY_FACTOR * median}
-        if len(slow) < 2:  # one slow step is not a pattern
-            return None
-    slow_steps = [s for s in steps if s["step"] in slow]
-    normal = [s for s in steps if s["step"] not in slow]
-    if not slow_steps or not normal:
-        return None
-    growth = {part: statistics.fmean(s["parts"][part] for s in slow_steps) -
-              statistics.fmean(s["parts"][part] for s in normal) for part in PARTS}
-    return {
-        "period": best[0] if best else None,
-        "offset": best[1] if best else None,
-        "phase": max(growth, key=growth.get),
-        "extra_seconds": statistics.fmean(s["seconds"] for s in slow_steps) -
-        statistics.fmean(s["seconds"] for s in normal),
-        "steps": sorted(slow),
-        "trace_ids": [s["trace_id"] for s in sorted(slow_steps, key=lambda s: s["seconds"], reverse=True)[:5]],
-    }
-
-
-REMEDIES = {
-    "data loading": ["more DataLoader workers (num_workers) and prefetch_factor", "pin_memory and persistent_workers",
-                     "cache or pre-shard the dataset near the GPUs; check the storage the loader reads"],
-    "communication": ["larger ZeRO buckets (reduce_bucket_size, allgather_bucket_size) and overlap_comm",
-                      "a lower ZeRO stage if memory allows, or hierarchical / hpZ partitioning",
-                      "check the interconnect (NCCL_DEBUG=INFO, NVLink/InfiniBand counters)"],
-    "straggler": ["look at the named rank's host and GPU: throttling, ECC errors, a noisy neighbour",
-                  "uneven data (sequence lengths) or extra work on that rank (logging, checkpointing)"],
-    "compute": ["the model's operators: profile a step (touch the trigger file) and read its operator spans",
-                "mixed precision, fused kernels, activation checkpointing trade-offs"],
-    "GPU/hardware": ["check cooling, power capping and clocks of the named GPU (nvidia-smi -q -d PERFORMANCE)",
-                     "drain the node if ECC errors or hardware slowdown persist"],
-}
-
-
-def _hardware_verdict(result: dict) -> dict | None:
-    """A GPU that throttles or has ECC errors: first, since it also makes its rank a straggler."""
-    straggler = result["straggler"]
-    hardware = {rank: _hardware_issues(gpu) for rank, gpu in result.get("gpu", {}).items()}
-    hardware = {rank: issues for rank, issues in hardware.items() if issues}
-    if not hardware or (straggler and straggler["rank"] not in hardware):
-        return None
-    rank = straggler["rank"] if straggler else min(hardware)
-    slow = (f"rank {rank} computes {straggler['extra_compute_seconds'] * 1e3:.1f} ms longer per step; "
-            if straggler else f"rank {rank}: ")
-    return {"layer": "GPU/hardware", "rank": rank, "summary": f"{slow}its GPU reports {'; '.join(hardware[rank])}",
-            "evidence": [f"rank {r}: {'; '.join(issues)}" for r, issues in sorted(hardware.items())],
-            "remedies": REMEDIES["GPU/hardware"]}
-
-
-def _hardware_issues(gpu: dict) -> list[str]:
-    issues = [f"{reason.replace('_', ' ')} in {share:.0%} of samples" for reason, share in gpu["throttled"].items()
-              if reason in HARDWARE_THROTTLE and share >= THROTTLED_SHARE]
-    if gpu["uncorrected_ecc"]:
-        issues.append(f"{gpu['uncorrected_ecc']:.0f} uncorrected ECC errors")
-    return issues
-
-
-def _verdict_none(summary: str) -> dict:
-    return {"layer": "none", "summary": summary, "evidence": [], "remedies": []}
-
-
-def _verdict(result: dict) -> dict:  # noqa: PLR0911 - one return per layer, in order of precedence
-    job = result["job"]
+def _quiet(job: dict) -> str:
     if not job:
-        return _verdict_none("no complete steps in the input")
-    shares, p50 = job["shares"], job["step_seconds_p50"]
-    straggler, anomaly = result["straggler"], job["anomaly"]
-    hardware = _hardware_verdict(result)
-    if hardware:
-        return hardware
-    exposed_seconds = shares["exposed_comm"] * p50
-    if straggler and shares["exposed_comm"] > COMM_SHARE and exposed_seconds > straggler["extra_compute_seconds"]:
-        # Both: the layer that costs more per step is named, the other is evidence.
-        return {"layer": "communication",
-                "summary": f"{shares['exposed_comm']:.0%} of step time is exposed communication",
-                "evidence": [f"median step {p50 * 1e3:.1f} ms; {exposed_seconds * 1e3:.1f} ms exposed per step",
-                             f"also: rank {straggler['rank']} computes {straggler['extra_compute_seconds'] * 1e3:.1f} "
-                             "ms longer per step than the others"],
-                "remedies": REMEDIES["communication"]}
-    if straggler:
-        return {"layer": "straggler", "rank": straggler["rank"],
-                "summary": f"rank {straggler['rank']} computes {straggler['extra_compute_seconds'] * 1e3:.1f} ms "
-                           f"longer per step than the other ranks' median; they wait for it in collectives",
-                "evidence": [f"slowest rank in {straggler['slowest_in_steps']} of {straggler['steps']} steps",
-                             f"arrives {straggler['mean_arrival_lateness_seconds'] * 1e3:.1f} ms late on average at "
-                             f"{straggler['collectives_joined']} collectives joined across ranks"],
-                "remedies": REMEDIES["straggler"]}
-    if anomaly and anomaly["period"]:
-        layer = {"data_wait": "data loading", "exposed_comm": "communication"}.get(anomaly["phase"], "compute")
-        return {"layer": layer, "period": anomaly["period"], "phase": anomaly["phase"],
-                "summary": f"every {anomaly['period']}th step stalls {anomaly['extra_seconds'] * 1e3:.0f} ms "
-                           f"in {anomaly['phase'].replace('_', ' ')}",
-                "evidence": [f"slow steps {anomaly['steps']}", f"traces to open: {anomaly['trace_ids'][:3]}"],
-                "remedies": REMEDIES[layer]}
-    if shares["data_wait"] > DATA_WAIT_SHARE:
-        return {"layer": "data loading", "summary": f"{shares['data_wait']:.0%} of step time waits for data",
-                "evidence": [f"median step {p50 * 1e3:.1f} ms"], "remedies": REMEDIES["data loading"]}
-    if shares["exposed_comm"] > COMM_SHARE:
-        return {"layer": "communication",
-                "summary": f"{shares['exposed_comm']:.0%} of step time is exposed communication",
-                "evidence": [f"median step {p50 * 1e3:.1f} ms"], "remedies": REMEDIES["communication"]}
+        return "no complete steps in the input"
+    shares = job["shares"]
     compute = shares["forward"] + shares["backward"] + shares["optimizer"]
-    return _verdict_none(f"no layer stands out: median step {p50 * 1e3:.1f} ms, {compute:.0%} compute")
+    return (f"no finding costs {findings_module.MIN_COST_SHARE:.0%} of the run beyond chance: median step "
+            f"{job['step_seconds_p50'] * 1e3:.1f} ms, {compute:.0%} compute")

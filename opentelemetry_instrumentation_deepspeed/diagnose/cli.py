@@ -51,6 +51,13 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
                       "bad_lines": stats.bad_lines, "problems": stats.problems}}
 
 
+def _cost(finding: dict) -> list[str]:
+    if finding.get("cost_seconds") is None:
+        return []
+    share = f" ({finding['share_of_run']:.0%} of the run)" if finding.get("share_of_run") is not None else ""
+    return [f"  cost: {finding['cost_seconds']:.2f} s{share}; confidence {finding.get('confidence', 1.0):.1%}"]
+
+
 # What a terminal could act on: C0/C1 controls (escape sequences, carriage return, bell), line and
 # paragraph separators, and format characters (bidirectional overrides that reorder what is shown).
 _UNPRINTABLE = ("Cc", "Cf", "Zl", "Zp")
@@ -94,11 +101,14 @@ def _text_lines(report: dict) -> list[str]:
     verdict = report["verdict"]
     lines.append(f"Job {report['job_id']}: {report['job'].get('ranks', 0) if report.get('job') else 0} rank(s)")
     lines.append(f"Verdict: {verdict['layer'].upper()}: {verdict['summary']}")
+    lines += _cost(verdict)
     lines += [f"  evidence: {item}" for item in verdict.get("evidence", [])]
     lines += [f"  remedy: {item}" for item in verdict.get("remedies", [])]
-    # Findings beyond the verdict (diagnose/model.py, ...), and the traces to open
     lines += [f"  traces: {', '.join(verdict['trace_ids'][:3])}"] if verdict.get("trace_ids") else []
-    lines += [f"Also: {item['layer']}: {item['summary']}" for item in report.get("findings", []) if item != verdict]
+    for other in report.get("findings", []):  # the other findings, by the time they cost
+        if other != verdict:
+            lines.append(f"Also: {other['layer'].upper()}: {other['summary']}")
+            lines += _cost(other)
     job = report.get("job") or {}
     if job:
         shares = job["shares"]

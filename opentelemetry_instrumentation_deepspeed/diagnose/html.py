@@ -31,14 +31,14 @@ def _breakdown(shares: dict) -> str:
     return f'<svg width="900" height="28" role="img">{"".join(bars)}</svg><p>{"".join(legend)}</p>'
 
 
-def _series(series: dict, anomaly: dict | None) -> str:
+def _series(series: dict, anomaly: dict | None, change_step: int | None = None) -> str:
     points = [(step, seconds) for values in series.values() for step, seconds in values]
     if not points:
         return "<p>No steps.</p>"
     width, height = 900, 220
     first, last = min(s for s, _ in points), max(s for s, _ in points)
     top = max(seconds for _, seconds in points) * 1.1 or 1.0
-    slow = set(anomaly["steps"]) if anomaly else set()
+    slow = set(anomaly.get("steps") or ()) if anomaly else set()
 
     def x(step):
         return 40 + (step - first) / max(last - first, 1) * (width - 60)
@@ -50,6 +50,11 @@ def _series(series: dict, anomaly: dict | None) -> str:
               f'<text x="4" y="{y(top / 1.1) + 4:.0f}" class="axis">{top / 1.1 * 1e3:.0f} ms</text>',
               f'<text x="40" y="{height - 8}" class="axis">step {first}</text>',
               f'<text x="{width - 80}" y="{height - 8}" class="axis">step {last}</text>']
+    if change_step is not None and first <= change_step <= last:
+        shapes.append(f'<line x1="{x(change_step):.1f}" y1="10" x2="{x(change_step):.1f}" y2="{height - 25}" '
+                      f'stroke="#e4572e" stroke-dasharray="5,4"><title>change point: step {_e(change_step)}</title>'
+                      f'</line><text x="{x(change_step) + 4:.1f}" y="20" class="axis">change at step '
+                      f"{_e(change_step)}</text>")
     palette = ["#2e5aac", "#e4572e", "#17a398", "#8e6bbf", "#f3a712", "#555"]
     for index, (rank, values) in enumerate(sorted(series.items())):
         color = palette[index % len(palette)]
@@ -95,19 +100,64 @@ def _timeline(timeline: dict) -> str:
     return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>'
 
 
+def _cost(finding: dict) -> str:
+    if finding.get("cost_seconds") is None:
+        return "cost not measured"
+    share = f" ({finding['share_of_run']:.0%} of the run)" if finding.get("share_of_run") is not None else ""
+    return f"cost {finding['cost_seconds']:.2f} s{share} · confidence {finding.get('confidence', 1.0):.1%}"
+
+
+def _chain(finding: dict) -> str:
+    """The late rank's own phase, then the others' wait: who waits for whom, as boxes and an arrow."""
+    chain = finding.get("chain") or {}
+    late, waiting = chain.get("late_ranks") or [], chain.get("waiting") or {}
+    if not late or not waiting:
+        return ""
+    phase = chain.get("phase", "")
+    extra = finding.get("extra_seconds")
+    cause = (f"{', '.join(f'rank {r}' for r in late)}: {LABELS.get(phase, phase)}"
+             + (f" +{extra * 1e3:.0f} ms" if extra else ""))
+    boxes = [f'<rect x="0" y="10" width="330" height="40" rx="6" fill="{COLORS.get(phase, "#b8b8b8")}"/>'
+             f'<text x="12" y="35" class="chain">{_e(cause)}</text>',
+             '<line x1="330" y1="30" x2="430" y2="30" stroke="#444" stroke-width="2"/>'
+             '<polygon points="430,24 442,30 430,36" fill="#444"/>'
+             '<text x="338" y="22" class="axis">they wait</text>']
+    for row, (rank, seconds) in enumerate(sorted(waiting.items(), key=lambda item: int(item[0]))[:6]):
+        top = 10 + row * 46
+        boxes.append(f'<rect x="445" y="{top}" width="330" height="40" rx="6" fill="{COLORS["comm_wait"]}"/>'
+                     f'<text x="457" y="{top + 25}" class="chain">rank {_e(rank)}: waits {seconds * 1e3:.0f} ms '
+                     f"in collectives</text>")
+    height = 20 + max(len(waiting), 1) * 46
+    return f'<h3>Who waits for whom</h3><svg width="900" height="{min(height, 300)}" role="img">{"".join(boxes)}</svg>'
+
+
+def _findings(findings: list[dict]) -> str:
+    if len(findings) < 2:
+        return ""
+    rows = "".join(f"<tr><td>{_e(f['layer'].upper())}</td><td>{_e(f['summary'])}</td><td>{_e(_cost(f))}</td></tr>"
+                   for f in findings)
+    return f"<h2>All findings, by the time they cost</h2><table>{rows}</table>"
+
+
 def render_html(report: dict) -> str:
     verdict, job = report["verdict"], report.get("job") or {}
     timelines = report.get("timelines") or {}
+    found = report.get("findings") or []
+    change = next((f["change_step"] for f in found if f.get("change_step") is not None), None)
     sections = [
         f"<h1>Training diagnosis</h1><p class=job>job {_e(report['job_id'])} · {job.get('ranks', 0)} rank(s) · "
         f"median step {job.get('step_seconds_p50', 0) * 1e3:.1f} ms</p>",
         f'<div class="verdict {_e(verdict["layer"]).replace(" ", "-")}"><h2>{_e(verdict["layer"].upper())}</h2>'
-        f"<p>{_e(verdict['summary'])}</p><ul>"
+        f"<p>{_e(verdict['summary'])}</p>"
+        + (f"<p class=job>{_e(_cost(verdict))}</p>" if verdict.get("cost_seconds") is not None else "")
+        + _chain(verdict) + "<ul>"
         + "".join(f"<li>{_e(item)}</li>" for item in verdict.get("evidence", []))
         + "</ul>" + ("<h3>Usual remedies</h3><ul>" + "".join(f"<li>{_e(r)}</li>" for r in verdict["remedies"])
                      + "</ul>" if verdict.get("remedies") else "") + "</div>",
+        _findings(found),
         "<h2>Where step time goes</h2>" + _breakdown(job.get("shares", {})),
-        "<h2>Step time</h2>" + _series(report.get("step_series", {}), job.get("anomaly")),
+        "<h2>Step time</h2>" + _series(report.get("step_series", {}), verdict if verdict.get("steps") else None,
+                                       change),
     ]
     model_charts = charts_html(report)  # the model layer beside step time (diagnose/model.py)
     if model_charts:
@@ -121,6 +171,8 @@ def render_html(report: dict) -> str:
              ".axis{font-size:11px;fill:#555}.key{margin-right:14px;white-space:nowrap}"
              ".key i{display:inline-block;width:10px;height:10px;margin-right:4px}"
              ".verdict{border-left:6px solid #e4572e;padding:4px 16px;background:#fafafa}"
-             ".verdict.none{border-color:#17a398}.job{color:#555}small{color:#777;font-weight:normal}")
+             ".verdict.none{border-color:#17a398}.job{color:#555}small{color:#777;font-weight:normal}"
+             ".chain{font-size:13px;fill:#111}table{border-collapse:collapse}"
+             "td{border-top:1px solid #ddd;padding:4px 8px;vertical-align:top}")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Training diagnosis</title>'
             f"<style>{style}</style></head><body>{''.join(sections)}</body></html>\n")

@@ -1,0 +1,348 @@
+"""Findings: what holds training back, on which rank, how often, what it cost, and how sure we are.
+
+A finding is a dict of one shape for every analysis (``finding()``); they are ranked by the time
+they cost, and the verdict is the first. An analysis here reports a finding only when it costs at
+least MIN_COST_SHARE of the run and holds beyond chance (a test at ALPHA, named in the finding's
+``test``); otherwise the verdict is "none". Three analyses of the steps live here:
+
+- **periodic**: per rank and per part of its own step (data wait, forward, backward, optimizer, an
+  earlier collective, host work), a part that grows every k-th step (``periodic.find_period``).
+  When the same pattern is on every rank it is one job-wide finding; on some ranks only, it is
+  theirs, and the waits of the other ranks in those steps are its consequence;
+- **late rank**: a rank whose own part of the step is longer than the other ranks' median, step
+  after step (a one-sided Wilcoxon signed-rank test on the per-step excess), costing the time the
+  others wait for it in the collectives, up to that excess;
+- **steady shares**: data wait or exposed communication above a share of the run's step time
+  (a bootstrap over the steps: the share stays above the threshold in all but ALPHA of resamples).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import defaultdict
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import periodic
+from opentelemetry_instrumentation_deepspeed.diagnose import waits as waits_module
+from opentelemetry_instrumentation_deepspeed.diagnose.waits import OWN_PARTS, Waits
+
+MIN_COST_SHARE = 0.05  # a finding must cost at least this share of the run's step time
+ALPHA = periodic.ALPHA  # and hold beyond chance at this level
+DATA_WAIT_SHARE = 0.25  # data wait above this share of a step, in most steps
+COMM_SHARE = 0.30  # exposed communication above this share of a step, in most steps
+BOOTSTRAP = 999  # resamples of the steps for a share's test
+LATE_STEP_SHARE = 0.20  # a late rank's part must exceed the others' by this share of the median step (median)
+THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
+
+LAYER_OF_PART = {"data_wait": "data loading", "forward": "compute", "backward": "compute", "optimizer": "compute",
+                 "exposed_comm": "communication", "unaccounted": "HOST WORK"}
+WHAT = {"data_wait": "data wait", "forward": "forward", "backward": "backward", "optimizer": "optimizer step",
+        "exposed_comm": "an earlier collective", "unaccounted": "host work between phases",
+        "compute": "compute (forward, backward and optimizer step)"}
+COMPUTE = ("forward", "backward", "optimizer")
+
+REMEDIES = {
+    "data loading": ["more DataLoader workers (num_workers) and prefetch_factor", "pin_memory and persistent_workers",
+                     "cache or pre-shard the dataset near the GPUs; check the storage the loader reads"],
+    "communication": ["larger ZeRO buckets (reduce_bucket_size, allgather_bucket_size) and overlap_comm",
+                      "a lower ZeRO stage if memory allows, or hierarchical / hpZ partitioning",
+                      "check the interconnect (NCCL_DEBUG=INFO, NVLink/InfiniBand counters)"],
+    "straggler": ["look at the named rank's host and GPU: throttling, ECC errors, a noisy neighbour",
+                  "uneven data (sequence lengths) or extra work on that rank (logging, checkpointing)"],
+    "compute": ["the model's operators: profile a step (touch the trigger file) and read its operator spans",
+                "mixed precision, fused kernels, activation checkpointing trade-offs"],
+    "HOST WORK": ["Python work between the phases (logging, metrics, checkpoint writes): move it off the step or "
+                  "make it asynchronous", "profile a step (touch the trigger file) to see what runs between phases"],
+    "GPU/hardware": ["check cooling, power capping and clocks of the named GPU (nvidia-smi -q -d PERFORMANCE)",
+                     "drain the node if ECC errors or hardware slowdown persist"],
+}
+
+
+def finding(layer: str, summary: str, *, evidence: list[str], rank: int | None = None, step: int | None = None,
+            cost_seconds: float | None = None, run_seconds: float = 0.0, confidence: float = 1.0,
+            trace_ids: list[str] | None = None, remedies: list[str] | None = None, **extra) -> dict:
+    """The one shape of a finding; ``extra`` keys (period, phase, steps, chain, ...) are added to it."""
+    return {"layer": layer, "summary": summary, "evidence": evidence,
+            "remedies": remedies if remedies is not None else REMEDIES.get(layer, []),
+            "rank": rank, "step": step, "cost_seconds": cost_seconds,
+            "share_of_run": cost_seconds / run_seconds if cost_seconds is not None and run_seconds > 0 else None,
+            "confidence": confidence, "trace_ids": trace_ids or [], **extra}
+
+
+def none(summary: str) -> dict:
+    return {"layer": "none", "summary": summary, "evidence": [], "remedies": [], "rank": None, "step": None,
+            "cost_seconds": None, "share_of_run": None, "confidence": 1.0, "trace_ids": []}
+
+
+def ranked(findings: list[dict]) -> list[dict]:
+    """By time lost, most first, then the surer; the findings at least 1 - ALPHA sure (every finding
+    of this module) before the less sure ones of other layers, so a heuristic's guess does not
+    outrank a tested finding; findings with no measured cost (hardware counters, an out-of-memory
+    error) last."""
+    return sorted(findings, key=lambda f: (f["cost_seconds"] is None, (f.get("confidence") or 0.0) < 1 - ALPHA,
+                                           -(f["cost_seconds"] or 0.0), -(f.get("confidence") or 0.0)))
+
+
+def _ordinal(number: int) -> str:
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def _ranks_text(ranks: list[int], most: int = 6) -> str:
+    if len(ranks) > most:  # a large job: a few names and the count
+        return f"{len(ranks)} ranks ({', '.join(str(rank) for rank in ranks[:3])}, ...)"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(rank) for rank in ranks)
+
+
+class StepFindings:
+    """The findings of the step breakdowns: ``steady`` is rank -> the steps of the pattern search
+    (warm-up left out), each ``{"step", "trace_id", "seconds", "parts"}``."""
+
+    def __init__(self, steady: dict[int, list[dict]], waits: Waits, seed: int = 0):
+        self.steady, self.waits = steady, waits
+        self.parts = {rank: {s["step"]: s["parts"] for s in steps} for rank, steps in steady.items()}
+        self.traces = {rank: {s["step"]: s["trace_id"] for s in steps} for rank, steps in steady.items()}
+        totals = [sum(s["seconds"] for s in steps) for steps in steady.values() if steps]
+        self.run_seconds = statistics.median(totals) if totals else 0.0
+        self.min_cost = MIN_COST_SHARE * self.run_seconds
+        medians = [statistics.median(s["seconds"] for s in steps) for steps in steady.values() if steps]
+        self.step_seconds = statistics.median(medians) if medians else 0.0
+        self.rng = random.Random(seed)  # the permutation tests: the same report for the same input
+        self.patterns: dict[int, periodic.Pattern] = {}  # rank -> its costliest periodic pattern
+
+    def all(self) -> list[dict]:
+        if not self.run_seconds:
+            return []
+        found = self.periodic()
+        found += self.late_ranks(covered={(f["rank"], f["phase"]) for f in found})
+        found += self.steady_shares(covered={f["phase"] for f in found})
+        return found
+
+    # -- periodic -----------------------------------------------------------------------------------
+
+    def periodic(self) -> list[dict]:
+        by_pattern: dict[tuple, list[tuple[int, str, periodic.Pattern]]] = defaultdict(list)
+        for rank, steps in sorted(self.steady.items()):
+            numbers = [s["step"] for s in steps]
+            found = []
+            for part in OWN_PARTS:
+                values = [s["parts"][part] for s in steps]
+                middle = statistics.median(values) if values else 0.0
+                if sum(max(value - middle, 0.0) for value in values) < self.min_cost:
+                    continue  # no pattern in these values could cost enough: skip the search
+                pattern = periodic.find_period(numbers, values, self.min_cost, self.rng)
+                if pattern:
+                    found.append((part, pattern))
+            # One cause per pattern: a stall shows in one part, the noise it stirs in others is not a second cause.
+            best: dict[tuple[int, int], tuple[str, periodic.Pattern]] = {}
+            for part, pattern in found:
+                key = (pattern.period, pattern.offset)
+                if key not in best or pattern.cost > best[key][1].cost:
+                    best[key] = (part, pattern)
+            for (period, offset), (part, pattern) in best.items():
+                by_pattern[(part, period, offset)].append((rank, part, pattern))
+                if rank not in self.patterns or pattern.cost > self.patterns[rank].cost:
+                    self.patterns[rank] = pattern
+        return [self._periodic_finding(part, members) for (part, _p, _o), members in by_pattern.items()]
+
+    def _periodic_finding(self, part: str, members: list[tuple[int, str, periodic.Pattern]]) -> dict:
+        ranks = sorted(rank for rank, _part, _pattern in members)
+        everywhere = len(ranks) == len(self.steady) and len(ranks) > 1
+        rank, _part, pattern = max(members, key=lambda member: member[2].cost)
+        waiting = {} if everywhere else self._waiting_in(pattern.steps, exclude=set(ranks))
+        layer = LAYER_OF_PART[part]
+        if layer == "compute" and waiting:
+            layer = "straggler"
+        where = "on every rank" if everywhere else _ranks_text(ranks)
+        summary = (f"every {_ordinal(pattern.period)} step, {where} stalls {_ms(pattern.effect)} in {WHAT[part]}")
+        evidence = [f"slow steps {pattern.steps} (step number = {pattern.offset} mod {pattern.period}), "
+                    f"{_ms(pattern.effect)} more {WHAT[part]} than in the other steps (median)"]
+        if waiting:
+            summary += f"; {_ranks_text(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} for it in collectives"
+            if len(waiting) > 6:
+                evidence.append(f"in those steps {len(waiting)} ranks wait {_ms(statistics.median(waiting.values()))} "
+                                "longer in collectives (median over them)")
+            else:
+                evidence.append("in those steps " + ", ".join(f"rank {r} waits {_ms(s)} longer in collectives"
+                                                             for r, s in sorted(waiting.items())))
+            late = sum(self.waits.late_rank(step)[0] in ranks for step in pattern.steps)
+            evidence.append(f"{_ranks_text(ranks)} arrived last at the collectives in {late} of "
+                            f"{len(pattern.steps)} of those steps")
+        p_value = max(member[2].p_value for member in members)
+        evidence.append(f"permutation test: p = {p_value:.3f} ({periodic.PERMUTATIONS} shuffles of the steps)")
+        traces = self.traces.get(rank, {})
+        slowest = sorted(pattern.steps, key=lambda step: -pattern.excess.get(step, 0.0))
+        return finding(layer, summary, evidence=evidence, rank=None if everywhere else rank, step=pattern.steps[0],
+                       cost_seconds=max(member[2].cost for member in members), run_seconds=self.run_seconds,
+                       confidence=1 - p_value, trace_ids=[traces[s] for s in slowest[:5] if s in traces],
+                       period=pattern.period, offset=pattern.offset, phase=part, steps=pattern.steps,
+                       extra_seconds=pattern.effect, ranks=ranks, test="permutation",
+                       chain={"late_ranks": [] if everywhere else ranks, "phase": part,
+                              "waiting": {str(r): s for r, s in sorted(waiting.items())}})
+
+    def _waiting_in(self, steps: list[int], exclude: set[int]) -> dict[int, float]:
+        """Ranks that wait longer in collectives in ``steps`` than in the others: the median difference."""
+        chosen = set(steps)
+        waiting = {}
+        for rank in self.steady:
+            if rank in exclude:
+                continue
+            by_step = self.waits.waited
+            inside = [by_step.get(step, {}).get(rank, 0.0) for step in self.parts[rank] if step in chosen]
+            outside = [by_step.get(step, {}).get(rank, 0.0) for step in self.parts[rank] if step not in chosen]
+            if inside and outside:
+                extra = statistics.median(inside) - statistics.median(outside)
+                if extra > 0 and extra >= 0.25 * statistics.median(inside):
+                    waiting[rank] = extra
+        return waiting
+
+    # -- a rank the others wait for in most steps -----------------------------------------------------
+
+    def late_ranks(self, covered: set) -> list[dict]:
+        """A rank whose own part (its forward, its data wait, ...) is longer than the other ranks' in
+        most steps (a signed-rank test), and whose excess the others wait for in the collectives. Which rank
+        arrives last in a given step is noisy on a busy host; the excess of its own part is not."""
+        if len(self.steady) < 2:
+            return []
+        numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
+        found = []
+        excess_of = waits_module.Excess(self.parts)
+        for rank in sorted(self.steady):
+            held = self.waits.held.get(rank, {})
+            if sum(held.values()) < self.min_cost:
+                continue  # its cost is at most the others' wait for it
+            excesses = {step: excess_of.of(rank, step) for step in numbers}
+            for step_excess in excesses.values():  # a rank slower at everything (a slower device) is slow here
+                step_excess["compute"] = sum(step_excess.get(part, 0.0) for part in COMPUTE)
+            tested = {}
+            for part in (*OWN_PARTS, "compute"):
+                excess = {step: excesses[step].get(part, 0.0) for step in numbers}
+                p_value = waits_module.signed_rank_p(list(excess.values()))
+                # The job loses what the others wait for, up to this part's excess.
+                cost = sum(min(max(excess[step], 0.0), held.get(step, 0.0)) for step in numbers)
+                if (p_value <= ALPHA and cost >= self.min_cost
+                        and statistics.median(excess.values()) >= LATE_STEP_SHARE * self.step_seconds):
+                    tested[part] = (part, cost, p_value, excess, sum(value > 0 for value in excess.values()))
+            single = max((tested[part] for part in OWN_PARTS if part in tested), key=lambda t: t[1], default=None)
+            # The compute as a whole only when no one phase carries most of it.
+            best = tested.get("compute") if "compute" in tested and (
+                single is None or single[1] < 0.6 * tested["compute"][1]) else single
+            if best is None:
+                continue  # smaller per-rank differences are what a shared host makes (docs/diagnose.md)
+            part, cost, p_value, excess, longer = best
+            # Late because its previous collective ended later: that is communication, judged by its share.
+            if part == "exposed_comm" or (rank, part) in covered:
+                continue
+            late = [step for step in numbers if self.waits.late_rank(step)[0] == rank]
+            lateness = self.waits.lateness.get(rank, [])
+            traces = self.traces.get(rank, {})
+            slowest = sorted(late, key=lambda step: -held.get(step, 0.0))[:5]
+            waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step in numbers)
+                       for other in self.steady if other != rank}
+            extra = statistics.median(excess.values())
+            found.append(finding(
+                "straggler" if part in (*COMPUTE, "compute") else LAYER_OF_PART[part],
+                f"rank {rank}'s {WHAT[part]} takes {_ms(extra)} longer than the other ranks' (median per step); "
+                f"they wait for it in collectives",
+                evidence=[f"longer than the other ranks' median in {longer} of {len(numbers)} steps "
+                          f"(Wilcoxon signed-rank test: p = {p_value:.2g})",
+                          f"the last to arrive at the collectives in {len(late)} of {len(numbers)} steps; the others "
+                          f"wait {_ms(sum(held.get(step, 0.0) for step in numbers) / len(numbers))} per step for it",
+                          f"arrives {_ms(statistics.fmean(lateness) if lateness else 0.0)} late on average at "
+                          f"{len(lateness)} collectives joined across ranks"],
+                rank=rank, step=numbers[0], cost_seconds=cost, run_seconds=self.run_seconds,
+                confidence=1 - p_value, trace_ids=[traces[s] for s in slowest if s in traces], phase=part,
+                steps=late, extra_seconds=extra, test="signed-rank",
+                chain={"late_ranks": [rank], "phase": part,
+                       "waiting": {str(r): s for r, s in sorted(waiting.items()) if s > 0}}))
+        return found
+
+    def straggler(self, findings: list[dict]) -> dict | None:
+        """The former ``straggler`` block of the report, from a late-rank finding whose cause is compute."""
+        late = [f for f in findings if f.get("test") == "signed-rank" and f["phase"] in (*COMPUTE, "compute")]
+        if not late:
+            return None
+        top = max(late, key=lambda f: f["cost_seconds"])
+        rank = top["rank"]
+        extra = []
+        for step, parts in self.parts[rank].items():
+            others = [self.parts[other][step] for other in self.parts if other != rank and step in self.parts[other]]
+            if others:
+                extra.append(sum(parts[p] for p in COMPUTE) - statistics.median(sum(o[p] for p in COMPUTE)
+                                                                                 for o in others))
+        lateness = self.waits.lateness.get(rank, [])
+        return {"rank": rank, "extra_compute_seconds": statistics.fmean(extra) if extra else 0.0,
+                "slowest_in_steps": sum(value > 0 for value in extra), "steps": len(extra),
+                "collectives_joined": len(lateness),
+                "mean_arrival_lateness_seconds": statistics.fmean(lateness) if lateness else 0.0}
+
+    # -- large shares of most steps -------------------------------------------------------------------
+
+    def steady_shares(self, covered: set) -> list[dict]:
+        found = []
+        numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
+        for part, threshold, layer in (("data_wait", DATA_WAIT_SHARE, "data loading"),
+                                       ("exposed_comm", COMM_SHARE, "communication")):
+            if part in covered or not numbers:
+                continue
+            # Per step, the mean over ranks of the part and of the step.
+            seconds = [statistics.fmean(self.parts[rank][step][part] for rank in self.parts) for step in numbers]
+            totals = [statistics.fmean(sum(self.parts[rank][step].values()) for rank in self.parts) for step in numbers]
+            share = sum(seconds) / (sum(totals) or 1.0)
+            if share <= threshold or sum(seconds) < self.min_cost:
+                continue
+            # Bootstrap over the steps: how often a run of such steps would still be above the threshold.
+            below = 0
+            for _ in range(BOOTSTRAP):
+                picks = [self.rng.randrange(len(numbers)) for _ in numbers]
+                below += sum(seconds[i] for i in picks) <= threshold * sum(totals[i] for i in picks)
+            p_value = (below + 1) / (BOOTSTRAP + 1)
+            if p_value > ALPHA:
+                continue
+            above = sum(value > threshold * total for value, total in zip(seconds, totals, strict=True))
+            found.append(finding(
+                layer, f"{share:.0%} of step time is {'data wait' if part == 'data_wait' else 'exposed communication'}",
+                evidence=[f"{_ms(statistics.median(seconds))} per step (median, mean over ranks); above "
+                          f"{threshold:.0%} of the step in {above} of {len(numbers)} steps",
+                          f"bootstrap over the steps: the share is at most {threshold:.0%} in {below} of "
+                          f"{BOOTSTRAP} resamples (p = {p_value:.3f})"],
+                cost_seconds=sum(seconds), run_seconds=self.run_seconds, confidence=1 - p_value, phase=part,
+                test="bootstrap"))
+        return found
+
+
+def hardware_findings(gpu: dict, findings: list[dict]) -> list[dict]:
+    """A GPU that throttles or has ECC errors. It takes over a late-rank finding on its rank (its cause,
+    and its cost); without one it is reported as observed, with no cost."""
+    hardware = {rank: issues for rank, gpu_rank in gpu.items() if (issues := _hardware_issues(gpu_rank))}
+    result = []
+    for rank, issues in sorted(hardware.items()):
+        late = next((f for f in findings if f["rank"] == rank and f.get("test") == "signed-rank"), None)
+        slow = f"rank {rank} is the one the others wait for ({late['summary']}); " if late else f"rank {rank}: "
+        result.append(finding("GPU/hardware", f"{slow}its GPU reports {'; '.join(issues)}",
+                              evidence=[f"rank {r}: {'; '.join(i)}" for r, i in sorted(hardware.items())]
+                              + (late["evidence"] if late else []),
+                              rank=rank, cost_seconds=late["cost_seconds"] if late else None,
+                              run_seconds=late["cost_seconds"] / late["share_of_run"] if late and late["share_of_run"]
+                              else 0.0, confidence=1.0, trace_ids=late["trace_ids"] if late else [],
+                              test="counters"))
+        if late:
+            findings.remove(late)
+    return result
+
+
+HARDWARE_THROTTLE = (semconv.THROTTLE_HW_SLOWDOWN, semconv.THROTTLE_HW_THERMAL_SLOWDOWN,
+                     semconv.THROTTLE_HW_POWER_BRAKE_SLOWDOWN, semconv.THROTTLE_SW_THERMAL_SLOWDOWN)
+
+
+def _hardware_issues(gpu: dict) -> list[str]:
+    issues = [f"{reason.replace('_', ' ')} in {share:.0%} of samples" for reason, share in gpu["throttled"].items()
+              if reason in HARDWARE_THROTTLE and share >= THROTTLED_SHARE]
+    if gpu["uncorrected_ecc"]:
+        issues.append(f"{gpu['uncorrected_ecc']:.0f} uncorrected ECC errors")
+    return issues

@@ -1,0 +1,145 @@
+"""Every k-th step slower: a periodic pattern in one series of per-step values, tested against chance.
+
+The candidates are the residue classes of the step numbers: period k (2 to MAX_PERIOD, at least
+MIN_OCCURRENCES steps in the class and as many outside it) and offset r. Each is scored on the
+ranks of its steps' values (ranks make one huge noise spike count no more than any slow step):
+first by how cleanly its steps stand above the others (the rank-sum AUC, 1 when every step of the
+class is slower than every other step), then by the standardized mean rank (a Wilcoxon rank-sum
+z, which prefers the larger of two clean classes: period 5 over period 10). The best class must then
+
+- cost enough: its steps' values exceed the median of the other steps by, summed, at least
+  ``min_cost`` seconds, with the median of its steps above that median (so a few spikes that fall
+  into a class do not make it slow);
+- be consistent: at least 3/4 of its steps carry at least half the median excess;
+- hold beyond chance: the same search (the best z over every period and offset) on the values
+  shuffled across the steps reaches the observed z in at most ALPHA of PERMUTATIONS shuffles.
+  The search is part of what is shuffled, so trying many periods and offsets is paid for. With
+  at least NORMAL_FROM steps in and out of the class, the normal approximation of z with a
+  Bonferroni bound over every class tried is computed first, and when it already is at most ALPHA
+  (a pattern of many occurrences in a long run), it is the p-value and no shuffle is made.
+
+With few steps the test is honestly weak: three slow steps in eighteen line up periodically by
+chance in about 2% of arrangements, so a pattern needs at least 4 occurrences in about 20 steps to
+pass at ALPHA = 0.01, and 3 in about 30.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+MAX_PERIOD = 64
+MIN_OCCURRENCES = 3
+PERMUTATIONS = 499
+ALPHA = 0.01
+NORMAL_FROM = 10  # steps in and out of the class from which the normal bound is tried first
+
+
+@dataclass
+class Pattern:
+    period: int
+    offset: int  # the pattern's steps are those with number % period == offset
+    steps: list[int]
+    effect: float  # median over the pattern's steps minus the median of the others
+    cost: float  # summed excess of the pattern's steps over the others' median
+    p_value: float
+    excess: dict[int, float] = field(default_factory=dict)  # step -> its excess
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    index = 0
+    while index < len(order):
+        end = index
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[index]]:
+            end += 1
+        for position in order[index:end + 1]:
+            ranks[position] = (index + end) / 2 + 1
+        index = end + 1
+    return ranks
+
+
+class _Classes:
+    """The residue classes of a set of step numbers, laid out densely so a class is a slice."""
+
+    def __init__(self, numbers: list[int]):
+        self.first = min(numbers)
+        self.length = max(numbers) - self.first + 1
+        self.positions = [number - self.first for number in numbers]
+        present = [0] * self.length
+        for position in self.positions:
+            present[position] = 1
+        self.n = n = len(numbers)
+        self.mean = (n + 1) / 2
+        self.classes = []  # (period, start, count, standard deviation of the class's mean rank)
+        for period in range(2, min(MAX_PERIOD, n // MIN_OCCURRENCES) + 1):
+            for start in range(period):
+                count = sum(present[start::period])
+                if MIN_OCCURRENCES <= count <= n - MIN_OCCURRENCES:
+                    self.classes.append((period, start, count, math.sqrt((n + 1) * (n - count) / (12 * count))))
+        # Per class, from twice its rank sum S2: AUC = (S2 - c(c+1)) / (2c(n-c)), z = (S2/2c - mean) / sd.
+        self.scored = [(period, start, count, count * (count + 1), 2 * count * (n - count),
+                        1 / (2 * count * deviation), self.mean / deviation)
+                       for period, start, count, deviation in self.classes]
+
+    def best(self, ranks: list[float]) -> tuple[tuple[int, float], int, int]:
+        """The class of the highest (AUC, z), its period and start. Ranks are multiples of 1/2, so
+        twice a class's rank sum is an integer and its AUC is compared exactly (in parts per 10^9)."""
+        dense = [0] * self.length
+        for position, rank in zip(self.positions, ranks, strict=True):
+            dense[position] = int(2 * rank)
+        best = ((-1, -math.inf), 0, 0)
+        best_score = best[0]
+        for period, start, _count, auc_offset, auc_scale, z_scale, z_offset in self.scored:
+            twice = sum(dense[start::period])
+            score = ((twice - auc_offset) * 10**9 // auc_scale, twice * z_scale - z_offset)
+            if score > best_score:
+                best_score, best = score, (score, period, start)
+        return best
+
+
+def find_period(numbers: list[int], values: list[float], min_cost: float, rng: random.Random) -> Pattern | None:
+    """The periodic pattern of ``values`` (one per step of ``numbers``), or None."""
+    if len(numbers) < 2 * MIN_OCCURRENCES or len(set(numbers)) != len(numbers):
+        return None
+    classes = _Classes(numbers)
+    if not classes.classes:
+        return None
+    ranks = _ranks(values)
+    observed, period, start = classes.best(ranks)
+    pairs = list(zip(numbers, values, strict=True))
+    on = [(number, value) for number, value in pairs if (number - classes.first) % period == start]
+    baseline = statistics.median(value for number, value in pairs if (number - classes.first) % period != start)
+    effect = statistics.median(value for _n, value in on) - baseline
+    excess = {number: value - baseline for number, value in on}
+    if (effect <= 0 or sum(max(value, 0.0) for value in excess.values()) < min_cost
+            or sum(value >= effect / 2 for value in excess.values()) < 0.75 * len(on)):
+        return None
+    p_value = _p_value(classes, ranks, observed, len(on), rng)
+    if p_value > ALPHA:
+        return None
+    return Pattern(period, (classes.first + start) % period, [number for number, _v in on], effect,
+                   sum(max(value, 0.0) for value in excess.values()), p_value, excess)
+
+
+def _p_value(classes: _Classes, ranks: list[float], observed: tuple, count: int, rng: random.Random) -> float:
+    """How often the search scores at least ``observed`` by chance; above ALPHA it may stop early."""
+    if min(count, classes.n - count) >= NORMAL_FROM:
+        # Long runs: the rank-sum z is close to normal, and a Bonferroni bound over every class tried
+        # is a valid p-value; a real pattern of many occurrences passes it without shuffles.
+        bound = min(1.0, len(classes.classes) * 0.5 * math.erfc(observed[1] / math.sqrt(2)))
+        if bound <= ALPHA:
+            return bound
+    allowed = int(ALPHA * (PERMUTATIONS + 1)) - 1  # exceedances that still leave p <= ALPHA
+    shuffled, exceeded = list(ranks), 0
+    for _ in range(PERMUTATIONS):
+        rng.shuffle(shuffled)
+        if classes.best(shuffled)[0] >= observed:
+            exceeded += 1
+            if exceeded > allowed:
+                break
+    return (exceeded + 1) / (PERMUTATIONS + 1)

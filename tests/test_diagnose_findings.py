@@ -1,0 +1,203 @@
+"""Findings of `diagnose` on synthetic step spans: who waits for whom, periodic patterns per rank,
+their cost and the test against chance. Fast lane: no training runs here (tests/test_diagnose.py
+runs the real jobs)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import periodic
+from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Sample, Span
+
+MS = 1_000_000  # nanoseconds
+
+
+def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None, spikes: float = 0.0,
+                  transfer: float = 1.0) -> list[Span]:
+    """Spans of a data-parallel job: per step data wait, forward, backward ending in a synchronous
+    all-reduce, optimizer step ending in a synchronous all-gather. ``extra(rank, step)`` returns
+    {part: extra milliseconds}; ``spikes``: the chance of a random 20-60 ms spike in a part of a step;
+    ``transfer`` scales the collectives' transfer time.
+    Collectives end for everyone once the last rank arrives, so the others wait for a late rank."""
+    rng = random.Random(seed)
+    spans, clock, sequence = [], 1_700_000_000_000 * MS, 0
+
+    def span(name, rank, step, start, end, **attributes):
+        spans.append(Span(name, f"{step:032x}", f"{rank:04x}{len(spans):012x}", "", int(start), int(end), "job", rank,
+                          {semconv.TRAINING_STEP: step, **attributes}))
+
+    def part(rank, step, name, base):
+        value = base * rng.uniform(0.8, 1.25) + (extra(rank, step).get(name, 0.0) if extra else 0.0)
+        if rng.random() < spikes:
+            value += rng.uniform(20, 60)
+        return value * MS
+
+    for step in range(1, steps + 1):
+        now = dict.fromkeys(range(ranks), clock)
+        starts = dict(now)
+        for rank in range(ranks):
+            for name, phase, base in (("data_wait", semconv.SPAN_DATA_WAIT, 0.3), ("forward", semconv.SPAN_FORWARD, 8)):
+                length = part(rank, step, name, base)
+                span(phase, rank, step, now[rank], now[rank] + length)
+                now[rank] += length
+        backward_start = dict(now)
+        for rank in range(ranks):
+            now[rank] += part(rank, step, "backward", 15)
+        for op, phase, base in (("all_reduce", semconv.SPAN_BACKWARD, 4 * transfer),
+                                ("all_gather", semconv.SPAN_OPTIMIZER_STEP, 2 * transfer)):
+            sequence += 1
+            if phase == semconv.SPAN_OPTIMIZER_STEP:
+                backward_start = dict(now)
+                for rank in range(ranks):
+                    now[rank] += part(rank, step, "optimizer", 3)
+            arrive = dict(now)
+            done = max(arrive.values()) + base * MS
+            for rank in range(ranks):
+                span(semconv.SPAN_COMM_PREFIX + op, rank, step, arrive[rank], done + rank * 0.05 * MS,
+                     **{semconv.COMM_GROUP_NAME: "0", semconv.COMM_SEQUENCE: sequence, semconv.COMM_ASYNC: False})
+                now[rank] = done + rank * 0.05 * MS
+                span(phase, rank, step, backward_start[rank], now[rank])
+        for rank in range(ranks):
+            span(semconv.SPAN_STEP, rank, step, starts[rank], now[rank] + 0.2 * MS)
+        clock = max(now.values()) + 0.3 * MS
+    return spans
+
+
+def analyse(spans) -> dict:
+    analysis = Analysis()
+    analysis.add(spans)
+    return analysis.result()
+
+
+def every(k, ms, rank=None, part="data_wait"):
+    return lambda r, step: {part: ms} if step % k == 0 and (rank is None or r == rank) else {}
+
+
+def test_a_stall_on_one_rank_is_named_on_that_rank_and_the_other_waits_for_it():
+    report = analyse(synthetic_job(20, extra=every(5, 200, rank=1)))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["period"], verdict["offset"]) == ("data loading", 1, 5, 0)
+    assert verdict["phase"] == "data_wait" and verdict["steps"] == [5, 10, 15, 20]
+    assert verdict["chain"]["late_ranks"] == [1] and verdict["chain"]["waiting"]["0"] == pytest.approx(0.2, rel=0.1)
+    assert verdict["cost_seconds"] == pytest.approx(0.8, rel=0.1) and 0.3 < verdict["share_of_run"] < 0.7
+    assert verdict["confidence"] >= 0.99 and len(verdict["trace_ids"]) == 4
+    assert "rank 0 waits" in verdict["summary"] and report["findings"][0] is verdict
+    assert report["ranks"][1]["anomaly"]["period"] == 5 and report["ranks"][0]["anomaly"] is None
+
+
+def test_a_stall_on_every_rank_is_one_job_wide_finding():
+    report = analyse(synthetic_job(24, extra=every(4, 150)))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["period"], verdict["ranks"]) == ("data loading", None, 4, [0, 1])
+    assert len(report["findings"]) == 1 and report["job"]["anomaly"]["period"] == 4
+
+
+@pytest.mark.parametrize(("rank", "phase"), [(0, "backward"), (1, "forward"), (1, "optimizer")])
+def test_a_slow_rank_is_named_with_the_phase_that_makes_it_late(rank, phase):
+    report = analyse(synthetic_job(16, extra=lambda r, _step: {phase: 30} if r == rank else {}))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"]) == ("straggler", rank, phase), verdict
+    assert verdict["chain"]["waiting"][str(1 - rank)] == pytest.approx(0.03, rel=0.25)
+    assert report["straggler"]["rank"] == rank
+    assert report["straggler"]["extra_compute_seconds"] == pytest.approx(0.03, rel=0.25)
+
+
+def test_a_single_process_stall_carries_its_rank():
+    report = analyse(synthetic_job(21, ranks=1, extra=every(3, 60, part="forward")))
+    assert (report["verdict"]["layer"], report["verdict"]["rank"], report["verdict"]["period"]) == ("compute", 0, 3)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_healthy_jobs_with_noise_spikes_raise_no_finding(seed):
+    steps = 12 + seed % 19
+    report = analyse(synthetic_job(steps, ranks=1 + seed % 2, seed=seed, spikes=0.05))
+    assert report["findings"] == [] and report["verdict"]["layer"] == "none", report["verdict"]
+
+
+def test_three_stalls_in_eighteen_steps_are_not_beyond_chance_but_four_in_twenty_are():
+    # Exchangeability bounds any test: 3 slow steps of 18 fall on one period by chance in ~1%.
+    rng = random.Random(3)
+    numbers = list(range(2, 20))
+    values = [1.0 + rng.random() * 0.01 + (5.0 if n % 6 == 0 else 0.0) for n in numbers]
+    found = periodic.find_period(numbers, values, 0.0, random.Random(1))
+    assert found is None or found.p_value > 0.005
+    numbers = list(range(2, 21))
+    values = [1.0 + rng.random() * 0.01 + (5.0 if n % 5 == 0 else 0.0) for n in numbers]
+    found = periodic.find_period(numbers, values, 0.0, random.Random(1))
+    assert (found.period, found.offset, found.steps) == (5, 0, [5, 10, 15, 20]) and found.p_value <= periodic.ALPHA
+
+
+def test_exposed_communication_over_its_share_is_communication():
+    report = analyse(synthetic_job(8, transfer=8.0))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["test"]) == ("communication", None, "bootstrap"), verdict
+    assert verdict["share_of_run"] > 0.5 and report["job"]["shares"]["exposed_comm"] > 0.5
+    assert analyse(synthetic_job(8, transfer=2.0))["verdict"]["layer"] == "none"
+
+
+def test_findings_are_ranked_by_the_time_they_cost():
+    stall = every(5, 200, rank=1)
+    report = analyse(synthetic_job(25, extra=lambda r, s: {**stall(r, s), **({"forward": 15} if r == 0 else {})}))
+    costs = [f["cost_seconds"] for f in report["findings"]]
+    assert [f["layer"] for f in report["findings"]] == ["data loading", "straggler"], report["findings"]
+    assert costs == sorted(costs, reverse=True) and report["verdict"] is report["findings"][0]
+
+
+def test_every_finding_has_the_shared_shape():
+    report = analyse(synthetic_job(20, extra=every(5, 200, rank=1)))
+    for found in report["findings"]:
+        assert {"layer", "summary", "evidence", "remedies", "rank", "step", "cost_seconds", "confidence",
+                "trace_ids"} <= set(found)
+        assert 0.0 <= found["confidence"] <= 1.0
+
+
+def test_html_shows_the_chain_and_a_change_point():
+    report = analyse(synthetic_job(20, extra=every(5, 200, rank=1)))
+    report["input"] = {}
+    page = render_html(report)
+    assert "Who waits for whom" in page and "rank 1: data wait +200 ms" in page and "rank 0: waits" in page
+    report["findings"].append({**report["findings"][0], "layer": "INPUT", "summary": "tokens per step x4",
+                               "change_step": 13, "cost_seconds": 0.1, "chain": {}})
+    page = render_html(report)
+    assert "change at step 13" in page and "All findings, by the time they cost" in page
+
+
+def throttled(spans, rank: int) -> list[Sample]:
+    """A GPU sample in the middle of every forward: rank ``rank``'s GPU reports thermal slowdown."""
+    return [Sample(span.rank, semconv.METRIC_NVIDIA_GPU_THROTTLE, (span.start + span.end) // 2,
+                   1.0 if span.rank == rank else 0.0, semconv.THROTTLE_HW_THERMAL_SLOWDOWN)
+            for span in spans if span.name == semconv.SPAN_FORWARD]
+
+
+def test_a_throttled_gpu_takes_over_the_late_rank_finding_on_its_rank():
+    spans = synthetic_job(16, extra=lambda r, _step: {"forward": 30} if r == 1 else {})
+    analysis = Analysis()
+    analysis.add(spans)
+    analysis.add_samples(throttled(spans, 1))
+    report = analysis.result()
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"]) == ("GPU/hardware", 1) and "hw thermal slowdown" in verdict["summary"]
+    assert verdict["cost_seconds"] > 0 and [f["layer"] for f in report["findings"]] == ["GPU/hardware"]
+
+
+def test_a_throttled_gpu_with_no_cost_measured_is_still_reported():
+    spans = synthetic_job(16)
+    analysis = Analysis()
+    analysis.add(spans)
+    analysis.add_samples(throttled(spans, 0))
+    verdict = analysis.result()["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["cost_seconds"]) == ("GPU/hardware", 0, None)
+
+
+def test_a_rank_slower_at_everything_is_a_straggler_of_its_whole_compute():
+    # A slower device: every compute phase of rank 1 takes 40% longer, none alone carrying most of it.
+    report = analyse(synthetic_job(16, extra=lambda r, _step: {"forward": 3.2, "backward": 6, "optimizer": 1.2}
+                                   if r == 1 else {}))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"]) == ("straggler", 1, "compute"), verdict
+    assert report["straggler"]["rank"] == 1

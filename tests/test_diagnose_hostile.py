@@ -171,7 +171,7 @@ def test_text_output_escapes_control_characters_from_the_input(tmp_path, capsys)
     for output in (text, err):
         assert not any(c in output for c in "\x1b\x07\r\u202e\u2028"), repr(output)
         assert [line for line in output.splitlines() if line.startswith("Verdict")] == (
-            [line for line in text.splitlines() if line.startswith("Verdict: NONE: no layer")] if output is text
+            [line for line in text.splitlines() if line.startswith("Verdict: NONE: no finding")] if output is text
             else [])
     assert "\\x1b[2J" in text and "\\n" in text, "shown, escaped"
     code, out, _ = run_cli(capsys, str(tmp_path / "good.jsonl"), "--json")

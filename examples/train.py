@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import signal
+import sys
 import time
 
 import torch
@@ -374,8 +375,11 @@ def print_step(args, engine, loss: float) -> None:
     if not args.print_steps:
         return
     grad_norm = engine.get_global_grad_norm()
-    print(f"step {engine.global_steps} rank {engine.global_rank} loss {loss!r} "
-          f"grad_norm {None if grad_norm is None else float(grad_norm)!r}", flush=True)
+    # One write per line: print() writes the text and its newline apart, and ranks sharing the
+    # launcher's unbuffered stdout then interleave their lines.
+    sys.stdout.write(f"step {engine.global_steps} rank {engine.global_rank} loss {loss!r} "
+                     f"grad_norm {None if grad_norm is None else float(grad_norm)!r}\n")
+    sys.stdout.flush()
 
 
 def slow_rank_delays(args) -> dict[str, float]:

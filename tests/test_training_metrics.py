@@ -81,7 +81,8 @@ def test_mfu_grad_norm_and_bounded_attributes(run):
         assert not [p for p in points if p.metric == "training.loss_scale"], "fp32 has no loss scale"
         for point in points:
             if point.metric.startswith("training."):
-                assert set(point.attributes) <= {"training.phase", "comm.op", "comm.backend", "comm.group.size"}
+                assert set(point.attributes) <= {"training.phase", "comm.op", "comm.backend", "comm.group.size",
+                                                 "training.numerics.kind"}
 
 
 def test_dataloader_workers_are_measured(workdir):

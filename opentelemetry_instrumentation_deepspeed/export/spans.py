@@ -18,7 +18,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import id_generator, sdk
+from opentelemetry_instrumentation_deepspeed.export import sdk
 from opentelemetry_instrumentation_deepspeed.export.trace_ids import NOT_SAMPLED, SAMPLED
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
@@ -53,6 +53,9 @@ class SpanWriter:
         self._batch: list = []
         if self.fast:
             self._processor, self._resource, self._scope, self._readable, self._event, self._enabled = pipeline
+            # Imported here: it imports the SDK, which a process that never trains must not load.
+            from opentelemetry_instrumentation_deepspeed.export import id_generator
+
             self._ids = id_generator.isolated(self._tracer.id_generator)
             self._sampler = self._tracer.sampler
             self._by_parent = sdk.decides_by_parent(self._sampler)

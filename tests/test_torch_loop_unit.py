@@ -38,8 +38,6 @@ def traced(monkeypatch):
     instrumentor.uninstrument()
     registry.forget_all()
     session.reset()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     assert (torch.autograd.backward, nn.parallel.DistributedDataParallel.forward) == original
 
 
@@ -48,8 +46,12 @@ def micro_steps(spans, name):
 
 
 @pytest.mark.slow  # building a DistributedDataParallel takes seconds (its imports), even for one rank
-def test_ddp_steps_end_at_the_first_optimizers_step(traced):
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+def test_ddp_steps_end_at_the_first_optimizers_step(traced, request):
+    # An earlier in-process DeepSpeed test of the same pytest process may have set up its one-rank
+    # group already: DDP runs on that one, and only a group made here is torn down here.
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        request.addfinalizer(torch.distributed.destroy_process_group)
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)  # e.g. a loss-scale or EMA optimizer

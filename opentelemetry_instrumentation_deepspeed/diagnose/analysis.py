@@ -197,6 +197,8 @@ class Analysis:
         for rank, summary in ranks.items():
             summary["anomaly"] = _anomaly(steps.patterns.get(rank), by_rank[rank], found)
         job_summary = self._job_summary(ranks)
+        if job_summary and job_summary["anomaly"] is None:
+            job_summary["anomaly"] = _job_anomaly(found, by_rank)
         found = findings_module.ranked(found)  # other layers join below, ranked with these
         result = {
             "job_id": job,
@@ -415,14 +417,29 @@ def _anomaly(pattern, steps: list[dict], found: list[dict]) -> dict | None:
     if pattern is None or not any(f.get("period") == pattern.period and f.get("offset") == pattern.offset
                                   for f in found):
         return None
-    slow = set(pattern.steps)
+    finding = next(f for f in found if f.get("period") == pattern.period and f.get("offset") == pattern.offset)
+    return _anomaly_shape(pattern.period, pattern.offset, finding["phase"], pattern.steps, steps)
+
+
+def _job_anomaly(found: list[dict], by_rank: dict[int, list[dict]]) -> dict | None:
+    """The first periodic finding in the report's former shape, where no rank's own pattern matched
+    it (a stall every rank shares can pass its test on the ranks together and on none alone)."""
+    periodic = next((f for f in found if f.get("period") and f.get("steps")), None)
+    if periodic is None:
+        return None
+    rank = periodic.get("rank") if periodic.get("rank") in by_rank else min(by_rank)
+    return _anomaly_shape(periodic["period"], periodic.get("offset"), periodic.get("phase"), periodic["steps"],
+                          by_rank[rank])
+
+
+def _anomaly_shape(period: int, offset, phase, numbers: list[int], steps: list[dict]) -> dict:
+    slow = set(numbers)
     inside = [s for s in steps if s["step"] in slow]
     outside = [s for s in _steady(steps) if s["step"] not in slow]
-    finding = next(f for f in found if f.get("period") == pattern.period and f.get("offset") == pattern.offset)
-    return {"period": pattern.period, "offset": pattern.offset, "phase": finding["phase"],
+    return {"period": period, "offset": offset, "phase": phase,
             "extra_seconds": statistics.fmean(s["seconds"] for s in inside) -
             statistics.fmean(s["seconds"] for s in outside) if inside and outside else 0.0,
-            "steps": pattern.steps,
+            "steps": list(numbers),
             "trace_ids": [s["trace_id"] for s in sorted(inside, key=lambda s: s["seconds"], reverse=True)[:5]]}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from opentelemetry_instrumentation_deepspeed.diagnose import analysis, cli
+from opentelemetry_instrumentation_deepspeed.diagnose import analysis, cli, waits
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
 from opentelemetry_instrumentation_deepspeed.diagnose.backends import _spans
 from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
@@ -164,7 +164,7 @@ def test_median_of_the_others(values, pick):
     value = values[pick % len(values)]
     others = list(values)
     others.remove(value)
-    assert analysis._median_without(sorted(values), value) == statistics.median(others)
+    assert waits._median_without(sorted(values), value) == statistics.median(others)
 
 
 @settings(max_examples=200, deadline=None)

@@ -377,20 +377,6 @@ class Analysis:
         return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
 
 
-def _median_without(ordered: list[float], value: float) -> float:
-    """The median of sorted ``ordered`` less one occurrence of ``value``: the others' median of one
-    rank, in log n rather than a copy and a sort per rank (ranks squared per step at 1,024 ranks)."""
-    removed = bisect.bisect_left(ordered, value)
-    count = len(ordered) - 1
-
-    def at(index):
-        return ordered[index if index < removed else index + 1]
-
-    if count % 2:
-        return at(count // 2)
-    return (at(count // 2 - 1) + at(count // 2)) / 2
-
-
 def _quantile(values: list[float], q: float) -> float:
     if not values:
         return 0.0

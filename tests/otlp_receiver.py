@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import gzip
+import json
 import socket
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from google.protobuf.json_format import MessageToDict
@@ -152,3 +154,24 @@ class SilentSocket:
         self._socket.close()
         for connection in self._accepted:
             connection.close()
+
+
+def serve(answer):
+    """A loopback HTTP server answering GETs with ``answer(url) -> (status, body)``: JSON, or bytes as they are
+    (a backend's API, as diagnose queries it). Returns the server and its base URL."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = answer(urllib.parse.urlsplit(self.path))
+            payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"

@@ -10,14 +10,13 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-import threading
 import urllib.parse
 from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.conftest import BIN, launch
+from tests.otlp_receiver import serve
 
 
 @pytest.fixture(scope="module")
@@ -36,25 +35,6 @@ def run_traces(tmp_path_factory):
                         traces[span["traceId"]]["resourceSpans"].append(
                             {"resource": resource_spans["resource"], "scopeSpans": [{"spans": [span]}]})
     return job, dict(traces)
-
-
-def serve(handler_body):
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            status, body = handler_body(urllib.parse.urlsplit(self.path))
-            payload = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def b64(trace: dict) -> dict:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from opentelemetry_instrumentation_deepspeed.diagnose import cli
 from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from tests.conftest import BIN
+from tests.otlp_receiver import serve
 
 JOB = {"key": "training.job.id", "value": {"stringValue": "job"}}
 RANK0 = {"key": "training.rank", "value": {"intValue": "0"}}
@@ -240,25 +239,6 @@ def test_an_unwritable_html_file_is_a_clear_error(tmp_path):
     (tmp_path / "good.jsonl").write_text(GOOD)
     completed = console(str(tmp_path / "good.jsonl"), "--html", str(tmp_path / "missing" / "report.html"))
     assert completed.returncode == 1 and "cannot write" in completed.stderr and "report.html" in completed.stderr
-
-
-def serve(answer):
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            status, body = answer(urllib.parse.urlsplit(self.path))
-            payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
 TRACE = json.loads(request(span("training.step", "1000", "2000", 1)))

@@ -10,6 +10,7 @@ import pytest
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose.hangs import Hangs, where
+from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span, spans_of_request
 from opentelemetry_instrumentation_deepspeed.runtime import watchdog
 from tests.test_steps_unit import recorder_on, train_step
@@ -164,7 +165,25 @@ def test_hang_names_the_rank_that_stopped_and_the_one_that_waits_for_it():
     assert "rank 0 waits for rank 1 in all_reduce (group 1, sequence 49" in finding["summary"]
     assert finding["cost_seconds"] == 40.0 and finding["trace_ids"] == ["t8"]
     assert set(finding) == {"layer", "summary", "evidence", "remedies", "rank", "step", "cost_seconds", "confidence",
-                            "trace_ids"}
+                            "trace_ids", "stacks"}
+    # The whole stacks, the stopped rank's first, for the HTML report.
+    assert [(s["rank"], s["stopped"], s["stack"]) for s in finding["stacks"]] == [(1, True, STACK_RANK1),
+                                                                                 (0, False, STACK_RANK0)]
+    assert finding["stacks"][0]["where"].startswith("train.py:152 in block_forever")
+
+
+def test_the_html_report_shows_a_hangs_stacks_escaped():
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32")])
+    hostile = STACK_RANK1.replace("time.sleep(3600)", "time.sleep(3600)  # <script>alert(1)</script> & more")
+    hangs.add(_report(1, stack=hostile, sequences=["1:48"]))
+    hangs.add(_report(0, phase="backward", stack=STACK_RANK0, collective=("all_reduce", 49), sequences=["1:49"]))
+    (finding,) = hangs.findings("job")
+    page = render_html({"verdict": finding, "findings": [finding], "job_id": "job", "job": {}})
+    assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in page
+    assert page.index("rank 1 (stopped): train.py:152 in block_forever") < page.index("rank 0 (waiting)")
+    assert 'line 3252, in all_reduce\n    work.wait()' in page, "rank 0's whole stack, as it was written"
 
 
 def test_a_rank_without_a_report_is_named_by_the_sequence_it_never_reached():

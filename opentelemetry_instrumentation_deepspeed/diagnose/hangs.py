@@ -174,13 +174,15 @@ class Hangs:
             summary = f"{culprits}" + (f"; {waits}" if waits else "")
             if len(stopped) == 1 and stopped[0] not in latest and (job, stopped[0]) in self._last_step:
                 step = self._last_step[job, stopped[0]] + 1  # the step it is in: the one after its last closed
-            return [_finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
-                             step, lost, 0.9 if reported_all else 0.7, trace_ids)]
+            found = _finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
+                             step, lost, 0.9 if reported_all else 0.7, trace_ids)
+            return [_with_stacks(found, latest, stopped)]
         report = next(iter(waiting.values()))
         summary = (f"every rank waits in {_collective_text(report)} and none is missing: the collective itself does "
                    "not complete")
-        return [_finding("HANG", summary, evidence, REMEDIES["HANG_COMM"], None, step, lost,
-                         0.8 if reported_all else 0.5, trace_ids)]
+        found = _finding("HANG", summary, evidence, REMEDIES["HANG_COMM"], None, step, lost,
+                         0.8 if reported_all else 0.5, trace_ids)
+        return [_with_stacks(found, latest, ())]
 
     def _stopped_text(self, job: str, rank: int, report: Span | None, never: set | None) -> str:
         if report is None:
@@ -236,6 +238,14 @@ class Hangs:
                    (f"; {len(mismatches) - 1} more such collective(s)" if len(mismatches) > 1 else ""))
         return [_finding("DESYNC", summary, evidence, REMEDIES["DESYNC"], other[1], step, None, 0.95,
                          sorted({first[2], other[2]}))]
+
+
+def _with_stacks(finding: dict, latest: dict, stopped) -> dict:
+    """Each reporting rank's whole stack beside the finding (the HTML report shows them), stopped ranks first."""
+    finding["stacks"] = [{"rank": rank, "stopped": rank in stopped, "where": where(stack), "stack": stack}
+                         for rank, report in sorted(latest.items(), key=lambda item: (item[0] not in stopped, item[0]))
+                         if (stack := report.attributes.get(semconv.CODE_STACKTRACE) or "")]
+    return finding
 
 
 def _during(report: Span) -> str:

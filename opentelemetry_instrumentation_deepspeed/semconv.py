@@ -40,6 +40,7 @@ HANG_DURATION = "training.hang.duration"  # seconds since the open phase (else t
 HANG_THRESHOLD = "training.hang.threshold"  # the watchdog's threshold when it reported, seconds
 HANG_COMM_DURATION = "training.hang.comm.duration"  # seconds the collective in flight has been running
 HANG_COMM_SEQUENCES = "training.hang.comm.sequences"  # ["<group>:<last sequence issued>", ...]
+HANG_BETWEEN_STEPS = "training.hang.between_steps"  # true: no step open (training.step is the next one)
 
 # Span attributes
 TRAINING_STEP = "training.step"

@@ -46,9 +46,10 @@ def wait_for_hang(workdir: Path, job: subprocess.Popen, timeout: float = 240) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert job.poll() is None, f"the job ended: {(workdir / 'job.log').read_text()[-3000:]}"
-        if (workdir / "telemetry").is_dir():
+        # Both ranks' reports in the files first, then the diagnosis: it reads what is there.
+        if (workdir / "telemetry").is_dir() and len(_reports(workdir)) == 2:
             report = diagnose(workdir)
-            if report.get("verdict", {}).get("layer") == "HANG" and len(_reports(workdir)) == 2:
+            if report.get("verdict", {}).get("layer") == "HANG":
                 return report, time.time()
         time.sleep(1)
     raise AssertionError("no HANG verdict")
@@ -132,6 +133,43 @@ def test_hang_in_forward_is_diagnosed_live_and_sigterm_reaches_the_rank_blocked_
     # The step the rank was in ends, as the exit stages end it, with the rest of its telemetry.
     final = diagnose(workdir)
     assert final["verdict"]["layer"] == "HANG" and final["verdict"]["rank"] == 1, final["verdict"]
+
+
+def test_a_rank_blocked_in_the_data_loader_is_diagnosed_live_and_the_html_report_shows_the_stacks(workdir):
+    # No step is open on rank 1: it blocks fetching step 6's batch; rank 0 runs step 6 up to its first
+    # collective and waits there.
+    job = start(workdir, "--steps", "20", "--zero-stage", "2", "--hang-rank", "1", "--hang-step", "6",
+                "--hang-phase", "data", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
+    try:
+        report, when = wait_for_hang(workdir, job)
+        verdict = report["verdict"]
+        assert verdict["rank"] == 1 and verdict["step"] == 6, verdict
+        assert verdict["summary"].startswith("rank 1 stopped in the data loader (data wait) before step 6, no step "
+                                             "open at train.py"), verdict["summary"]
+        assert "in block_forever" in verdict["summary"] and "in __call__" in verdict["summary"], "where, in its stack"
+        assert "rank 0 waits for rank 1 in all_reduce" in verdict["summary"], verdict["summary"]
+        assert when - _first_threshold_crossing(workdir) < VERDICT_BUDGET
+
+        completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--html", "report.html"],
+                                   cwd=workdir, capture_output=True, text=True, timeout=120, check=False)
+        assert completed.returncode == 0, completed.stderr
+    finally:
+        _stop(job, workdir)
+    page = (workdir / "report.html").read_text()
+    stopped, waiting = page.index("rank 1 (stopped): train.py:"), page.index("rank 0 (waiting)")
+    assert stopped < waiting and "block_forever" in page[stopped:waiting]
+    assert "in all_reduce" in page[waiting:], "rank 0's stack, down to the collective it waits in"
+    assert "&quot;" in page[stopped:waiting] and 'File "' not in page, "escaped"
+    if shutil.which("chromium") is not None:  # a real browser draws it (scripts/test.sh installs chromium)
+        shown = subprocess.run(
+            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={workdir / 'profile'}", "--enable-logging=stderr", "--v=0",
+             "--virtual-time-budget=2000", "--dump-dom", (workdir / "report.html").as_uri()],
+            capture_output=True, text=True, timeout=120, check=False)
+        assert "<details" in shown.stdout and "rank 1 (stopped): train.py:" in shown.stdout, shown.stderr[-2000:]
+        console = [line for line in shown.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+        assert console == [], console
 
 
 def test_hang_in_backward_with_an_earlier_desync_and_sigint_to_the_rank_that_waits(workdir):

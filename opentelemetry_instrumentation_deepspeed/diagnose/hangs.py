@@ -192,11 +192,8 @@ class Hangs:
             return (f"rank {rank} stopped{in_step} before {'collective' if len(never or ()) == 1 else 'collectives'} "
                     f"(group: sequence) {reached}, with no hang report of its own (not yet past its threshold, "
                     "dead, or its watchdog off)")
+        text = f"rank {rank} stopped {_place(report.attributes)}"
         attributes = report.attributes
-        phase = attributes.get(semconv.TRAINING_PHASE)
-        place = f"{phase} of step {attributes.get(semconv.TRAINING_STEP)}" if phase else \
-            f"step {attributes.get(semconv.TRAINING_STEP)}, between phases"
-        text = f"rank {rank} stopped in {place}"
         if attributes.get(semconv.COMM_SEQUENCE) is not None:
             text += f", itself in {_collective_text(report)}"
         at = where(attributes.get(semconv.CODE_STACKTRACE) or "")
@@ -212,8 +209,7 @@ class Hangs:
             return head + "; no hang report"
         attributes = report.attributes
         text = (f"{head}; {attributes.get(semconv.HANG_REASON)} for {attributes.get(semconv.HANG_DURATION, 0):.0f} s "
-                f"in {attributes.get(semconv.TRAINING_PHASE) or 'no phase'} of step "
-                f"{attributes.get(semconv.TRAINING_STEP)}")
+                f"{_place(attributes)}")
         if rank in waiting:
             text += f", in {_collective_text(report)}"
         frames_text = " <- ".join([_frame_text(f) for f in frames(attributes.get(semconv.CODE_STACKTRACE) or "")
@@ -248,8 +244,20 @@ def _with_stacks(finding: dict, latest: dict, stopped) -> dict:
     return finding
 
 
+def _place(attributes: dict) -> str:
+    """Where a hang report's rank is: in a phase of the open step, or between steps (the next one's number)."""
+    phase, number = attributes.get(semconv.TRAINING_PHASE), attributes.get(semconv.TRAINING_STEP)
+    if attributes.get(semconv.HANG_BETWEEN_STEPS):
+        if phase == semconv.PHASE_DATA_WAIT:
+            return f"in the data loader (data wait) before step {number}, no step open"
+        return f"between steps (no step open, before step {number})"
+    return f"in {phase} of step {number}" if phase else f"in step {number}, between phases"
+
+
 def _during(report: Span) -> str:
     phase = report.attributes.get(semconv.TRAINING_PHASE)
+    if report.attributes.get(semconv.HANG_BETWEEN_STEPS):
+        return f", {phase} before the step" if phase else ", between steps"
     return f", during {phase}" if phase else ", between phases"
 
 

@@ -22,7 +22,7 @@ _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, se
          semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED,
          # hangs and desyncs (diagnose/hangs.py)
          semconv.COMM_DTYPE, semconv.TRAINING_PHASE, semconv.HANG_REASON, semconv.HANG_DURATION,
-         semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES,
+         semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES, semconv.HANG_BETWEEN_STEPS,
          # pipeline parallelism (diagnose/pipeline.py)
          semconv.TRAINING_PIPELINE_STAGE, semconv.TRAINING_PIPELINE_STAGES, semconv.TRAINING_STEP_MICRO_BATCHES,
          semconv.COMM_PEER_STAGE)
@@ -176,7 +176,7 @@ _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.
           semconv.COMM_DTYPE: str, semconv.TRAINING_PHASE: str, semconv.HANG_REASON: str,
           semconv.HANG_DURATION: (int, float), semconv.HANG_THRESHOLD: (int, float),
           semconv.HANG_COMM_DURATION: (int, float), semconv.HANG_COMM_SEQUENCES: tuple,
-          semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES,
+          semconv.HANG_BETWEEN_STEPS: bool, semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES,
           semconv.TRAINING_PIPELINE_STAGE: int, semconv.TRAINING_PIPELINE_STAGES: int,
           semconv.TRAINING_STEP_MICRO_BATCHES: int, semconv.COMM_PEER_STAGE: int}
 

@@ -74,6 +74,8 @@ class StepFacts:
         self.peer_stages: dict | None = None  # a pipeline stage's {global rank: stage} of its pipeline
         # The root of a step that raised, kept open for its retry (same number) until the next step.
         self.held_root: _HeldRoot | None = None
+        # The last step written and its end: the hang watchdog's sign of progress between steps.
+        self.last_written, self.last_end = 0, 0
 
 
 class _HeldRoot:
@@ -287,6 +289,7 @@ class Emitter(Component):
         root, held, parent = self._root(record, writers)
         step = writer.child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: record.number, **facts.static},
                             record.start)
+        facts.last_written, facts.last_end = record.number, record.end
         intervals: list | None = [] if record.profile is not None and step.recording else None
         by_micro_step, batch_sums, counted = batches.summarize(list(record.phases))
         phases = self._phases(record, step, intervals, writers, by_micro_step)

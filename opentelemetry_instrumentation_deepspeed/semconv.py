@@ -18,6 +18,7 @@ SPAN_OPTIMIZER_STEP = "training.optimizer.step"
 SPAN_PHASE_GPU = "training.{phase}.gpu"  # on CUDA: a phase's GPU-side interval, child of the phase
 # The watchdog's report of a step that does not close: in the step's trace, from its start to the report
 SPAN_HANG = "training.hang"
+SPAN_CLOCK_SYNC = "training.clock.sync"  # a refreshed clock offset to rank 0 (training.clock.offset, .error)
 
 # The exception event of a span that raised, as OpenTelemetry's exception conventions name it
 EVENT_EXCEPTION = "exception"

@@ -431,3 +431,60 @@ def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the
         stop.set()
         thread.join(10)
     assert found == [] and made["recorder"].facts.last_written > 50
+
+
+def test_the_clock_refresher_measures_again_off_the_training_thread_and_cleans_the_store():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from opentelemetry_instrumentation_deepspeed.runtime import clock
+
+    server = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=10))
+    readings = []
+    answering = clock.Refresher(server, "job", 0, 2, interval=0.2)
+    asking = clock.Refresher(client, "job", 1, 2, interval=0.2)
+    asking.send = readings.append
+    deadline = time.monotonic() + 10
+    while len(readings) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answering.stop()
+    asking.stop()
+    assert len(readings) >= 3 and asking.latest == readings[-1]
+    for offset, error, sent, received in readings:  # one clock on both sides: the offset is within its error
+        assert abs(offset) <= error + 1_000_000 and sent <= received
+    assert answering.latest is None, "rank 0 only answers"
+    assert not client.check(["opentelemetry-instrumentation-deepspeed/clock/job/1/1/0/ping"])
+
+
+def test_the_reader_follows_a_drifting_clock_from_its_sync_spans():
+    from opentelemetry_instrumentation_deepspeed.diagnose.reader import Drift
+
+    drift = Drift()
+    drift.add(10_000_000_000, 2_000_000_000)
+    assert drift.at(5_000_000_000) == drift.at(20_000_000_000) == 2_000_000_000  # one reading: held
+    drift.add(20_000_000_000, 2_100_000_000)  # 10 ms per second
+    assert drift.at(25_000_000_000) == 2_150_000_000  # carried forward at that rate
+    assert drift.at(15_000_000_000) == 2_050_000_000  # between the two: on the line
+    assert drift.at(1_000_000_000) == 2_000_000_000  # before both: the earlier one
+    drift.add(19_000_000_000, 0)  # read out of order: ignored
+    assert drift.at(25_000_000_000) == 2_150_000_000
+
+    def line(name, start, end, **attributes):
+        values = [{"key": k, "value": {"intValue": str(v)}} for k, v in attributes.items()]
+        return {"resourceSpans": [{"resource": {"attributes": [
+            {"key": "training.rank", "value": {"intValue": "1"}},
+            {"key": "training.job.id", "value": {"stringValue": "job"}},
+            {"key": "training.clock.offset", "value": {"intValue": "1000000000"}}]},
+            "scopeSpans": [{"spans": [{"name": name, "traceId": "t", "spanId": "s", "startTimeUnixNano": str(start),
+                                       "endTimeUnixNano": str(end), "attributes": values}]}]}]}
+
+    clocks = {}
+    (step,) = spans_of_request(line("training.step", 5_000_000_000, 6_000_000_000), clocks)
+    assert step.start == 4_000_000_000, "the start estimate until a refresh is read"
+    for at, offset in ((10_000_000_000, 2_000_000_000), (20_000_000_000, 2_100_000_000)):
+        list(spans_of_request(line(semconv.SPAN_CLOCK_SYNC, at - 1000, at,
+                                   **{semconv.TRAINING_CLOCK_OFFSET: offset}), clocks))
+    (step,) = spans_of_request(line("training.step", 25_000_000_000, 26_000_000_000), clocks)
+    assert (step.start, step.end) == (25_000_000_000 - 2_150_000_000, 26_000_000_000 - 2_150_000_000)

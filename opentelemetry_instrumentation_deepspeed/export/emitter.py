@@ -34,7 +34,7 @@ from collections import deque
 from opentelemetry.trace import Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import batches, hangs, kernels, sdk, trace_ids
+from opentelemetry_instrumentation_deepspeed.export import batches, clock, hangs, kernels, sdk, trace_ids
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
@@ -198,6 +198,8 @@ class Emitter(Component):
                     self._step(item, writers)
                 elif type(item) is HangReport:  # the hang watchdog's (runtime/watchdog.py)
                     hangs.emit(item, writers)
+                elif type(item) is clock.ClockReading:  # the clock refresher's (runtime/clock.py)
+                    clock.emit(item, writers)
                 else:
                     self._collective(item, None, None, None, writers)
                 done += 1

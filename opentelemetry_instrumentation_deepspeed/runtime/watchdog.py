@@ -79,8 +79,8 @@ class _Watched:
         self.last = None  # the open record at the previous look
         self.durations: deque = deque(maxlen=WINDOW)
         self.next_report = 0.0  # open (or idle) seconds at which to report (again)
-        # No step open: since when the training thread has been where it is (``where``: its stack's
-        # frames and the last step written), the same at every look since.
+        # No step open: since when the training thread has been where it is (``where``: code and line
+        # of each frame of its stack), the same at every look since, with no step written meanwhile.
         self.idle_since: int | None = None
         self.where = None
 
@@ -202,7 +202,7 @@ class Watchdog(Component):
             return None
         idle = (now - watched.idle_since) / 1e9
         watched.next_report = 2 * max(idle, limit)
-        number = max(facts.last_written, watched.last.number if watched.last is not None else 0) + 1
+        number = max(getattr(facts, "last_written", 0), watched.last.number if watched.last is not None else 0) + 1
         phase = semconv.PHASE_DATA_WAIT if _in_data_loader(frame) else None
         return HangReport(facts, number, watched.idle_since, now, semconv.HANG_REASON_WATCHDOG, limit, phase, None,
                           None, None, _last_sequences(), _stacks(watched.thread), between_steps=True)
@@ -211,8 +211,9 @@ class Watchdog(Component):
     def _idle_beyond(watched: _Watched, facts, now: int, seconds: float) -> bool:
         # A step that closed after the thread seemed to stop: it moved (the same stack is the same loop
         # line again), and has been where it is since that step's end at most.
-        if facts.last_end > watched.idle_since:
-            watched.idle_since, watched.next_report = facts.last_end, 0.0
+        last_end = getattr(facts, "last_end", 0)
+        if last_end > watched.idle_since:
+            watched.idle_since, watched.next_report = last_end, 0.0
         return (now - watched.idle_since) / 1e9 > seconds
 
     def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:

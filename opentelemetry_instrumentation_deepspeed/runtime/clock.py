@@ -157,10 +157,12 @@ def keep_fresh(store, key: str, rank: int, world_size: int) -> None:
     """Start the refreshing thread, once per process (after the start estimate, on every rank)."""
     global _refresher  # noqa: PLW0603 - one per process
     from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 
     interval = env.clock_refresh()
     if _refresher is None and interval and world_size > 1:
-        _refresher = Refresher(store, key, rank, world_size, interval)
+        _refresher = refresher = Refresher(store, key, rank, world_size, interval)
+        lifecycle.at_exit(lifecycle.STOP_CLOCK, lambda _reason: refresher.stop())
 
 
 def refresher() -> Refresher | None:

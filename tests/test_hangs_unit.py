@@ -339,8 +339,9 @@ class _BlockingTokens(torch.utils.data.Dataset):
         return torch.zeros(2)
 
 
-def _training_thread(target, floor=2.0):
-    """``target(recorder, engine)`` on a thread of its own, the one the watchdog watches (it builds the engine)."""
+def _training_thread(target, floor=2.0, idle_engines=0):
+    """``target(recorder, engine)`` on a thread of its own, the one the watchdog watches (it builds the engine);
+    ``idle_engines`` more engines built there never step."""
     ready, made = threading.Event(), {}
 
     def run():
@@ -348,6 +349,8 @@ def _training_thread(target, floor=2.0):
         made["recorder"].profiler = None  # torch.profiler, on a slow step, off the main thread: not what is tested
         made["dog"] = dog = watchdog.Watchdog(floor=floor)
         dog.watch(made["recorder"], start=False)
+        for number in range(idle_engines):
+            dog.watch(recorder_on(0, job=f"idle-{number}-{time.monotonic_ns()}")[0], start=False)
         ready.set()
         target(made["recorder"], made["engine"])
 
@@ -411,7 +414,10 @@ def test_a_rank_blocked_in_its_own_code_after_a_step_is_reported_between_steps()
         thread.join(10)
 
 
-def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the_same():
+@pytest.mark.parametrize("engines", [1, 2])
+def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the_same(engines):
+    # engines=2: a second engine built on the same thread (evaluation's) never steps: the first's steps
+    # are the thread's progress all the same.
     dataset, stop = _BlockingTokens(pause=0.002), threading.Event()
     loader = iter(torch.utils.data.DataLoader(dataset, batch_size=1))
 
@@ -420,7 +426,8 @@ def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the
             next(loader)  # mostly asleep on the same line: a look often finds the same stack
             train_step(recorder, engine)
 
-    thread, made = _training_thread(train, floor=0.05)  # threshold: 0.5 s, then 10 times the slowest step seen
+    # Threshold: 0.5 s, then 10 times the slowest step seen.
+    thread, made = _training_thread(train, floor=0.05, idle_engines=engines - 1)
     try:
         # Real time: 40 looks, 0.05 s apart (a real watchdog's poll for this floor), none with a step open.
         found = []

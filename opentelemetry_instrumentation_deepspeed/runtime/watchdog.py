@@ -185,20 +185,24 @@ class Watchdog(Component):
         """No step open: a report when the training thread has stayed where it is, with no step
         written, for longer than the threshold."""
         facts = watched.recorder.facts
+        # Engines that share the thread (a second engine for evaluation): one that has a step open, or
+        # closed one since, is the thread's progress; the open step is watched as such.
+        sharing = [w for w in self._watched if w.thread == watched.thread]
         frame = sys._current_frames().get(watched.thread)
-        if frame is None:
+        if frame is None or any(w.recorder.open is not None for w in sharing):
+            watched.where = None
             return None
         where = _frame_key(frame)
         if where != watched.where:
             watched.where, watched.idle_since, watched.next_report = where, now, 0.0
             return None
         limit = threshold(watched.durations, self.floor)
-        if not self._idle_beyond(watched, facts, now, max(limit, watched.next_report)):
+        if not self._idle_beyond(watched, sharing, now, max(limit, watched.next_report)):
             return None
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 
         emitter().drain()  # steps closed since the emitter's last round, if any, are progress
-        if not self._idle_beyond(watched, facts, now, max(limit, watched.next_report)):
+        if not self._idle_beyond(watched, sharing, now, max(limit, watched.next_report)):
             return None
         idle = (now - watched.idle_since) / 1e9
         watched.next_report = 2 * max(idle, limit)
@@ -208,10 +212,10 @@ class Watchdog(Component):
                           None, None, _last_sequences(), _stacks(watched.thread), between_steps=True)
 
     @staticmethod
-    def _idle_beyond(watched: _Watched, facts, now: int, seconds: float) -> bool:
+    def _idle_beyond(watched: _Watched, sharing: list, now: int, seconds: float) -> bool:
         # A step that closed after the thread seemed to stop: it moved (the same stack is the same loop
         # line again), and has been where it is since that step's end at most.
-        last_end = getattr(facts, "last_end", 0)
+        last_end = max(getattr(w.recorder.facts, "last_end", 0) for w in sharing)
         if last_end > watched.idle_since:
             watched.idle_since, watched.next_report = last_end, 0.0
         return (now - watched.idle_since) / 1e9 > seconds

@@ -1,14 +1,16 @@
 """How often `diagnose` names a hung job's stopped rank, phase and step, and how soon, on live jobs.
 
 Each case starts the example on 2 ranks under torchrun with one rank blocking forever at a random
-step and phase (`--hang-rank R --hang-step N --hang-phase P`, ZeRO stage and gradient accumulation
-varied too), runs `opentelemetry-deepspeed diagnose --json` on the live directory every second, and
-stops the job once the verdict is HANG with every rank's report in (or a minute after the first
-HANG). Healthy runs of the same shapes check that the watchdog raises no HANG. Times: from the hang
-threshold's crossing (the stuck phase's start plus the threshold, from the reports) to the first
-HANG verdict (rank and step), and to the complete one (the phase and frames of the stopped rank).
+step and phase (`--hang-rank R --hang-step N --hang-phase P`: forward or backward of an open step,
+or with no step open: data, in the loader, and after-step, in the loop's own code; ZeRO stage and
+gradient accumulation varied too), runs `opentelemetry-deepspeed diagnose --json` on the live
+directory every second, and stops the job once the verdict is HANG with every rank's report in (or
+a minute after the first HANG). Healthy runs of the same shapes check that the watchdog raises no
+HANG. Times: from the hang threshold's crossing (the stuck phase's start plus the threshold, from
+the reports) to the first HANG verdict (rank and step), and to the complete one (the phase and
+frames of the stopped rank).
 
-    python benchmarks/hang_accuracy.py --cases 6 --healthy 2 --seed 1 [--json out.json]
+    python benchmarks/hang_accuracy.py --cases 6 --healthy 2 --seed 1 [--phases data,after-step] [--json out.json]
 """
 
 from __future__ import annotations
@@ -105,8 +107,12 @@ def run_case(case: dict, floor: str, timeout: float) -> dict:
         result["right"] = result["verdict"] != "HANG"
     else:
         # First HANG verdict: the right rank and step. Once every rank reported: the phase too.
-        result["first_right"] = bool(first) and first.get("rank") == case["rank"] and first.get("step") == case["step"]
-        expected = f"rank {case['rank']} stopped in {case['phase']} of step {case['step']}"
+        # after-step: blocked after step N's engine.step(), so no step is open and N + 1 is the one that did not start.
+        step = case["step"] + (case["phase"] == "after-step")
+        result["first_right"] = bool(first) and first.get("rank") == case["rank"] and first.get("step") == step
+        expected = {"data": f"rank {case['rank']} stopped in the data loader (data wait) before step {step}",
+                    "after-step": f"rank {case['rank']} stopped between steps (no step open, before step {step})"}.get(
+            case["phase"], f"rank {case['rank']} stopped in {case['phase']} of step {step}")
         result["right"] = result["verdict"] == "HANG" and verdict.get("rank") == case["rank"] and \
             result["summary"].startswith(expected)
         result["seconds_to_verdict"] = round(found_at - crossing, 1) if found_at and crossing else None
@@ -123,9 +129,11 @@ def main() -> int:
     parser.add_argument("--floor", default="2", help="OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT of the runs")
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--phases", default="forward,backward,data,after-step",
+                        help="where the hangs are drawn from: forward, backward (a step open), data, after-step (none)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    cases = [{"rank": rng.randint(0, 1), "step": rng.randint(2, 10), "phase": rng.choice(("forward", "backward")),
+    cases = [{"rank": rng.randint(0, 1), "step": rng.randint(2, 10), "phase": rng.choice(args.phases.split(",")),
               "zero": rng.choice((1, 2)), "accum": rng.choice((1, 2)), "steps": 14} for _ in range(args.cases)]
     cases += [{"rank": None, "step": None, "phase": None, "zero": rng.choice((1, 2)), "accum": 1, "steps": 14}
               for _ in range(args.healthy)]

@@ -37,6 +37,7 @@ CODE_STACKTRACE = "code.stacktrace"
 # comm.sequence, comm.bytes, comm.dtype for the collective in flight, when there is one)
 HANG_REASON = "training.hang.reason"  # HANG_REASON_WATCHDOG, or the exit's reason (terminated by SIGTERM)
 HANG_REASON_WATCHDOG = "no step progress"
+HANG_REASON_RESUMED = "resumed"  # a report made with no step open: the thread has moved on since
 HANG_DURATION = "training.hang.duration"  # seconds since the open phase (else the step) started
 HANG_THRESHOLD = "training.hang.threshold"  # the watchdog's threshold when it reported, seconds
 HANG_COMM_DURATION = "training.hang.comm.duration"  # seconds the collective in flight has been running

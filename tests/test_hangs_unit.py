@@ -13,7 +13,8 @@ from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose.hangs import Hangs, where
 from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span, spans_of_request
-from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle, watchdog
 from tests.test_steps_unit import recorder_on, train_step
 
 
@@ -228,6 +229,20 @@ def test_every_rank_in_the_same_collective_is_a_collective_that_does_not_complet
     assert finding["rank"] is None and "none is missing" in finding["summary"]
 
 
+def test_a_rank_that_moved_on_after_a_report_with_no_step_open_is_no_hang():
+    # A last checkpoint written for longer than the threshold, after step 7: reported, then resumed.
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7)
+    report = _report(1, phase=None, duration=40.0)
+    hangs.add(report)
+    assert [f["rank"] for f in hangs.findings("job")] == [1], "while it lasts, it is a hang"
+    hangs.add(_span(semconv.SPAN_HANG, 1, 100, 190, **{**report.attributes,
+                                                        semconv.HANG_REASON: semconv.HANG_REASON_RESUMED,
+                                                        semconv.HANG_DURATION: 90.0}))
+    assert hangs.findings("job") == []
+
+
 def test_a_report_below_its_threshold_or_of_a_step_that_went_on_is_no_hang():
     hangs = Hangs()
     _steps(hangs, 0, 9)  # the slow step 8 closed, and step 9 after it
@@ -394,7 +409,14 @@ def test_a_rank_blocked_in_the_data_loader_between_steps_is_reported_with_its_st
     finally:
         dataset.release.set()
         thread.join(10)
-    assert _looks(dog, [60, 90]) == [], "the thread ended: nothing to watch"
+    # The batch came after all: the thread went on (and ended), which closes the report.
+    (resumed,) = _looks(dog, [60, 90])
+    assert resumed.reason == semconv.HANG_REASON_RESUMED and resumed.number == 3 and resumed.between_steps
+    spans = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
+    assert [s.attributes[semconv.HANG_REASON] for s in spans] == [semconv.HANG_REASON_WATCHDOG,
+                                                                  semconv.HANG_REASON_RESUMED]
+    assert spans[1].status.is_unset and spans[1].events == () and spans[1].start_time == spans[0].start_time
+    assert _looks(dog, [120, 150]) == [], "the thread ended: nothing to watch"
 
 
 def test_a_rank_blocked_in_its_own_code_after_a_step_is_reported_between_steps():
@@ -409,6 +431,12 @@ def test_a_rank_blocked_in_its_own_code_after_a_step_is_reported_between_steps()
         (report,) = _looks(made["dog"], [0, 25])
         assert report.between_steps and report.phase is None and report.number == 2
         assert "release.wait()" in report.stacks[0][2]
+        # The process exits on its own from there (say, a last checkpoint that took long): no hang.
+        made["dog"]._at_exit(lifecycle.EXITED)
+        emitter().drain()
+        reasons = [s.attributes[semconv.HANG_REASON] for s in made["emitted"].get_finished_spans()
+                   if s.name == semconv.SPAN_HANG]
+        assert reasons == [semconv.HANG_REASON_WATCHDOG, semconv.HANG_REASON_RESUMED]
     finally:
         release.set()
         thread.join(10)

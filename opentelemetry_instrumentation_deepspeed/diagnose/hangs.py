@@ -142,6 +142,8 @@ class Hangs:
             if report_job != job:
                 continue
             report = max(reports, key=lambda s: s.end)
+            if report.attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED:
+                continue  # its thread moved on after the last report: it was slow there, not stuck
             stalled = report.attributes.get(semconv.HANG_DURATION) or 0
             threshold = report.attributes.get(semconv.HANG_THRESHOLD) or 0
             number = report.attributes.get(semconv.TRAINING_STEP, 0)

@@ -57,6 +57,7 @@ def emit(report: HangReport, writers: set) -> None:
                                                semconv.CODE_STACKTRACE: stack}, report.at)
                    for thread, name, stack in report.stacks)
     where = where_text(report)
-    writer.end(started, report.step_start, report.at, None,
-               Status(StatusCode.ERROR, f"{report.reason}: in {where} for "
-                                        f"{(report.at - report.step_start) / 1e9:.0f} s"), None, events)
+    # A resumed report closes an earlier one: the thread moved on, which is no error.
+    status = None if report.reason == semconv.HANG_REASON_RESUMED else Status(
+        StatusCode.ERROR, f"{report.reason}: in {where} for {(report.at - report.step_start) / 1e9:.0f} s")
+    writer.end(started, report.step_start, report.at, None, status, None, events)

@@ -31,6 +31,7 @@ nothing here synchronizes or touches a tensor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import select
@@ -71,7 +72,7 @@ def threshold(recent: list[float] | deque, floor: float) -> float:
 class _Watched:
     """The watchdog's view of one recorder."""
 
-    __slots__ = ("durations", "idle_since", "last", "next_report", "recorder", "thread", "where")
+    __slots__ = ("durations", "idle_since", "last", "next_report", "recorder", "reported", "thread", "where")
 
     def __init__(self, recorder, thread: int):
         self.recorder = recorder
@@ -83,6 +84,7 @@ class _Watched:
         # of each frame of its stack), the same at every look since, with no step written meanwhile.
         self.idle_since: int | None = None
         self.where = None
+        self.reported: HangReport | None = None  # the last report made with no step open, until the thread moves
 
 
 class Watchdog(Component):
@@ -167,10 +169,9 @@ class Watchdog(Component):
                 watched.last = record
                 watched.next_report = 0.0
                 watched.idle_since = watched.where = None
+                reports += _resumed(watched, now)  # a step opened or closed: the thread went on
             if record is None:
-                report = self._between_steps(watched, now)
-                if report is not None:
-                    reports.append(report)
+                reports += self._between_steps(watched, now)
                 continue
             limit = threshold(watched.durations, self.floor)
             open_seconds = (now - record.start) / 1e9
@@ -181,9 +182,9 @@ class Watchdog(Component):
             self._send(reports)
         return reports
 
-    def _between_steps(self, watched: _Watched, now: int) -> HangReport | None:
+    def _between_steps(self, watched: _Watched, now: int) -> list[HangReport]:
         """No step open: a report when the training thread has stayed where it is, with no step
-        written, for longer than the threshold."""
+        written, for longer than the threshold; a ``resumed`` one when it moves on after that."""
         facts = watched.recorder.facts
         # Engines that share the thread (a second engine for evaluation): one that has a step open, or
         # closed one since, is the thread's progress; the open step is watched as such.
@@ -191,34 +192,29 @@ class Watchdog(Component):
         frame = sys._current_frames().get(watched.thread)
         if frame is None or any(w.recorder.open is not None for w in sharing):
             watched.where = None
-            return None
+            return _resumed(watched, now)
         where = _frame_key(frame)
         if where != watched.where:
             watched.where, watched.idle_since, watched.next_report = where, now, 0.0
-            return None
+            return _resumed(watched, now)
         limit = threshold(watched.durations, self.floor)
-        if not self._idle_beyond(watched, sharing, now, max(limit, watched.next_report)):
-            return None
+        resumed = _stepped_since(watched, sharing, now)
+        if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
+            return resumed
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 
         emitter().drain()  # steps closed since the emitter's last round, if any, are progress
-        if not self._idle_beyond(watched, sharing, now, max(limit, watched.next_report)):
-            return None
+        resumed += _stepped_since(watched, sharing, now)
+        if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
+            return resumed
         idle = (now - watched.idle_since) / 1e9
         watched.next_report = 2 * max(idle, limit)
         number = max(getattr(facts, "last_written", 0), watched.last.number if watched.last is not None else 0) + 1
         phase = semconv.PHASE_DATA_WAIT if _in_data_loader(frame) else None
-        return HangReport(facts, number, watched.idle_since, now, semconv.HANG_REASON_WATCHDOG, limit, phase, None,
-                          None, None, _last_sequences(), _stacks(watched.thread), between_steps=True)
-
-    @staticmethod
-    def _idle_beyond(watched: _Watched, sharing: list, now: int, seconds: float) -> bool:
-        # A step that closed after the thread seemed to stop: it moved (the same stack is the same loop
-        # line again), and has been where it is since that step's end at most.
-        last_end = max(getattr(w.recorder.facts, "last_end", 0) for w in sharing)
-        if last_end > watched.idle_since:
-            watched.idle_since, watched.next_report = last_end, 0.0
-        return (now - watched.idle_since) / 1e9 > seconds
+        watched.reported = HangReport(facts, number, watched.idle_since, now, semconv.HANG_REASON_WATCHDOG, limit,
+                                      phase, None, None, None, _last_sequences(), _stacks(watched.thread),
+                                      between_steps=True)
+        return [*resumed, watched.reported]
 
     def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:
         phase = record.phase
@@ -243,6 +239,10 @@ class Watchdog(Component):
                 flush(FLUSH_MILLIS)
         for report in reports:
             where = hangs.where_text(report)
+            if report.reason == semconv.HANG_REASON_RESUMED:
+                _logger.warning("opentelemetry-instrumentation-deepspeed: the training thread moved on after %.0f s "
+                                "in %s", (report.at - report.step_start) / 1e9, where)
+                continue
             if report.collective is not None:
                 where += (f", in {report.collective.route.span_name} (sequence {report.collective.sequence}) for "
                           f"{(report.at - report.collective.start) / 1e9:.0f} s")
@@ -286,10 +286,21 @@ class Watchdog(Component):
     # -- any thread ---------------------------------------------------------------------------------
 
     def _at_exit(self, reason: str) -> None:
-        """Stopped by a signal with a step open: where the training thread was, before the step is closed."""
-        if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED) or self.broken:
+        """Stopped by a signal with a step open: where the training thread was, before the step is closed.
+        Exiting on its own after a report with no step open (a last checkpoint longer than the
+        threshold): the thread was not stuck, and a ``resumed`` report says so."""
+        if self.broken:
             return
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+        if reason == lifecycle.EXITED:
+            now = time.time_ns()
+            for watched in list(self._watched):
+                for report in _resumed(watched, now):
+                    emitter().submit(report)
+            return
+        if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED):
+            return
 
         now = time.time_ns()
         for watched in list(self._watched):
@@ -301,6 +312,24 @@ class Watchdog(Component):
         now = time.time_ns()
         opened = [w.recorder.open for w in list(self._watched)]
         return [Observation(max(((now - r.start) / 1e9 for r in opened if r is not None), default=0.0))]
+
+
+def _stepped_since(watched: _Watched, sharing: list, now: int) -> list[HangReport]:
+    """A step that closed after the thread seemed to stop: it moved (the same stack is the same loop
+    line again), and has been where it is since that step's end at most."""
+    last_end = max(getattr(w.recorder.facts, "last_end", 0) for w in sharing)
+    if last_end <= watched.idle_since:
+        return []
+    watched.idle_since, watched.next_report = last_end, 0.0
+    return _resumed(watched, now)
+
+
+def _resumed(watched: _Watched, now: int) -> list[HangReport]:
+    """The thread left the place of its report with no step open: the same report, ``resumed`` now."""
+    report, watched.reported = watched.reported, None
+    if report is None:
+        return []
+    return [dataclasses.replace(report, at=now, reason=semconv.HANG_REASON_RESUMED, stacks=[])]
 
 
 def _frame_key(frame) -> tuple:

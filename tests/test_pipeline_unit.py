@@ -3,6 +3,7 @@ timelines (a GPipe schedule simulated with noise) whose slow stage is known."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -174,10 +175,9 @@ def stretched(spans: list[Span], stage: int, rng: random.Random) -> list[Span]:
     for span in spans:
         if (span.rank == stage and span.name in (semconv.SPAN_FORWARD, semconv.SPAN_BACKWARD)
                 and rng.random() < 0.5):
-            span = Span(span.name, span.trace_id, span.span_id, span.parent_id, span.start,
-                        span.start + int((span.end - span.start) * rng.uniform(2, 5)), span.job, span.rank,
-                        span.attributes)
-        out.append(span)
+            out.append(dataclasses.replace(span, end=span.start + int((span.end - span.start) * rng.uniform(2, 5))))
+        else:
+            out.append(span)
     return out
 
 

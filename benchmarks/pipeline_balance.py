@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=Path("/tmp/pipeline-balance"))
     parser.add_argument("--balanced-repeat", type=int, default=2)
     parser.add_argument("--rescore", type=Path)
+    parser.add_argument("--round", default="", help="a suffix for the injected runs' names: another round, same --keep")
     args = parser.parse_args()
     if args.rescore:
         for workdir in sorted(args.rescore.iterdir()):
@@ -100,9 +101,9 @@ def main() -> None:
     for shape, stage, factor in INJECTED:
         own = diagnose(args.keep / f"{shape}-bal0")["pipeline"]["stages"][str(stage)]["work_seconds"]
         sleep_ms = (factor - 1) * own * 1e3 / SHAPES[shape][2]
-        print(json.dumps(run(args.keep, shape, f"s{stage}x{factor}", ("--slow-stage", str(stage), "--slow-ms",
-                                                                        f"{sleep_ms:.3f}"),
-                             slow_stage=stage, factor=factor, sleep_ms=round(sleep_ms, 3))), flush=True)
+        slow = ("--slow-stage", str(stage), "--slow-ms", f"{sleep_ms:.3f}")
+        print(json.dumps(run(args.keep, shape, f"s{stage}x{factor}{args.round}", slow, slow_stage=stage, factor=factor,
+                             sleep_ms=round(sleep_ms, 3))), flush=True)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_each_stage_traces_its_steps_micro_batches_and_transfers(tmp_path):
                                              and 0 < stage["work_seconds"] <= stage["compute_seconds"]
                                              for stage in stages.values())
     # Equal layers on both stages: no stage is imbalanced, although the last one also computes the
-    # loss (it measures 1.2-1.6x the first stage's compute, a few percent of the step).
+    # loss (its work is 1.2-1.7x the first stage's, a few percent of the step).
     assert not report["pipeline"]["findings"], (report["pipeline"]["findings"], stages)
     assert report["verdict"]["layer"] == "none", report["verdict"]
 
@@ -97,7 +97,7 @@ def test_an_injected_slow_stage_is_named(workdir):
     verdict = report["verdict"]
     assert verdict["layer"] == "PIPELINE" and verdict["stage"] == 0 and verdict["rank"] == 0, verdict
     stages = report["pipeline"]["stages"]
-    # Four 15 ms sleeps per step on stage 0, which stage 1 idles through; stage 0 names it despite
+    # Four 15 ms sleeps per step on stage 0, which stage 1 idles through; stage 0 is named despite
     # the last stage's own extra work (the loss).
     assert stages["0"]["work_seconds"] > 0.055 and stages["1"]["bubble_seconds"] > 0.045
     assert report["straggler"] is None

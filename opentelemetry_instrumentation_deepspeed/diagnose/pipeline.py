@@ -18,11 +18,12 @@ compute alike: the last stage also computes the loss and keeps its running total
 and starts each backward from the loss through ``DeepSpeedEngine.backward`` (loss scaling, hooks),
 where the others call ``backward`` on a received gradient; the first stage computes no gradient
 for its input. On a small model that fixed work is a large ratio (the last stage measures
-1.2-1.6x the first's compute on 2 CPU stages of width 64-512, all of it on the CPU, not waits)
-but a small share of the step. The compute judged is each stage's work: its micro-batches' count
-times the shortest forward and backward of the step (``_Step.work``), because on a loaded host the
-scheduler adds more to some stages' spans than to others' (the last stage's backwards run while the
-first stage computes its next forward), and that is the host's doing, not the partition's.
+1.2-1.7x the first's work on 2 CPU stages of width 64-1024, all of it CPU work, not waits) but a
+small share of the step. The compute judged is each stage's work: its micro-batch count times its
+shortest forward and backward (over its steady steps; per step, ``_Step.work``, to find the slowest
+stage of each), because on a loaded host the scheduler stretches some stages' spans more than
+others' (most the last stage's, likely because under 1F1B its backwards overlap the first stage's
+next forward), and that is the host's doing, not the partition's.
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def launch(cwd: Path, launcher: str, *train_args: str, instrument: bool = True, env: dict | None = None,
            timeout: float = 300, script: Path = TRAIN) -> Run:
-    """Run examples/train.py (or ``script``) as a user would: ``python``, ``deepspeed`` or ``torchrun`` (2 ranks)."""
+    """Run examples/train.py (or ``script``) as a user would: ``python``, or ``deepspeed``, ``torchrun`` or
+    ``accelerate`` (``accelerate launch --use_deepspeed``) with 2 ranks."""
     if not _running["slow"]:
         pytest.fail("launch() starts real DeepSpeed: mark this test (or its module) with pytest.mark.slow",
                     pytrace=False)
@@ -97,6 +98,9 @@ def launch(cwd: Path, launcher: str, *train_args: str, instrument: bool = True, 
         command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(script)]
     elif launcher == "torchrun":
         command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(script)]
+    elif launcher == "accelerate":  # Accelerate's DeepSpeed launcher: 2 processes through torchrun's machinery
+        command = [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--num_processes", "2", "--num_machines", "1",
+                   "--main_process_port", port, "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
     else:
         raise ValueError(launcher)
     if instrument:

@@ -1,7 +1,8 @@
 """The Hugging Face ``Trainer`` and a plain Accelerate loop, with DeepSpeed (ZeRO-2, 2 ranks), from their real packages.
 
 Each runs as a user runs it, ``opentelemetry-instrument torchrun --nproc_per_node 2 script.py``, and
-once without instrumentation: the losses and the final weights must be the same bits. Both scripts
+once without instrumentation: the losses and the final weights must be the same bits. The Accelerate
+loop also runs under ``opentelemetry-instrument accelerate launch --use_deepspeed --num_processes 2``. Both scripts
 seed Python's ``random`` with 42 on every rank (``set_seed``), as such scripts do. Each rank reads
 5 micro-batches per epoch for 2 epochs, 2 per step: steps of 2, 2 and then 1 micro-batch (the
 epoch's last, partial step), twice.
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.slow  # real DeepSpeed jobs
 # The loops: a script of tests/scripts and its arguments. Accelerate's default loader is a
 # DataLoaderShard (one batch ahead); --dispatch makes it a DataLoaderDispatcher (rank 0 loads for all).
 LOOPS = {"trainer": ("hf_trainer.py",), "accelerate": ("accelerate_loop.py",),
-         "accelerate-dispatch": ("accelerate_loop.py", "--dispatch")}
+         "accelerate-dispatch": ("accelerate_loop.py", "--dispatch"),
+         "accelerate-launch": ("accelerate_loop.py",)}  # the Accelerate loop, through `accelerate launch`
+LAUNCHERS = {"accelerate-launch": "accelerate"}  # the others: torchrun
 GRAD_ACCUM, MICRO_BATCH, ZERO_STAGE = 2, 2, 2
 STEP_SIZES = [2, 2, 1] * 2  # micro-batches of each optimizer step
 STEP_PHASES = ("training.data.wait", "training.forward", "training.backward")
@@ -41,8 +44,8 @@ def runs(tmp_path_factory):
             workdir = tmp_path_factory.mktemp(f"{loop}-{'on' if instrumented else 'off'}")
             result = workdir / "result.json"
             script, *args = LOOPS[loop]
-            launched = launch_script(workdir, script, "torchrun", *args, "--result", str(result),
-                                     instrument=instrumented).check()
+            launched = launch_script(workdir, script, LAUNCHERS.get(loop, "torchrun"), *args, "--result",
+                                     str(result), instrument=instrumented).check()
             found[loop, instrumented] = (launched, json.loads(result.read_text()))
         return found[loop, instrumented]
 
@@ -107,6 +110,12 @@ def test_instrumentation_changes_no_loss_and_no_weight(runs, loop):
     trained, plain = runs(loop)[1], runs(loop, instrumented=False)[1]
     assert trained == plain
     assert len(trained["losses"]) == (len(STEP_SIZES) if loop == "trainer" else sum(STEP_SIZES))
+
+
+def test_accelerate_launch_with_deepspeed_trains_what_torchrun_trains_uninstrumented(runs):
+    """``opentelemetry-instrument accelerate launch --use_deepspeed --num_processes 2``: the same 2 ranks,
+    losses and final weights as the loop under plain torchrun (its tree: the tree test above)."""
+    assert runs("accelerate-launch")[1] == runs("accelerate", instrumented=False)[1]
 
 
 @pytest.mark.parametrize("loop", ["trainer", "accelerate"])

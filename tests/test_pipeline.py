@@ -83,11 +83,11 @@ def test_each_stage_traces_its_steps_micro_batches_and_transfers(tmp_path):
     report = diagnose(run.cwd)
     stages = report["pipeline"]["stages"]
     assert set(stages) == {"0", "1"} and all(0 < stage["bubble_seconds"] < stage["step_seconds"]
+                                             and 0 < stage["work_seconds"] <= stage["compute_seconds"]
                                              for stage in stages.values())
-    if report["pipeline"]["findings"]:
-        # Known and open: with equal layers on both stages the last stage measures 1.5-1.8x the
-        # first's compute in some runs, enough for a PIPELINE finding; its cause is not found yet.
-        pytest.xfail(f"the last stage measured heavier: {report['pipeline']['findings'][0]['summary']}")
+    # Equal layers on both stages: no stage is imbalanced, although the last one also computes the
+    # loss (its work is 1.2-1.7x the first stage's, a few percent of the step).
+    assert not report["pipeline"]["findings"], (report["pipeline"]["findings"], stages)
     assert report["verdict"]["layer"] == "none", report["verdict"]
 
 
@@ -97,6 +97,7 @@ def test_an_injected_slow_stage_is_named(workdir):
     verdict = report["verdict"]
     assert verdict["layer"] == "PIPELINE" and verdict["stage"] == 0 and verdict["rank"] == 0, verdict
     stages = report["pipeline"]["stages"]
-    # Four 15 ms sleeps per step on stage 0, which stage 1 idles through.
-    assert stages["0"]["compute_seconds"] > 0.055 and stages["1"]["bubble_seconds"] > 0.045
+    # Four 15 ms sleeps per step on stage 0, which stage 1 idles through; stage 0 is named despite
+    # the last stage's own extra work (the loss).
+    assert stages["0"]["work_seconds"] > 0.055 and stages["1"]["bubble_seconds"] > 0.045
     assert report["straggler"] is None

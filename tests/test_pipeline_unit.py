@@ -3,6 +3,7 @@ timelines (a GPipe schedule simulated with noise) whose slow stage is known."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -165,6 +166,32 @@ def test_injected_slow_stages_are_named_and_balanced_pipelines_raise_no_alarm():
             false_alarms.append((case, stages, compute, report["verdict"]))
     assert not missed and not false_alarms, (missed, false_alarms)
     assert named == cases // 2
+
+
+def stretched(spans: list[Span], stage: int, rng: random.Random) -> list[Span]:
+    """``spans`` with half of ``stage``'s forwards and backwards made 2-5x longer: a host that runs
+    something else in the middle of them (as a loaded machine does), not more work."""
+    out = []
+    for span in spans:
+        if (span.rank == stage and span.name in (semconv.SPAN_FORWARD, semconv.SPAN_BACKWARD)
+                and rng.random() < 0.5):
+            out.append(dataclasses.replace(span, end=span.start + int((span.end - span.start) * rng.uniform(2, 5))))
+        else:
+            out.append(span)
+    return out
+
+
+def test_time_the_host_adds_to_one_stage_is_not_an_imbalance_and_work_still_is():
+    rng = random.Random(5)
+    # Balanced work, stage 1's spans stretched by the host: 2-3x its compute in wall time, no finding.
+    report = diagnose(stretched(simulate(2, 4, [4.0, 4.2], 8, rng), 1, rng))
+    stages = report["pipeline"]["stages"]
+    assert stages[1]["compute_seconds"] > 1.6 * stages[0]["compute_seconds"]
+    assert stages[1]["work_seconds"] < 1.2 * stages[0]["work_seconds"]
+    assert report["pipeline"]["findings"] == [] and report["verdict"]["layer"] == "none"
+    # Stage 0 with 4x the work (more than the host adds to stage 1): stage 0 is named.
+    report = diagnose(stretched(simulate(2, 4, [16.0, 4.0], 8, rng), 1, rng))
+    assert [finding["stage"] for finding in report["pipeline"]["findings"]] == [0]
 
 
 def test_the_finding_has_the_shared_shape_and_bubbles_per_stage():

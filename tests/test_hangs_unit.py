@@ -442,6 +442,40 @@ def test_a_rank_blocked_in_its_own_code_after_a_step_is_reported_between_steps()
         thread.join(10)
 
 
+@pytest.mark.parametrize("how", ["signal", "uncaught exception"])
+def test_a_rank_stopped_by_a_signal_or_an_exception_keeps_where_it_stopped(monkeypatch, how):
+    # Killed while stuck with no step open: the exit moves the thread (a handler, an unwinding
+    # exception), and may even close a step: none of that is the thread going on by itself.
+    release = threading.Event()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        release.wait()
+        if how == "signal":
+            train_step(recorder, engine)  # the exit stages close the open step
+
+    thread, made = _training_thread(train)
+    dog = made["dog"]
+    try:
+        assert len(_looks(dog, [0, 25])) == 1
+        if how == "signal":
+            monkeypatch.setattr(lifecycle, "finishing", lambda: True)  # the exit stages have started
+            release.set()
+            thread.join(10)
+            assert _looks(dog, [30, 60]) == []
+            dog._at_exit(lifecycle.TERMINATED)
+        else:
+            monkeypatch.setattr("sys.last_value", KeyboardInterrupt(), raising=False)
+            dog._at_exit(lifecycle.EXITED)
+        emitter().drain()
+        reasons = [s.attributes[semconv.HANG_REASON] for s in made["emitted"].get_finished_spans()
+                   if s.name == semconv.SPAN_HANG]
+        assert reasons == [semconv.HANG_REASON_WATCHDOG]
+    finally:
+        release.set()
+        thread.join(10)
+
+
 @pytest.mark.parametrize("engines", [1, 2])
 def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the_same(engines):
     # engines=2: a second engine built on the same thread (evaluation's) never steps: the first's steps

@@ -189,16 +189,24 @@ class Watchdog(Component):
         # Engines that share the thread (a second engine for evaluation): one that has a step open, or
         # closed one since, is the thread's progress; the open step is watched as such.
         sharing = [w for w in self._watched if w.thread == watched.thread]
+        if watched.reported is not None:
+            from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+            emitter().drain()  # a step written since the report is the news that it went on
+        resumed = [] if watched.idle_since is None else _stepped_since(watched, sharing, now)
         frame = sys._current_frames().get(watched.thread)
-        if frame is None or any(w.recorder.open is not None for w in sharing):
+        if frame is None:
             watched.where = None
-            return _resumed(watched, now)
+            return resumed
+        if any(w.recorder.open is not None for w in sharing):
+            watched.where = None
+            return resumed + _resumed(watched, now)  # another engine of the thread stepping: progress
         where = _frame_key(frame)
         if where != watched.where:
+            # Not progress by itself: a signal's handler, or an exception unwinding the stack, moves it too.
             watched.where, watched.idle_since, watched.next_report = where, now, 0.0
-            return _resumed(watched, now)
+            return resumed
         limit = threshold(watched.durations, self.floor)
-        resumed = _stepped_since(watched, sharing, now)
         if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
             return resumed
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
@@ -294,10 +302,12 @@ class Watchdog(Component):
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 
         if reason == lifecycle.EXITED:
-            now = time.time_ns()
-            for watched in list(self._watched):
-                for report in _resumed(watched, now):
-                    emitter().submit(report)
+            # On its own: not by an uncaught exception (a KeyboardInterrupt unwinding a stuck thread).
+            if getattr(sys, "last_value", None) is None:
+                now = time.time_ns()
+                for watched in list(self._watched):
+                    for report in _resumed(watched, now, exiting=True):
+                        emitter().submit(report)
             return
         if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED):
             return
@@ -324,11 +334,14 @@ def _stepped_since(watched: _Watched, sharing: list, now: int) -> list[HangRepor
     return _resumed(watched, now)
 
 
-def _resumed(watched: _Watched, now: int) -> list[HangReport]:
-    """The thread left the place of its report with no step open: the same report, ``resumed`` now."""
-    report, watched.reported = watched.reported, None
-    if report is None:
+def _resumed(watched: _Watched, now: int, exiting: bool = False) -> list[HangReport]:
+    """The thread made progress after a report with no step open (a step opened or closed, or the
+    process exits on its own): the same report, ``resumed`` now. Not while the exit stages run for
+    another reason (a signal): where the thread stopped stays the last word."""
+    report = watched.reported
+    if report is None or (lifecycle.finishing() and not exiting):
         return []
+    watched.reported = None
     return [dataclasses.replace(report, at=now, reason=semconv.HANG_REASON_RESUMED, stacks=[])]
 
 

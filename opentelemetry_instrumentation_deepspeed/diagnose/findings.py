@@ -30,7 +30,11 @@ from opentelemetry_instrumentation_deepspeed.diagnose.waits import OWN_PARTS, Wa
 MIN_COST_SHARE = 0.05  # a finding must cost at least this share of the run's step time
 ALPHA = periodic.ALPHA  # and hold beyond chance at this level
 DATA_WAIT_SHARE = 0.25  # data wait above this share of a step, in most steps
-COMM_SHARE = 0.30  # exposed communication above this share of a step, in most steps
+# Exposed communication above half of a step: the step is communication-bound (it waits on transfers
+# longer than it does everything else; hiding them would more than double its speed). Below that, a
+# data-parallel step's collectives are the price of data parallelism, not a fault: a small model's
+# ZeRO-2 step on gloo exposes 22-38% with nothing wrong (docs/diagnose.md, "Accuracy").
+COMM_SHARE = 0.50
 BOOTSTRAP = 999  # resamples of the steps for a share's test
 LATE_STEP_SHARE = 0.20  # a late rank's part must exceed the others' by this share of the median step (median)
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -123,11 +124,13 @@ def draw_input_shift(rng: random.Random) -> Draw:
 
 
 def draw_compute_slowdown(rng: random.Random) -> Draw:
-    # Every rank's forward 3-5x slower from a step on, same input: COMPUTE, not INPUT.
+    # Every rank's forward 4-6x slower from a step on, same input: COMPUTE, not INPUT. The forward must
+    # be a fair share of the step for that to slow the step by the rule's x1.5 per token: sequences of
+    # 128-256 tokens, micro-batch 16 (at 32 tokens and micro-batch 8, x4 of a 3 ms forward is noise).
     steps = rng.choice((18, 20, 24))
     at = rng.randint(5, steps - 4)
-    return Draw(["--steps", str(steps), "--zero-stage", "2", "--seq-len", str(rng.choice((32, 64, 128))),
-                 "--slowdown-at", str(at), "--slowdown-factor", str(rng.choice((3, 4, 5)))],
+    return Draw(["--steps", str(steps), "--zero-stage", "2", "--seq-len", str(rng.choice((128, 256))),
+                 "--micro-batch-size", "16", "--slowdown-at", str(at), "--slowdown-factor", str(rng.choice((4, 5, 6)))],
                 Expected("COMPUTE", step=at))
 
 
@@ -180,12 +183,12 @@ def judge_hang(report: dict, expected: Expected) -> dict[str, bool]:
 
 
 def judge_desync(report: dict, expected: Expected) -> dict[str, bool]:
-    """With 2 ranks a mismatch cannot tell which rank is the odd one: the rank is right when the
-    finding names the injected rank's side of the mismatch (its dtype int32)."""
+    """With 2 ranks a mismatch cannot say which rank is the odd one out: the rank is right when the
+    finding gives the injected rank's side of it ("rank R all_reduce of 16 bytes int32")."""
     verdict = report["verdict"]
     layer = verdict["layer"] == "DESYNC"
-    return {"layer": layer, "rank": layer and f"rank {expected.rank} all_reduce" in verdict["summary"]
-            and "int32" in verdict["summary"],
+    side = re.search(rf"rank {expected.rank} all_reduce of \d+ bytes int32\b", verdict["summary"])
+    return {"layer": layer, "rank": layer and side is not None,
             "pattern": layer and verdict.get("step") == expected.step}
 
 
@@ -209,7 +212,7 @@ CLASSES = [
     FaultClass("comm-heavy", draw_comm_heavy, notes="each backward all-reduces a 32-64 MiB buffer too, ZeRO 0-2"),
     FaultClass("input-shift", draw_input_shift, judge_change, notes="sequence length x2, x4 or /2 at a random step"),
     FaultClass("compute-slowdown", draw_compute_slowdown, judge_change,
-               notes="every rank's forward 3-5x slower from a random step, same input"),
+               notes="every rank's forward 4-6x slower from a random step, same input"),
     FaultClass("hang", draw_hang, judge_hang, notes="rank 0-1 blocks in forward/backward of step 2-10, diagnosed live"),
     FaultClass("desync", draw_desync, judge_desync, notes="one rank all-reduces int32 where the other float32"),
 ]

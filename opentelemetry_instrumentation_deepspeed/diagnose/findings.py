@@ -216,6 +216,10 @@ class StepFindings:
         numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
         found = []
         excess_of = waits_module.Excess(self.parts)
+        # One test per rank and part: at ALPHA each, some rank's part of a healthy job would pass by
+        # chance in up to 7 x ranks x ALPHA of runs (a 2-rank job: 13%). Bonferroni keeps the job's
+        # false-alarm rate at ALPHA.
+        alpha = ALPHA / (len(self.steady) * (len(OWN_PARTS) + 1))
         for rank in sorted(self.steady):
             held = self.waits.held.get(rank, {})
             if sum(held.values()) < self.min_cost:
@@ -229,7 +233,7 @@ class StepFindings:
                 p_value = waits_module.signed_rank_p(list(excess.values()))
                 # The job loses what the others wait for, up to this part's excess.
                 cost = sum(min(max(excess[step], 0.0), held.get(step, 0.0)) for step in numbers)
-                if (p_value <= ALPHA and cost >= self.min_cost
+                if (p_value <= alpha and cost >= self.min_cost
                         and statistics.median(excess.values()) >= LATE_STEP_SHARE * self.step_seconds):
                     tested[part] = (part, cost, p_value, excess, sum(value > 0 for value in excess.values()))
             single = max((tested[part] for part in OWN_PARTS if part in tested), key=lambda t: t[1], default=None)

@@ -54,7 +54,7 @@ def test_one_ranks_loader_stall_is_named_on_that_rank_and_the_other_waits_for_it
 
 @pytest.mark.parametrize(("rank", "slow_ms", "phase"), [(1, 40, "forward"), (0, 25, "backward")])
 def test_straggler_rank(workdir, rank, slow_ms, phase):
-    launch(workdir, "torchrun", "--steps", "14", "--slow-rank", str(rank), "--slow-ms", str(slow_ms),
+    launch(workdir, "torchrun", "--steps", "20", "--slow-rank", str(rank), "--slow-ms", str(slow_ms),
            "--slow-phase", phase).check()
     _, report = diagnose(workdir, "--json")
     verdict = report["verdict"]

@@ -142,6 +142,15 @@ def draw_hang(rng: random.Random) -> Draw:
                 live=True)
 
 
+def draw_hang_between_steps(rng: random.Random) -> Draw:
+    # No step open: in the data loader before step N, or in the loop's own code after step N's engine.step().
+    rank, step, phase = rng.randint(0, 1), rng.randint(2, 10), rng.choice(("data", "after-step"))
+    return Draw(["--steps", "14", "--hang-rank", str(rank), "--hang-step", str(step), "--hang-phase", phase,
+                 *_zero(rng), "--grad-accum", str(rng.choice((1, 2)))],
+                Expected("HANG", rank, phase=phase, step=step + (phase == "after-step")),
+                env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR}, live=True)
+
+
 def draw_desync(rng: random.Random) -> Draw:
     rank, steps = rng.randint(0, 1), rng.randint(10, 16)
     step = rng.randint(2, steps - 1)
@@ -174,10 +183,14 @@ def judge_change(report: dict, expected: Expected) -> dict[str, bool]:
 
 
 def judge_hang(report: dict, expected: Expected) -> dict[str, bool]:
-    """The stopped rank, and where: "rank R stopped in PHASE of step N" (the phase needs its own report)."""
+    """The stopped rank, and where: "rank R stopped in PHASE of step N" (the phase needs its own report);
+    with no step open, in the data loader before step N, or between steps before step N (after-step:
+    blocked after step N - 1's engine.step())."""
     verdict = report["verdict"]
     layer = verdict["layer"] == "HANG"
-    where = f"rank {expected.rank} stopped in {expected.phase} of step {expected.step}"
+    where = {"data": f"rank {expected.rank} stopped in the data loader (data wait) before step {expected.step}",
+             "after-step": f"rank {expected.rank} stopped between steps (no step open, before step {expected.step})"
+             }.get(expected.phase, f"rank {expected.rank} stopped in {expected.phase} of step {expected.step}")
     return {"layer": layer, "rank": layer and verdict.get("rank") == expected.rank,
             "pattern": layer and verdict.get("step") == expected.step and verdict["summary"].startswith(where)}
 
@@ -214,6 +227,8 @@ CLASSES = [
     FaultClass("compute-slowdown", draw_compute_slowdown, judge_change,
                notes="every rank's forward 4-6x slower from a random step, same input"),
     FaultClass("hang", draw_hang, judge_hang, notes="rank 0-1 blocks in forward/backward of step 2-10, diagnosed live"),
+    FaultClass("hang-between-steps", draw_hang_between_steps, judge_hang,
+               notes="rank 0-1 blocks in the data loader before step 2-10 or after its engine.step(), diagnosed live"),
     FaultClass("desync", draw_desync, judge_desync, notes="one rank all-reduces int32 where the other float32"),
 ]
 

@@ -14,6 +14,13 @@ measured and reported beside it. The mean is the figure; the 10%-trimmed mean (s
 stall elsewhere on the machine hit left out) narrows the interval where the machine is noisy.
 
     python benchmarks/overhead_steps.py --zero-stage 2 --triples 400
+    torchrun --nproc_per_node 2 benchmarks/overhead_steps.py --block 40 --triples 30
+
+``--block N`` alternates blocks of N steps instead of single steps, each block's figure the median
+of its steps after the first fifth: the work other threads do for a block's records then lands in
+the block itself, not in the next one. On 2 ranks sharing 2 cores that work competes with the
+training threads, so the block ratio B / A is the whole instrumentation's cost, inside one
+engine pair (run-to-run differences between whole runs, several percent here, are left out).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ def parse_args():
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--triples", type=int, default=400)
+    parser.add_argument("--block", type=int, default=1, help="steps per arm in a row (see above)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--mode", choices=("full", "sampled-out"), default="full")
     parser.add_argument("--dump", type=Path, help="write every step's time per arm to this JSON file")
@@ -86,7 +94,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
 
     engine = example_engine(args.zero_stage, args.grad_accum)
     world = engine.world_size
-    batches = example_batches(engine, (args.warmup + 3 * args.triples) * args.grad_accum)
+    batches = example_batches(engine, (args.warmup + 3 * args.triples * args.block) * args.grad_accum)
     recorder = registry.recorder_for(engine)
     observer = comm._observer
 
@@ -116,7 +124,11 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     order = ["A", "B", "A'"]
     for index in range(args.triples):
         for arm in order[index % 3:] + order[:index % 3]:
-            wall, cpu = step(arm == "B")
+            if args.block == 1:
+                wall, cpu = step(arm == "B")
+            else:
+                block = [step(arm == "B") for _ in range(args.block)][args.block // 5:]
+                wall, cpu = (statistics.median(times) for times in zip(*block, strict=True))
             arms[arm].append(wall)
             cpu_arms[arm].append(cpu)
     tracer_provider.force_flush()
@@ -128,8 +140,9 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     gc.callbacks.remove(collections.callback)
     if engine.global_rank == 0:
         report(args, world, arms, cpu_arms, spans=spans, background=background)
+        steps = {"B": args.triples * args.block, "A": 2 * args.triples * args.block}  # "A": both inert arms
         print("  garbage collector pauses per step: " + ", ".join(
-            f"{'active' if arm == 'B' else 'inert'} {seconds / len(arms[arm]) / (2 if arm == 'A' else 1) * 1e6:.1f} us "
+            f"{'active' if arm == 'B' else 'inert'} {seconds / steps[arm] * 1e6:.1f} us "
             f"({collections.count[arm]} collections, the longest {collections.longest[arm] * 1e3:.1f} ms)"
             for arm, seconds in collections.seconds.items()))
         if args.dump:
@@ -161,19 +174,21 @@ class CollectorPauses:
 def report(args, world: int, arms: dict[str, list[float]], cpu_arms: dict[str, list[float]], *, spans: int,
            background: dict[str, float]) -> None:
     print(f"ZeRO-{args.zero_stage}, grad accumulation {args.grad_accum}, world size {world}, mode {args.mode}"
-          f"{', OTLP endpoint down' if args.endpoint_down else ''}, {args.triples} triples of steps, "
-          "alternating within one engine")
+          f"{', OTLP endpoint down' if args.endpoint_down else ''}, {args.triples} triples of "
+          f"{'steps' if args.block == 1 else f'blocks of {args.block} steps'}, alternating within one engine")
     for arm, times in arms.items():
-        print(f"  {arm:2}: median step {statistics.median(times) * 1e3:8.3f} ms")
+        print(f"  {arm:2}: median step {statistics.median(times) * 1e3:8.3f} ms"
+              f"  ({statistics.median(times) / statistics.median(arms['A']):.4f} x A)")
     print(" wall time of the step:")
     differences(arms)
     # The training thread's CPU time leaves out the time other processes take the core from it, so
     # on a loaded machine it bounds the added work far more tightly than the wall time does.
     print(" CPU time of the training thread during the step:")
     differences(cpu_arms)
-    print(f"  spans per active step on this rank: {spans / args.triples:.1f}")
+    active_steps = args.triples * args.block
+    print(f"  spans per active step on this rank: {spans / active_steps:.1f}")
     print("  CPU time of other threads per active step: " + ", ".join(
-        f"{name} {seconds / args.triples * 1e6:.1f} us" for name, seconds in background.items()))
+        f"{name} {seconds / active_steps * 1e6:.1f} us" for name, seconds in background.items()))
 
 
 def differences(arms: dict[str, list[float]]) -> None:

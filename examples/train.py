@@ -69,7 +69,9 @@ def parse_args(argv=None):
                         help="rank R blocks forever in --hang-phase of step --hang-step (the others then wait for "
                              "it in their next collective)")
     faults.add_argument("--hang-step", type=int, default=0, metavar="N", help="optimizer step (1-based) of the hang")
-    faults.add_argument("--hang-phase", choices=("forward", "backward"), default="forward")
+    faults.add_argument("--hang-phase", choices=("forward", "backward", "data", "after-step"), default="forward",
+                        help="data: the loader never returns step N's first micro-batch (no step open yet); "
+                             "after-step: the loop blocks after step N's engine.step() (between steps)")
     faults.add_argument("--desync-rank", type=int, default=-1, metavar="R",
                         help="at step --desync-step every rank all-reduces a small float32 tensor, rank R an int32 "
                              "one of the same size: the same collective with another dtype on one rank")
@@ -145,14 +147,17 @@ class StallingCollate:
     """
 
     def __init__(self, every: int, milliseconds: float, grad_accum: int, *, lengths=None,
-                 pad_id: int | None = None, seed: int = 0):
+                 pad_id: int | None = None, seed: int = 0, hang_step: int = 0):
         self.every, self.seconds, self.grad_accum, self.batches = every, milliseconds / 1000, grad_accum, 0
+        self.hang_step = hang_step  # the first micro-batch of this step never comes (--hang-phase data)
         self.lengths, self.pad_id = lengths, pad_id
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, samples):
         step, micro = divmod(self.batches, self.grad_accum)
         self.batches += 1
+        if micro == 0 and step + 1 == self.hang_step:
+            block_forever()
         if self.every and micro == 0 and (step + 1) % self.every == 0:
             time.sleep(self.seconds)
         batch = torch.utils.data.default_collate(samples)
@@ -370,6 +375,8 @@ def inject_faults(args, model, rank: int, step: int) -> None:
         model.slowdown = args.slowdown_factor
     if step + 1 == args.hang_step and rank == args.hang_rank:
         model.hang = args.hang_phase
+    if args.hang_phase == "after-step" and step == args.hang_step and rank == args.hang_rank:
+        block_forever()  # the loop's own code after step N's engine.step(), before step N + 1 fetches
 
 
 def make_loader(args, engine, dataset) -> DataLoader:
@@ -380,9 +387,10 @@ def make_loader(args, engine, dataset) -> DataLoader:
         def lengths(step):
             return args.shift_seq_len if step >= args.shift_at else args.seq_len
     pad_id = args.vocab if args.padding else None
+    hang = args.hang_step if args.hang_phase == "data" and args.hang_rank == engine.global_rank else 0
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
                       collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum, lengths=lengths,
-                                                 pad_id=pad_id, seed=args.seed + engine.global_rank))
+                                                 pad_id=pad_id, seed=args.seed + engine.global_rank, hang_step=hang))
 
 
 def print_step(args, engine, loss: float) -> None:

@@ -18,6 +18,7 @@ SPAN_OPTIMIZER_STEP = "training.optimizer.step"
 SPAN_PHASE_GPU = "training.{phase}.gpu"  # on CUDA: a phase's GPU-side interval, child of the phase
 # The watchdog's report of a step that does not close: in the step's trace, from its start to the report
 SPAN_HANG = "training.hang"
+SPAN_CLOCK_SYNC = "training.clock.sync"  # a refreshed clock offset to rank 0 (training.clock.offset, .error)
 
 # The exception event of a span that raised, as OpenTelemetry's exception conventions name it
 EVENT_EXCEPTION = "exception"
@@ -36,10 +37,12 @@ CODE_STACKTRACE = "code.stacktrace"
 # comm.sequence, comm.bytes, comm.dtype for the collective in flight, when there is one)
 HANG_REASON = "training.hang.reason"  # HANG_REASON_WATCHDOG, or the exit's reason (terminated by SIGTERM)
 HANG_REASON_WATCHDOG = "no step progress"
+HANG_REASON_RESUMED = "resumed"  # a report made with no step open: the thread has moved on since
 HANG_DURATION = "training.hang.duration"  # seconds since the open phase (else the step) started
 HANG_THRESHOLD = "training.hang.threshold"  # the watchdog's threshold when it reported, seconds
 HANG_COMM_DURATION = "training.hang.comm.duration"  # seconds the collective in flight has been running
 HANG_COMM_SEQUENCES = "training.hang.comm.sequences"  # ["<group>:<last sequence issued>", ...]
+HANG_BETWEEN_STEPS = "training.hang.between_steps"  # true: no step open (training.step is the next one)
 
 # Span attributes
 TRAINING_STEP = "training.step"

@@ -7,11 +7,14 @@ import threading
 import time
 
 import pytest
+import torch
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose.hangs import Hangs, where
+from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span, spans_of_request
-from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.runtime import lifecycle, watchdog
 from tests.test_steps_unit import recorder_on, train_step
 
 
@@ -164,7 +167,46 @@ def test_hang_names_the_rank_that_stopped_and_the_one_that_waits_for_it():
     assert "rank 0 waits for rank 1 in all_reduce (group 1, sequence 49" in finding["summary"]
     assert finding["cost_seconds"] == 40.0 and finding["trace_ids"] == ["t8"]
     assert set(finding) == {"layer", "summary", "evidence", "remedies", "rank", "step", "cost_seconds", "confidence",
-                            "trace_ids"}
+                            "trace_ids", "stacks"}
+    # The whole stacks, the stopped rank's first, for the HTML report.
+    assert [(s["rank"], s["stopped"], s["stack"]) for s in finding["stacks"]] == [(1, True, STACK_RANK1),
+                                                                                 (0, False, STACK_RANK0)]
+    assert finding["stacks"][0]["where"].startswith("train.py:152 in block_forever")
+
+
+def test_the_html_report_shows_a_hangs_stacks_escaped():
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32")])
+    hostile = STACK_RANK1.replace("time.sleep(3600)", "time.sleep(3600)  # <script>alert(1)</script> & more")
+    hangs.add(_report(1, stack=hostile, sequences=["1:48"]))
+    hangs.add(_report(0, phase="backward", stack=STACK_RANK0, collective=("all_reduce", 49), sequences=["1:49"]))
+    (finding,) = hangs.findings("job")
+    page = render_html({"verdict": finding, "findings": [finding], "job_id": "job", "job": {}})
+    assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in page
+    assert page.index("rank 1 (stopped): train.py:152 in block_forever") < page.index("rank 0 (waiting)")
+    assert 'line 3252, in all_reduce\n    work.wait()' in page, "rank 0's whole stack, as it was written"
+
+
+def test_a_rank_that_stopped_between_steps_is_named_with_the_step_it_did_not_start():
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32")])
+    report = _report(1, phase=semconv.PHASE_DATA_WAIT, stack=STACK_RANK1, sequences=["1:48"])
+    # As the reader takes it from a file: the flag is an OTLP bool.
+    (read,) = spans_of_request({"resourceSpans": [{"resource": {"attributes": [
+        {"key": "training.rank", "value": {"intValue": "1"}},
+        {"key": "training.job.id", "value": {"stringValue": "job"}}]},
+        "scopeSpans": [{"spans": [{"name": report.name, "traceId": "t8", "spanId": "s1", "startTimeUnixNano": "1",
+                                   "endTimeUnixNano": "2", "attributes": [
+                                       {"key": semconv.HANG_BETWEEN_STEPS, "value": {"boolValue": True}}]}]}]}]})
+    assert read.attributes[semconv.HANG_BETWEEN_STEPS] is True
+    hangs.add(_span(semconv.SPAN_HANG, 1, 100, 140, **report.attributes, **read.attributes))
+    hangs.add(_report(0, phase="backward", stack=STACK_RANK0, collective=("all_reduce", 49), sequences=["1:49"]))
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] == 1 and finding["step"] == 8
+    assert finding["summary"].startswith("rank 1 stopped in the data loader (data wait) before step 8, no step open "
+                                         "at train.py:152 in block_forever"), finding["summary"]
 
 
 def test_a_rank_without_a_report_is_named_by_the_sequence_it_never_reached():
@@ -185,6 +227,20 @@ def test_every_rank_in_the_same_collective_is_a_collective_that_does_not_complet
         hangs.add(_report(rank, phase="backward", collective=("all_reduce", 49), sequences=["1:49"]))
     (finding,) = hangs.findings("job")
     assert finding["rank"] is None and "none is missing" in finding["summary"]
+
+
+def test_a_rank_that_moved_on_after_a_report_with_no_step_open_is_no_hang():
+    # A last checkpoint written for longer than the threshold, after step 7: reported, then resumed.
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7)
+    report = _report(1, phase=None, duration=40.0)
+    hangs.add(report)
+    assert [f["rank"] for f in hangs.findings("job")] == [1], "while it lasts, it is a hang"
+    hangs.add(_span(semconv.SPAN_HANG, 1, 100, 190, **{**report.attributes,
+                                                        semconv.HANG_REASON: semconv.HANG_REASON_RESUMED,
+                                                        semconv.HANG_DURATION: 90.0}))
+    assert hangs.findings("job") == []
 
 
 def test_a_report_below_its_threshold_or_of_a_step_that_went_on_is_no_hang():
@@ -280,3 +336,190 @@ def test_clock_residuals_come_from_collectives_that_end_together():
     (rank, residual), = clocks.residuals("job").items()
     assert rank == 1 and residual["collectives"] == 9
     assert residual["residual_seconds"] == pytest.approx(0.003, abs=1e-6)
+
+
+class _BlockingTokens(torch.utils.data.Dataset):
+    """Items that take ``pause`` seconds each; item ``block_at`` waits for ``release``."""
+
+    def __init__(self, block_at=None, pause=0.0):
+        self.block_at, self.pause, self.release = block_at, pause, threading.Event()
+
+    def __len__(self):
+        return 10**6
+
+    def __getitem__(self, index):
+        if index == self.block_at:
+            self.release.wait()
+        time.sleep(self.pause)
+        return torch.zeros(2)
+
+
+def _training_thread(target, floor=2.0, idle_engines=0):
+    """``target(recorder, engine)`` on a thread of its own, the one the watchdog watches (it builds the engine);
+    ``idle_engines`` more engines built there never step."""
+    ready, made = threading.Event(), {}
+
+    def run():
+        made["recorder"], made["engine"], made["emitted"] = recorder_on(1, job=f"between-{time.monotonic_ns()}")
+        made["recorder"].profiler = None  # torch.profiler, on a slow step, off the main thread: not what is tested
+        made["dog"] = dog = watchdog.Watchdog(floor=floor)
+        dog.watch(made["recorder"], start=False)
+        for number in range(idle_engines):
+            dog.watch(recorder_on(0, job=f"idle-{number}-{time.monotonic_ns()}")[0], start=False)
+        ready.set()
+        target(made["recorder"], made["engine"])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(10)
+    return thread, made
+
+
+def _looks(dog, seconds):
+    """The watchdog's looks at these offsets (seconds) from now, each from the same line."""
+    start, found = time.time_ns(), []
+    for offset in seconds:
+        time.sleep(0.05)  # the training thread gets where it goes
+        found += dog.check(start + int(offset * 1e9))
+    return found
+
+
+def test_a_rank_blocked_in_the_data_loader_between_steps_is_reported_with_its_stack():
+    dataset = _BlockingTokens(block_at=2)  # batch size 1: step 3's batch never comes
+    loader = iter(torch.utils.data.DataLoader(dataset, batch_size=1))
+
+    def train(recorder, engine):
+        for _ in range(3):
+            next(loader)
+            train_step(recorder, engine)
+
+    thread, made = _training_thread(train)
+    dog = made["dog"]
+    try:
+        assert _looks(dog, [0, 1, 10]) == [], "below the threshold: 10 floors, no step seen closing"
+        (report,) = _looks(dog, [25])
+        assert report.between_steps and report.phase == semconv.PHASE_DATA_WAIT and report.number == 3
+        assert report.collective is None and "__getitem__" in report.stacks[0][2]
+        assert _looks(dog, [30]) == [], "next report at twice the time"
+        (span,) = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
+        assert span.attributes[semconv.HANG_BETWEEN_STEPS] is True
+        assert span.attributes[semconv.TRAINING_STEP] == 3
+        assert span.attributes[semconv.HANG_DURATION] == pytest.approx(25, abs=1)
+        assert "data.wait, before step 3" in span.status.description
+    finally:
+        dataset.release.set()
+        thread.join(10)
+    # The batch came after all: the thread went on (and ended), which closes the report.
+    (resumed,) = _looks(dog, [60, 90])
+    assert resumed.reason == semconv.HANG_REASON_RESUMED and resumed.number == 3 and resumed.between_steps
+    spans = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
+    assert [s.attributes[semconv.HANG_REASON] for s in spans] == [semconv.HANG_REASON_WATCHDOG,
+                                                                  semconv.HANG_REASON_RESUMED]
+    assert spans[1].status.is_unset and spans[1].events == () and spans[1].start_time == spans[0].start_time
+    assert _looks(dog, [120, 150]) == [], "the thread ended: nothing to watch"
+
+
+def test_a_rank_blocked_in_its_own_code_after_a_step_is_reported_between_steps():
+    release = threading.Event()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        release.wait()  # the program's own code after engine.step()
+
+    thread, made = _training_thread(train)
+    try:
+        (report,) = _looks(made["dog"], [0, 25])
+        assert report.between_steps and report.phase is None and report.number == 2
+        assert "release.wait()" in report.stacks[0][2]
+        # The process exits on its own from there (say, a last checkpoint that took long): no hang.
+        made["dog"]._at_exit(lifecycle.EXITED)
+        emitter().drain()
+        reasons = [s.attributes[semconv.HANG_REASON] for s in made["emitted"].get_finished_spans()
+                   if s.name == semconv.SPAN_HANG]
+        assert reasons == [semconv.HANG_REASON_WATCHDOG, semconv.HANG_REASON_RESUMED]
+    finally:
+        release.set()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the_same(engines):
+    # engines=2: a second engine built on the same thread (evaluation's) never steps: the first's steps
+    # are the thread's progress all the same.
+    dataset, stop = _BlockingTokens(pause=0.002), threading.Event()
+    loader = iter(torch.utils.data.DataLoader(dataset, batch_size=1))
+
+    def train(recorder, engine):
+        while not stop.is_set():
+            next(loader)  # mostly asleep on the same line: a look often finds the same stack
+            train_step(recorder, engine)
+
+    # Threshold: 0.5 s, then 10 times the slowest step seen.
+    thread, made = _training_thread(train, floor=0.05, idle_engines=engines - 1)
+    try:
+        # Real time: 40 looks, 0.05 s apart (a real watchdog's poll for this floor), none with a step open.
+        found = []
+        for _ in range(40):
+            time.sleep(0.05)
+            found += made["dog"].check()
+    finally:
+        stop.set()
+        thread.join(10)
+    assert found == [] and made["recorder"].facts.last_written > 50
+
+
+def test_the_clock_refresher_measures_again_off_the_training_thread_and_cleans_the_store():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from opentelemetry_instrumentation_deepspeed.runtime import clock
+
+    server = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=10))
+    readings = []
+    answering = clock.Refresher(server, "job", 0, 2, interval=0.2)
+    asking = clock.Refresher(client, "job", 1, 2, interval=0.2)
+    asking.send = readings.append
+    deadline = time.monotonic() + 10
+    while len(readings) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answering.stop()
+    asking.stop()
+    assert len(readings) >= 3 and asking.latest == readings[-1]
+    for offset, error, sent, received in readings:  # one clock on both sides: the offset is within its error
+        assert abs(offset) <= error + 1_000_000 and sent <= received
+    assert answering.latest is None, "rank 0 only answers"
+    assert not client.check(["opentelemetry-instrumentation-deepspeed/clock/job/1/1/0/ping"])
+
+
+def test_the_reader_follows_a_drifting_clock_from_its_sync_spans():
+    from opentelemetry_instrumentation_deepspeed.diagnose.reader import Drift
+
+    drift = Drift()
+    drift.add(10_000_000_000, 2_000_000_000)
+    assert drift.at(5_000_000_000) == drift.at(20_000_000_000) == 2_000_000_000  # one reading: held
+    drift.add(20_000_000_000, 2_100_000_000)  # 10 ms per second
+    assert drift.at(25_000_000_000) == 2_150_000_000  # carried forward at that rate
+    assert drift.at(15_000_000_000) == 2_050_000_000  # between the two: on the line
+    assert drift.at(1_000_000_000) == 2_000_000_000  # before both: the earlier one
+    drift.add(19_000_000_000, 0)  # read out of order: ignored
+    assert drift.at(25_000_000_000) == 2_150_000_000
+
+    def line(name, start, end, **attributes):
+        values = [{"key": k, "value": {"intValue": str(v)}} for k, v in attributes.items()]
+        return {"resourceSpans": [{"resource": {"attributes": [
+            {"key": "training.rank", "value": {"intValue": "1"}},
+            {"key": "training.job.id", "value": {"stringValue": "job"}},
+            {"key": "training.clock.offset", "value": {"intValue": "1000000000"}}]},
+            "scopeSpans": [{"spans": [{"name": name, "traceId": "t", "spanId": "s", "startTimeUnixNano": str(start),
+                                       "endTimeUnixNano": str(end), "attributes": values}]}]}]}
+
+    clocks = {}
+    (step,) = spans_of_request(line("training.step", 5_000_000_000, 6_000_000_000), clocks)
+    assert step.start == 4_000_000_000, "the start estimate until a refresh is read"
+    for at, offset in ((10_000_000_000, 2_000_000_000), (20_000_000_000, 2_100_000_000)):
+        list(spans_of_request(line(semconv.SPAN_CLOCK_SYNC, at - 1000, at,
+                                   **{semconv.TRAINING_CLOCK_OFFSET: offset}), clocks))
+    (step,) = spans_of_request(line("training.step", 25_000_000_000, 26_000_000_000), clocks)
+    assert (step.start, step.end) == (25_000_000_000 - 2_150_000_000, 26_000_000_000 - 2_150_000_000)

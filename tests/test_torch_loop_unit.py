@@ -100,3 +100,28 @@ def test_no_loop_beside_a_deepspeed_engine(traced):
     optimizer.step()
     registry.forget_all()
     assert traced() == ()
+
+
+@pytest.mark.parametrize("name_the_optimizer", [True, False])
+def test_a_grad_scaler_skipping_an_overflow_step_still_ends_it(traced, name_the_optimizer):
+    """Mixed precision: GradScaler.step() is the optimizer phase; an overflow step is one step, skipped."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    trace_training(model, optimizer if name_the_optimizer else None)
+    overflow_at = 2
+    for step in range(1, 5):
+        loss = model(torch.randn(3, 4)).sum()
+        scaler.scale(loss * (float("inf") if step == overflow_at else 1.0)).backward()
+        before = [parameter.detach().clone() for parameter in model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        assert changed is (step != overflow_at)  # the scaler skipped the optimizer at the overflow only
+    spans = traced()
+    steps = [span for span in spans if span.name == "training.step"]
+    assert [step.attributes["training.step"] for step in steps] == [1, 2, 3, 4]
+    assert [step.attributes.get("training.step.skipped", False) for step in steps] == [False, True, False, False]
+    assert [span.name for span in spans].count("training.optimizer.step") == 4
+    assert micro_steps(spans, "training.forward") == micro_steps(spans, "training.backward") == [0] * 4

@@ -1,10 +1,11 @@
 """How well the ranks' clocks agree once aligned: the residual offset, from collectives joined by sequence.
 
-The reader moves each rank's times by its ``training.clock.offset`` (estimated at start). A
+The reader moves each rank's times by its ``training.clock.offset`` (estimated at start, refreshed by
+its ``training.clock.sync`` spans during the run: ``reader.Drift``). A
 synchronous all-reduce, all-gather, reduce-scatter or barrier returns on every rank at nearly the
 same moment (the last rank's data completes it everywhere), so over many of them the median of
-(rank's end - rank 0's end) is what remains of the rank's offset: the drift since start plus the
-estimate's error. It is reported per rank (``clocks`` in the JSON), at no cost beyond the spans
+(rank's end - rank 0's end) is what remains of the rank's offset: the drift since the latest
+reading plus the estimate's error. It is reported per rank (``clocks`` in the JSON), at no cost beyond the spans
 already read: a residual larger than the waits it would distort says the figures across ranks
 need care.
 """

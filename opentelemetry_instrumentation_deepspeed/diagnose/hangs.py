@@ -142,6 +142,8 @@ class Hangs:
             if report_job != job:
                 continue
             report = max(reports, key=lambda s: s.end)
+            if report.attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED:
+                continue  # its thread moved on after the last report: it was slow there, not stuck
             stalled = report.attributes.get(semconv.HANG_DURATION) or 0
             threshold = report.attributes.get(semconv.HANG_THRESHOLD) or 0
             number = report.attributes.get(semconv.TRAINING_STEP, 0)
@@ -174,13 +176,15 @@ class Hangs:
             summary = f"{culprits}" + (f"; {waits}" if waits else "")
             if len(stopped) == 1 and stopped[0] not in latest and (job, stopped[0]) in self._last_step:
                 step = self._last_step[job, stopped[0]] + 1  # the step it is in: the one after its last closed
-            return [_finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
-                             step, lost, 0.9 if reported_all else 0.7, trace_ids)]
+            found = _finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
+                             step, lost, 0.9 if reported_all else 0.7, trace_ids)
+            return [_with_stacks(found, latest, stopped)]
         report = next(iter(waiting.values()))
         summary = (f"every rank waits in {_collective_text(report)} and none is missing: the collective itself does "
                    "not complete")
-        return [_finding("HANG", summary, evidence, REMEDIES["HANG_COMM"], None, step, lost,
-                         0.8 if reported_all else 0.5, trace_ids)]
+        found = _finding("HANG", summary, evidence, REMEDIES["HANG_COMM"], None, step, lost,
+                         0.8 if reported_all else 0.5, trace_ids)
+        return [_with_stacks(found, latest, ())]
 
     def _stopped_text(self, job: str, rank: int, report: Span | None, never: set | None) -> str:
         if report is None:
@@ -190,11 +194,8 @@ class Hangs:
             return (f"rank {rank} stopped{in_step} before {'collective' if len(never or ()) == 1 else 'collectives'} "
                     f"(group: sequence) {reached}, with no hang report of its own (not yet past its threshold, "
                     "dead, or its watchdog off)")
+        text = f"rank {rank} stopped {_place(report.attributes)}"
         attributes = report.attributes
-        phase = attributes.get(semconv.TRAINING_PHASE)
-        place = f"{phase} of step {attributes.get(semconv.TRAINING_STEP)}" if phase else \
-            f"step {attributes.get(semconv.TRAINING_STEP)}, between phases"
-        text = f"rank {rank} stopped in {place}"
         if attributes.get(semconv.COMM_SEQUENCE) is not None:
             text += f", itself in {_collective_text(report)}"
         at = where(attributes.get(semconv.CODE_STACKTRACE) or "")
@@ -210,8 +211,7 @@ class Hangs:
             return head + "; no hang report"
         attributes = report.attributes
         text = (f"{head}; {attributes.get(semconv.HANG_REASON)} for {attributes.get(semconv.HANG_DURATION, 0):.0f} s "
-                f"in {attributes.get(semconv.TRAINING_PHASE) or 'no phase'} of step "
-                f"{attributes.get(semconv.TRAINING_STEP)}")
+                f"{_place(attributes)}")
         if rank in waiting:
             text += f", in {_collective_text(report)}"
         frames_text = " <- ".join([_frame_text(f) for f in frames(attributes.get(semconv.CODE_STACKTRACE) or "")
@@ -238,8 +238,28 @@ class Hangs:
                          sorted({first[2], other[2]}))]
 
 
+def _with_stacks(finding: dict, latest: dict, stopped) -> dict:
+    """Each reporting rank's whole stack beside the finding (the HTML report shows them), stopped ranks first."""
+    finding["stacks"] = [{"rank": rank, "stopped": rank in stopped, "where": where(stack), "stack": stack}
+                         for rank, report in sorted(latest.items(), key=lambda item: (item[0] not in stopped, item[0]))
+                         if (stack := report.attributes.get(semconv.CODE_STACKTRACE) or "")]
+    return finding
+
+
+def _place(attributes: dict) -> str:
+    """Where a hang report's rank is: in a phase of the open step, or between steps (the next one's number)."""
+    phase, number = attributes.get(semconv.TRAINING_PHASE), attributes.get(semconv.TRAINING_STEP)
+    if attributes.get(semconv.HANG_BETWEEN_STEPS):
+        if phase == semconv.PHASE_DATA_WAIT:
+            return f"in the data loader (data wait) before step {number}, no step open"
+        return f"between steps (no step open, before step {number})"
+    return f"in {phase} of step {number}" if phase else f"in step {number}, between phases"
+
+
 def _during(report: Span) -> str:
     phase = report.attributes.get(semconv.TRAINING_PHASE)
+    if report.attributes.get(semconv.HANG_BETWEEN_STEPS):
+        return f", {phase} before the step" if phase else ", between steps"
     return f", during {phase}" if phase else ", between phases"
 
 

@@ -131,6 +131,20 @@ def _chain(finding: dict) -> str:
     return f'<h3>Who waits for whom</h3><svg width="900" height="{min(height, 300)}" role="img">{"".join(boxes)}</svg>'
 
 
+def _stacks(finding: dict) -> str:
+    """A hang's stacks (diagnose/hangs.py): each reporting rank's training thread, where it stopped or waits."""
+    stacks = finding.get("stacks") or []
+    if not stacks:
+        return ""
+    parts = []
+    for item in stacks:
+        role = "stopped" if item.get("stopped") else "waiting"
+        where = f": {item['where']}" if item.get("where") else ""
+        parts.append(f'<details class="stack" open><summary>rank {_e(item.get("rank"))} ({role}){_e(where)}'
+                     f"</summary><pre>{_e(item.get('stack', ''))}</pre></details>")
+    return "<h3>Stacks of the training threads (innermost call last)</h3>" + "".join(parts)
+
+
 def _findings(findings: list[dict]) -> str:
     if len(findings) < 2:
         return ""
@@ -150,7 +164,7 @@ def render_html(report: dict) -> str:
         f'<div class="verdict {_e(verdict["layer"]).replace(" ", "-")}"><h2>{_e(verdict["layer"].upper())}</h2>'
         f"<p>{_e(verdict['summary'])}</p>"
         + (f"<p class=job>{_e(_cost(verdict))}</p>" if verdict.get("cost_seconds") is not None else "")
-        + _chain(verdict) + "<ul>"
+        + _chain(verdict) + _stacks(verdict) + "<ul>"
         + "".join(f"<li>{_e(item)}</li>" for item in verdict.get("evidence", []))
         + "</ul>" + ("<h3>Usual remedies</h3><ul>" + "".join(f"<li>{_e(r)}</li>" for r in verdict["remedies"])
                      + "</ul>" if verdict.get("remedies") else "") + "</div>",
@@ -173,6 +187,7 @@ def render_html(report: dict) -> str:
              ".verdict{border-left:6px solid #e4572e;padding:4px 16px;background:#fafafa}"
              ".verdict.none{border-color:#17a398}.job{color:#555}small{color:#777;font-weight:normal}"
              ".chain{font-size:13px;fill:#111}table{border-collapse:collapse}"
-             "td{border-top:1px solid #ddd;padding:4px 8px;vertical-align:top}")
+             "td{border-top:1px solid #ddd;padding:4px 8px;vertical-align:top}"
+             ".stack pre{font-size:12px;background:#f3f3f3;padding:8px;overflow-x:auto;white-space:pre}")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Training diagnosis</title>'
             f"<style>{style}</style></head><body>{''.join(sections)}</body></html>\n")

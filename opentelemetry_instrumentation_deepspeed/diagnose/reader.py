@@ -22,7 +22,7 @@ _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, se
          semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED,
          # hangs and desyncs (diagnose/hangs.py)
          semconv.COMM_DTYPE, semconv.TRAINING_PHASE, semconv.HANG_REASON, semconv.HANG_DURATION,
-         semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES,
+         semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES, semconv.HANG_BETWEEN_STEPS,
          # pipeline parallelism (diagnose/pipeline.py)
          semconv.TRAINING_PIPELINE_STAGE, semconv.TRAINING_PIPELINE_STAGES, semconv.TRAINING_STEP_MICRO_BATCHES,
          semconv.COMM_PEER_STAGE)
@@ -79,6 +79,7 @@ class ReadStats:
     files: int = 0
     problems: list = field(default_factory=list)
     samples: list = field(default_factory=list)  # GPU metric samples: a few per collection interval
+    clocks: dict = field(default_factory=dict)  # (job, rank) -> its latest clock readings (``Drift``)
 
     def bad(self, problem: str) -> None:
         """A line (or a backend's answer) skipped: counted, and the first few named."""
@@ -176,7 +177,7 @@ _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.
           semconv.COMM_DTYPE: str, semconv.TRAINING_PHASE: str, semconv.HANG_REASON: str,
           semconv.HANG_DURATION: (int, float), semconv.HANG_THRESHOLD: (int, float),
           semconv.HANG_COMM_DURATION: (int, float), semconv.HANG_COMM_SEQUENCES: tuple,
-          semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES,
+          semconv.HANG_BETWEEN_STEPS: bool, semconv.CODE_STACKTRACE: str, **_MODEL_TYPES, **_INPUT_TYPES,
           semconv.TRAINING_PIPELINE_STAGE: int, semconv.TRAINING_PIPELINE_STAGES: int,
           semconv.TRAINING_STEP_MICRO_BATCHES: int, semconv.COMM_PEER_STAGE: int}
 
@@ -242,7 +243,46 @@ def _resource(attributes, keys) -> tuple:
     return job, _integer(rank, 0, _MAX_RANK, "training.rank"), resource
 
 
-def spans_of_request(request: dict) -> Iterator[Span]:
+class Drift:
+    """A rank's clock offset as its ``training.clock.sync`` spans refresh it: the latest reading read,
+    carried forward (and back to the one before) along the line through the last two, so a clock that
+    drifts steadily stays aligned between two readings."""
+
+    MAX_RATE = 0.1  # seconds per second: beyond it, two readings are noise, not drift
+
+    __slots__ = ("last", "previous")
+
+    def __init__(self):
+        self.previous = self.last = None  # (the reading's time on the rank's clock, offset), nanoseconds
+
+    def add(self, at: int, offset: int) -> None:
+        if self.last is not None and at <= self.last[0]:
+            return  # read out of order: the later one stands
+        self.previous, self.last = self.last, (at, offset)
+
+    def at(self, time: int) -> int:
+        last_at, last = self.last
+        if self.previous is None:
+            return last
+        previous_at, previous = self.previous
+        rate = max(-self.MAX_RATE, min(self.MAX_RATE, (last - previous) / (last_at - previous_at)))
+        return last + int(rate * (max(time, previous_at) - last_at))
+
+
+def _clock_reading(span: dict, job: str, rank: int, clocks: dict) -> None:
+    try:
+        offset = _attributes(span.get("attributes"), (semconv.TRAINING_CLOCK_OFFSET,)).get(
+            semconv.TRAINING_CLOCK_OFFSET)
+        end = _time(span.get("endTimeUnixNano", 0))
+    except Shape:
+        return  # a correction, not a fact: one that cannot be read is left out
+    if type(offset) is int and -_DAY < offset < _DAY:
+        clocks.setdefault((job, rank), Drift()).add(end, offset)
+
+
+def spans_of_request(request: dict, clocks: dict | None = None) -> Iterator[Span]:
+    """``clocks``: (job, rank) -> ``Drift``, kept across the requests of one reading (the refreshed offsets)."""
+    clocks = {} if clocks is None else clocks
     for resource_spans in request.get("resourceSpans") or ():
         job, rank, resource = _resource((resource_spans.get("resource") or {}).get("attributes"),
                                         (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK, semconv.TRAINING_CLOCK_OFFSET))
@@ -254,7 +294,11 @@ def spans_of_request(request: dict) -> Iterator[Span]:
                 attributes = _attributes(span.get("attributes"), _KEPT)
                 if span.get("name") == semconv.SPAN_HANG:
                     attributes.update(_hang_stack(span.get("events")))
-                start, end = aligned(*_checked(span, attributes), offset)
+                elif span.get("name") == semconv.SPAN_CLOCK_SYNC:
+                    _clock_reading(span, job, rank, clocks)
+                times = _checked(span, attributes)
+                drift = clocks.get((job, rank))
+                start, end = aligned(*times, offset if drift is None else drift.at(times[0]))
                 yield Span(span["name"], span["traceId"], span["spanId"], span.get("parentSpanId", ""),
                            start, end, job, rank, attributes)
 
@@ -394,7 +438,7 @@ def take(request, stats: ReadStats, where: str) -> list[Span]:
     try:
         if not isinstance(request, dict):
             raise ValueError(why)
-        spans = list(spans_of_request(request))
+        spans = list(spans_of_request(request, stats.clocks))
         if "resourceMetrics" in request:
             stats.samples.extend(samples_of_request(request))
     except Shape as error:

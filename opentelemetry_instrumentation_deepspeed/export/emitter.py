@@ -34,7 +34,7 @@ from collections import deque
 from opentelemetry.trace import Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.export import batches, hangs, kernels, sdk, trace_ids
+from opentelemetry_instrumentation_deepspeed.export import batches, clock, hangs, kernels, sdk, trace_ids
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
@@ -74,6 +74,8 @@ class StepFacts:
         self.peer_stages: dict | None = None  # a pipeline stage's {global rank: stage} of its pipeline
         # The root of a step that raised, kept open for its retry (same number) until the next step.
         self.held_root: _HeldRoot | None = None
+        # The last step written and its end: the hang watchdog's sign of progress between steps.
+        self.last_written, self.last_end = 0, 0
 
 
 class _HeldRoot:
@@ -196,6 +198,8 @@ class Emitter(Component):
                     self._step(item, writers)
                 elif type(item) is HangReport:  # the hang watchdog's (runtime/watchdog.py)
                     hangs.emit(item, writers)
+                elif type(item) is clock.ClockReading:  # the clock refresher's (runtime/clock.py)
+                    clock.emit(item, writers)
                 else:
                     self._collective(item, None, None, None, writers)
                 done += 1
@@ -287,6 +291,7 @@ class Emitter(Component):
         root, held, parent = self._root(record, writers)
         step = writer.child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: record.number, **facts.static},
                             record.start)
+        facts.last_written, facts.last_end = record.number, record.end
         intervals: list | None = [] if record.profile is not None and step.recording else None
         by_micro_step, batch_sums, counted = batches.summarize(list(record.phases))
         phases = self._phases(record, step, intervals, writers, by_micro_step)

@@ -24,6 +24,8 @@ def attributes(report: HangReport) -> dict:
                                            sorted(report.sequences.items())]}
     if report.phase is not None:
         found[semconv.TRAINING_PHASE] = report.phase
+    if report.between_steps:
+        found[semconv.HANG_BETWEEN_STEPS] = True
     if report.micro_step is not None:
         found[semconv.TRAINING_MICRO_STEP] = report.micro_step
     collective = report.collective
@@ -37,6 +39,13 @@ def attributes(report: HangReport) -> dict:
     return found
 
 
+def where_text(report: HangReport) -> str:
+    if report.between_steps:
+        where = f"{report.phase}" if report.phase else "no step"
+        return f"{where}, before step {report.number}"
+    return f"{report.phase} of step {report.number}" if report.phase else f"step {report.number}"
+
+
 def emit(report: HangReport, writers: set) -> None:
     facts = report.facts
     writer = facts.writer
@@ -47,7 +56,8 @@ def emit(report: HangReport, writers: set) -> None:
     events = tuple((semconv.EVENT_HANG_STACK, {semconv.THREAD_ID: thread, semconv.THREAD_NAME: name,
                                                semconv.CODE_STACKTRACE: stack}, report.at)
                    for thread, name, stack in report.stacks)
-    where = f"{report.phase} of step {report.number}" if report.phase else f"step {report.number}"
-    writer.end(started, report.step_start, report.at, None,
-               Status(StatusCode.ERROR, f"{report.reason}: in {where} for "
-                                        f"{(report.at - report.step_start) / 1e9:.0f} s"), None, events)
+    where = where_text(report)
+    # A resumed report closes an earlier one: the thread moved on, which is no error.
+    status = None if report.reason == semconv.HANG_REASON_RESUMED else Status(
+        StatusCode.ERROR, f"{report.reason}: in {where} for {(report.at - report.step_start) / 1e9:.0f} s")
+    writer.end(started, report.step_start, report.at, None, status, None, events)

@@ -119,9 +119,12 @@ class CommObserver(Component):
     @fail_open
     def issued(self, spec: OpSpec, args, kwargs) -> Collective | None:
         group, data_bytes, tensor, is_async = spec.read(args, kwargs)
-        group = self._group(group)
+        # The usual case inline (a group and a dtype seen before, one engine): a collective is the
+        # most frequent call of a step, and each function call costs about as much as its body.
+        group = self._groups.get(id(group)) or self._group(group)
         route = group.routes.get(id(spec)) or self._route(spec, group)
-        call = Collective(route, group.sequence, data_bytes, self._dtype(tensor), is_async, time.time_ns())
+        dtype = "" if tensor is None else self._dtypes.get(tensor.dtype) or self._dtype(tensor)
+        call = Collective(route, group.sequence, data_bytes, dtype, is_async, time.time_ns())
         group.sequence += 1
         if spec.peer_name is not None:
             call.peer = spec.peer(args, kwargs)

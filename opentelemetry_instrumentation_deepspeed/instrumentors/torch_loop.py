@@ -5,9 +5,10 @@ to the return of the step optimizer's ``step()``. The step optimizer is the firs
 ``step()`` runs once training was detected (or the one handed to ``trace_training``). Forwards are
 those of the model wrapped by ``DistributedDataParallel`` or the outermost ``fully_shard`` module
 (or the module handed to ``trace_training``), in training mode with gradients enabled; backwards
-are ``torch.autograd.backward`` calls (``loss.backward()``) made while training. A step whose
-optimizer ``step()`` is never called (a ``GradScaler`` skipping an overflow step) runs on into the
-next one.
+are ``torch.autograd.backward`` calls (``loss.backward()``) made while training. Under mixed
+precision, ``GradScaler.step(optimizer)`` is the optimizer phase (unscaling, the overflow check and
+the optimizer's ``step()``), and a step whose overflow made the scaler skip the optimizer still
+ends there, as a skipped step (``training.step.skipped``), as DeepSpeed's fp16 steps do.
 
 Training is detected when a ``DistributedDataParallel`` is built or ``fully_shard`` is applied:
 only then does the process start its telemetry and observe backwards and optimizer steps (through
@@ -57,6 +58,8 @@ class TorchLoop:
         self.module = None  # set by the training metrics' FLOPs estimate only
         self.optimizer = None  # weak reference to the step optimizer, once known
         self.phase = None  # the optimizer phase running now
+        self.scaling = False  # inside GradScaler.step(): the optimizer's own step() opens no phase
+        self.stepped = False  # ... and whether it ran
         self.recorder = None
 
     # What DeepSpeed's engine answers, where a plain loop has no such setting.
@@ -253,6 +256,9 @@ def _before_step(optimizer, _args, _kwargs):
     loop, recorder = _recorder()
     if recorder is None:
         return
+    if loop.scaling:
+        loop.stepped = True
+        return
     if loop.optimizer is None:
         loop.optimizer = weakref.ref(optimizer)
     elif loop.optimizer() is not optimizer:
@@ -264,12 +270,36 @@ def _before_step(optimizer, _args, _kwargs):
 
 def _after_step(optimizer, _args, _kwargs):
     loop, recorder = _recorder()
-    if recorder is None or loop.optimizer is None or loop.optimizer() is not optimizer:
+    if recorder is None or loop.scaling or loop.optimizer is None or loop.optimizer() is not optimizer:
         return
     phase, loop.phase = loop.phase, None
     if phase is not None:
         loop.global_steps += 1
         recorder.optimizer_step_ended(loop, phase)
+
+
+def _scaler_step(wrapped, instance, args, kwargs):
+    """``GradScaler.step(optimizer)``: the step optimizer's phase, whether or not the scaler runs it."""
+    loop, recorder = _recorder()
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    if recorder is None or loop.scaling or (loop.optimizer is not None and loop.optimizer() is not optimizer):
+        return wrapped(*args, **kwargs)
+    if loop.optimizer is None:
+        loop.optimizer = weakref.ref(optimizer)
+    _before_step(optimizer, args, kwargs)
+    loop.scaling, loop.stepped = True, False
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as error:
+        phase, loop.phase = loop.phase, None
+        recorder.phase_failed(phase, error)
+        raise
+    finally:
+        loop.scaling = False
+    if not loop.stepped:  # an inf or NaN gradient: the scaler skipped the optimizer
+        loop.skipped_steps += 1
+    _after_step(optimizer, args, kwargs)
+    return result
 
 
 def _observe_steps_and_backwards() -> None:
@@ -278,6 +308,12 @@ def _observe_steps_and_backwards() -> None:
 
     _state.hooks += [register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step)]
     _state.patches.wrap(torch.autograd, "backward", _backward)
+
+    def patch_scaler(module):
+        if _state.patches is not None and _state.patches.active:
+            _state.patches.wrap(module.GradScaler, "step", _scaler_step)
+
+    when_imported("torch.amp.grad_scaler", patch_scaler)
 
 
 class TorchTrainingInstrumentor(BaseInstrumentor):

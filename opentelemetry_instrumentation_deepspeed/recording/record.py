@@ -158,3 +158,4 @@ class HangReport:
     collective: Collective | None  # the latest one not completed (in flight), if any
     sequences: dict  # group name -> last sequence issued on this rank
     stacks: list  # (thread id, thread name, formatted stack)
+    between_steps: bool = False  # no step open: ``number`` is the next step, ``step_start`` when the thread stopped

@@ -213,9 +213,11 @@ class StepRecorder(Component):
         return None if record is None else record.phase
 
     def _start(self, event: Event, data) -> Phase | None:
-        before = self._current_phase()
+        record = self.open
+        before = None if record is None else record.phase
         self._fire(event, data)
-        phase = self._current_phase()
+        record = self.open
+        phase = None if record is None else record.phase
         return phase if phase is not before else None  # a nested start is no phase of its own
 
     # Waits count fetches, not forwards: the i-th fetch of a step is its micro-batch i, whenever the

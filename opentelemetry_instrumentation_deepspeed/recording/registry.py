@@ -10,12 +10,15 @@ if TYPE_CHECKING:
 
 # Weak: a recorder must never keep an engine, and so its model, alive.
 _recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The same, by id(engine), for the wrappers' lookups: a WeakKeyDictionary's get() makes a weak
+# reference each call. An entry leaves when its engine is collected, before its id can be reused.
+_by_id: dict[int, StepRecorder] = {}
 _active: StepRecorder | None = None
 _several = False  # more than one engine was built: the active one is looked for at each call
 
 
 def recorder_for(engine) -> StepRecorder | None:
-    return _recorders.get(engine)
+    return _by_id.get(id(engine))
 
 
 def active() -> StepRecorder | None:
@@ -37,6 +40,9 @@ def all_recorders() -> list[StepRecorder]:
 def track(engine, recorder: StepRecorder) -> None:
     global _active, _several  # noqa: PLW0603 - the process's current training engine
     _recorders[engine] = recorder
+    if id(engine) not in _by_id:
+        weakref.finalize(engine, _by_id.pop, id(engine), None).atexit = False  # nothing to do at exit
+    _by_id[id(engine)] = recorder
     _active = recorder
     _several = len(_recorders) > 1
 
@@ -44,6 +50,7 @@ def track(engine, recorder: StepRecorder) -> None:
 def forget(engine) -> None:
     global _active, _several  # noqa: PLW0603
     recorder = _recorders.pop(engine, None)
+    _by_id.pop(id(engine), None)
     if recorder is not None and recorder is _active:
         _active = next(reversed(list(_recorders.values())), None)
     _several = len(_recorders) > 1
@@ -52,4 +59,5 @@ def forget(engine) -> None:
 def forget_all() -> None:
     global _active, _several
     _recorders.clear()
+    _by_id.clear()
     _active, _several = None, False

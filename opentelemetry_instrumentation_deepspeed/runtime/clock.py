@@ -1,4 +1,5 @@
-"""This rank's clock against rank 0's, estimated once at start through the process group's store.
+"""This rank's clock against rank 0's, estimated at start through the process group's store, then
+refreshed during the run on a thread of its own.
 
 Each rank other than 0 sends ``ROUNDS`` pings through the store; rank 0 answers each with its
 clock. A ping sent at ``t1`` and answered (with rank 0's time ``t0``) when read at ``t2`` bounds
@@ -9,11 +10,21 @@ and its error (half the round trip). The store is polled with ``check`` (never a
 within ``BUDGET_SECONDS`` in all; a rank not answered in time has no estimate. It runs while the
 engine is built, when the job id is agreed the same way: never during a step. The result is a
 resource attribute (``training.clock.offset``), and ``diagnose`` moves the rank's times by it.
+
+Clocks drift apart (and get stepped) during a long run, so the same exchange is made again every
+``OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH`` seconds by a daemon thread on each rank (``Refresher``):
+never by the training thread, which does nothing for it. Every rank counts the rounds from the end
+of the start estimate on its own monotonic clock, so rank 0 answers round ``k`` while the others
+ask (its answer waits ``BUDGET_SECONDS`` at most). Each reading goes to the emitter, which writes a
+``training.clock.sync`` span (``export/clock.py``); ``diagnose`` moves each span by the readings
+read before it: the latest, carried forward at the rate between the last two (a drifting clock).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 
 _logger = logging.getLogger(__name__)
@@ -25,20 +36,24 @@ _PREFIX = "opentelemetry-instrumentation-deepspeed/clock"
 
 
 def apply_test_skew(rank: int) -> None:
-    """``OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW`` (tests only): this rank's ``time.time_ns`` runs off by that much."""
+    """``OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW`` (tests only): this rank's ``time.time_ns`` runs off by that much,
+    and drifts on by its rate (seconds per second) from now on."""
     from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
     skew = env.test_clock_skew()
     if skew is None or skew[0] != rank or getattr(time.time_ns, "skewed", False):
         return
-    real, offset = time.time_ns, int(skew[1] * 1e9)
+    real, offset, rate = time.time_ns, int(skew[1] * 1e9), skew[2]
+    since = real()
 
     def skewed() -> int:
-        return real() + offset
+        now = real()
+        return now + offset + int((now - since) * rate)
 
     skewed.skewed = True
     time.time_ns = skewed
-    _logger.warning("Test clock skew: rank %d's time.time_ns() runs %+.3f s off", rank, skew[1])
+    _logger.warning("Test clock skew: rank %d's time.time_ns() runs %+.3f s off, drifting %+.6f s/s from %d", rank,
+                    skew[1], rate, since)
 
 
 def estimate(store, key: str, rank: int, world_size: int) -> tuple[int, int] | None:
@@ -50,6 +65,12 @@ def estimate(store, key: str, rank: int, world_size: int) -> tuple[int, int] | N
     if rank == 0:
         _answer(store, prefix, world_size, deadline)
         return 0, 0
+    found = _measure(store, prefix, rank, deadline)
+    return None if found is None else found[:2]
+
+
+def _measure(store, prefix: str, rank: int, deadline: float) -> tuple[int, int, int, int] | None:
+    """(offset, error, sent, received) of the best of ``ROUNDS`` pings to rank 0; None: no answer in time."""
     best = None
     for round_ in range(ROUNDS):
         ping, pong = f"{prefix}/{rank}/{round_}/ping", f"{prefix}/{rank}/{round_}/pong"
@@ -65,7 +86,7 @@ def estimate(store, key: str, rank: int, world_size: int) -> tuple[int, int] | N
         _logger.debug("No clock offset to rank 0: no answer within %s s", BUDGET_SECONDS)
         return None
     sent, received, theirs = best
-    return (sent + received) // 2 - theirs, (received - sent + 1) // 2
+    return (sent + received) // 2 - theirs, (received - sent + 1) // 2, sent, received
 
 
 def _answer(store, prefix: str, world_size: int, deadline: float) -> None:
@@ -82,3 +103,67 @@ def _arrived(store, key: str, deadline: float) -> bool:
             return False
         time.sleep(POLL_SECONDS)
     return True
+
+
+class Refresher:
+    """Estimates the offset again every ``interval`` seconds, off the training thread; ``readings``
+    go to ``send`` (rank 0 only answers)."""
+
+    def __init__(self, store, key: str, rank: int, world_size: int, interval: float):
+        self.store, self.key, self.rank, self.world_size, self.interval = store, key, rank, world_size, interval
+        self.origin = time.monotonic()  # the start estimate's end: every rank counts rounds from it
+        self.latest: tuple[int, int, int, int] | None = None  # (offset, error, sent, received)
+        self.send = None  # called with each reading, on this thread
+        self.rounds = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="otel-deepspeed-clock")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self.rounds += 1
+                if self._stopped.wait(max(0.0, self.origin + self.rounds * self.interval - time.monotonic())):
+                    return
+                self.refresh(self.rounds)
+        except Exception:  # only later readings are lost: the start estimate stays
+            _logger.debug("Clock refresh stopped", exc_info=True)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def refresh(self, round_: int) -> None:
+        prefix = f"{_PREFIX}/{self.key}/{round_}"
+        deadline = time.monotonic() + BUDGET_SECONDS
+        if self.rank == 0:
+            _answer(self.store, prefix, self.world_size, deadline)
+            return
+        found = _measure(self.store, prefix, self.rank, deadline)
+        # This rank's keys: rank 0 read them all by now, or gave up on them.
+        for round_number in range(ROUNDS):
+            for side in ("ping", "pong"):
+                with contextlib.suppress(Exception):
+                    self.store.delete_key(f"{prefix}/{self.rank}/{round_number}/{side}")
+        if found is not None:
+            self.latest = found
+            if self.send is not None:
+                self.send(found)
+
+
+_refresher: Refresher | None = None
+
+
+def keep_fresh(store, key: str, rank: int, world_size: int) -> None:
+    """Start the refreshing thread, once per process (after the start estimate, on every rank)."""
+    global _refresher  # noqa: PLW0603 - one per process
+    from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+    interval = env.clock_refresh()
+    if _refresher is None and interval and world_size > 1:
+        _refresher = refresher = Refresher(store, key, rank, world_size, interval)
+        lifecycle.at_exit(lifecycle.STOP_CLOCK, lambda _reason: refresher.stop())
+
+
+def refresher() -> Refresher | None:
+    return _refresher

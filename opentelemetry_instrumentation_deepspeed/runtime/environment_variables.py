@@ -117,8 +117,15 @@ phase, the collective in flight and the training thread's stack (docs/telemetry.
 """
 
 OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW = "OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW"
-"""For tests only: ``<rank>:<seconds>`` moves that rank's ``time.time_ns()`` by that many seconds, as a
-skewed host clock would (the clock alignment's tests). Unset: nothing changes.
+"""For tests only: ``<rank>:<seconds>[:<rate>]`` moves that rank's ``time.time_ns()`` by that many seconds, as a
+skewed host clock would, and from then on by ``rate`` seconds more per second (a drifting clock; default 0)
+(the clock alignment's tests). Unset: nothing changes.
+"""
+
+OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH = "OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH"
+"""Seconds between two estimates of each rank's clock offset to rank 0 during the run (a few store round
+trips on a thread of its own; ``training.clock.sync`` spans). 0 turns the refresh off (the start
+estimate only). Default: 60.
 """
 
 OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET = "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET"
@@ -149,6 +156,7 @@ DEFAULT_PROFILE_TRIGGER = "otel-profile-trigger"
 DEFAULT_PROFILE_TOP = 64
 DEFAULT_PROFILE_SLOW_FACTOR = 3.0
 DEFAULT_HANG_TIMEOUT = 30.0
+DEFAULT_CLOCK_REFRESH = 60.0
 
 
 _deferred: dict[str, tuple] = {}  # variable -> its warning's arguments, until this process trains
@@ -389,19 +397,25 @@ def hang_timeout() -> float:
     return _read(OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT, _seconds_or_off)
 
 
-def _rank_and_seconds(raw: str) -> tuple[int, float]:
-    rank, separator, seconds = raw.partition(":")
+@cache
+def clock_refresh() -> float:
+    return _read(OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH, DEFAULT_CLOCK_REFRESH, _seconds_or_off)
+
+
+def _rank_seconds_and_rate(raw: str) -> tuple[int, float, float]:
+    rank, separator, rest = raw.partition(":")
+    seconds, _, rate = rest.partition(":")
     try:
-        if not separator or not -86_400 <= float(seconds) <= 86_400:
+        if not separator or not -86_400 <= float(seconds) <= 86_400 or not -0.5 <= float(rate or 0) <= 0.5:
             raise ValueError
-        return int(rank), float(seconds)
+        return int(rank), float(seconds), float(rate or 0)
     except ValueError:
-        raise ValueError("expected <rank>:<seconds>, seconds within a day") from None
+        raise ValueError("expected <rank>:<seconds>[:<rate>], seconds within a day, rate within 0.5 s/s") from None
 
 
 @cache
-def test_clock_skew() -> tuple[int, float] | None:
-    return _read(OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW, None, _rank_and_seconds)
+def test_clock_skew() -> tuple[int, float, float] | None:
+    return _read(OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW, None, _rank_seconds_and_rate)
 
 
 @cache
@@ -412,7 +426,7 @@ def pad_token_id() -> int | None:
 _READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, exception_detail, job_id, job_id_timeout,
             comm_mode, comm_span_limit, flops_per_token, peak_flops, prometheus_final_scrape_timeout, profile_every,
             profile_trigger, profile_top, profile_slow_factor, memory_peak_reset, pad_token_id, hang_timeout,
-            test_clock_skew)
+            test_clock_skew, clock_refresh)
 
 
 # The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).

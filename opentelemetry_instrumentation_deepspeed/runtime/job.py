@@ -140,7 +140,10 @@ def _clock_offset(job_id: str, rank: int, world_size: int) -> tuple[int, int] | 
     try:
         from torch.distributed import distributed_c10d
 
-        return clock.estimate(distributed_c10d._get_default_store(), job_id, rank, world_size)
+        store = distributed_c10d._get_default_store()
+        found = clock.estimate(store, job_id, rank, world_size)
+        clock.keep_fresh(store, job_id, rank, world_size)  # on a thread of its own, from now on
+        return found
     except Exception:  # only the alignment of this rank's times is lost
         _logger.debug("No clock offset to rank 0", exc_info=True)
         return None

@@ -65,6 +65,7 @@ from opentelemetry_instrumentation_deepspeed.runtime import environment_variable
 
 # Stages at exit (atexit, or SIGTERM when handled here), in the order they run.
 STOP_PROFILER = "stop profiler"  # a running torch.profiler is stopped, nothing emitted
+STOP_CLOCK = "stop clock refresh"  # the clock offset's refreshing thread asks the store no more (clock.py)
 REPORT_HANGS = "report hangs"  # a signal with a step open: where the training thread is (watchdog.py)
 CLOSE_OPEN_STEPS = "close open steps"  # open steps end with status ERROR and the reason
 DRAIN = "drain"  # closed step records become spans and metric points
@@ -75,8 +76,8 @@ FLUSH_METRICS = "flush metrics"  # meter provider shut down (last collection)
 COUNT_UNSENT_POINTS = "count unsent points"  # points in an unfinished export: lost
 FLUSH_LOGS = "flush logs"  # logger provider shut down, when the SDK set one up
 REPORT = "report"  # the one summary line of undelivered telemetry
-EXIT_ORDER = (STOP_PROFILER, REPORT_HANGS, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, COUNT_UNSENT_SPANS, FINAL_SCRAPE,
-              FLUSH_METRICS, COUNT_UNSENT_POINTS, FLUSH_LOGS, REPORT)
+EXIT_ORDER = (STOP_PROFILER, STOP_CLOCK, REPORT_HANGS, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, COUNT_UNSENT_SPANS,
+              FINAL_SCRAPE, FLUSH_METRICS, COUNT_UNSENT_POINTS, FLUSH_LOGS, REPORT)
 # The stages that wait on the world, each on a thread of its own, and the share of the exit
 # budget by which each has ended (from the start of exit). The others are quick and run on the
 # exiting thread. The last quarter is left for the report and the interpreter's own exit, which

@@ -11,6 +11,15 @@ to the emitter, which writes it as a ``training.hang`` span, and the tracer prov
 while the training thread stays blocked. The report is repeated at 2, 4, 8... times the threshold,
 so a live job's files always say for how long.
 
+With no step open (before the first, or between two: in the data loader, in the program's own code
+after ``engine.step()``), the training thread can block too. There the watchdog looks at where the
+thread is: its stack (code and line of each frame) at each poll, and the last step the emitter
+wrote. A stack that does not change, with no step written, for longer than the same threshold is
+reported the same way, as the next step's (``training.hang.between_steps``), with the phase
+``data.wait`` when the thread is inside a data loader's ``next``. A thread that makes progress
+(an evaluation loop, a checkpoint being written in Python) changes its stack from poll to poll; one
+blocked in a single native call for that long (a collective, a lock, a very long write) does not.
+
 A signal that arrives while the training thread is blocked in native code (a collective waiting
 for a peer that will never come) does not run its Python handler. The interpreter still writes its
 number to the wakeup fd this thread reads (``lifecycle.wake_on_signals``): after
@@ -22,7 +31,9 @@ nothing here synchronizes or touches a tensor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import select
 import signal
 import socket
@@ -61,14 +72,19 @@ def threshold(recent: list[float] | deque, floor: float) -> float:
 class _Watched:
     """The watchdog's view of one recorder."""
 
-    __slots__ = ("durations", "last", "next_report", "recorder", "thread")
+    __slots__ = ("durations", "idle_since", "last", "next_report", "recorder", "reported", "thread", "where")
 
     def __init__(self, recorder, thread: int):
         self.recorder = recorder
         self.thread = thread  # the thread that built the engine: the one that trains
         self.last = None  # the open record at the previous look
         self.durations: deque = deque(maxlen=WINDOW)
-        self.next_report = 0.0  # open seconds of the current record at which to report (again)
+        self.next_report = 0.0  # open (or idle) seconds at which to report (again)
+        # No step open: since when the training thread has been where it is (``where``: code and line
+        # of each frame of its stack), the same at every look since, with no step written meanwhile.
+        self.idle_since: int | None = None
+        self.where = None
+        self.reported: HangReport | None = None  # the last report made with no step open, until the thread moves
 
 
 class Watchdog(Component):
@@ -152,7 +168,10 @@ class Watchdog(Component):
                     watched.durations.append((last.end - last.start) / 1e9)
                 watched.last = record
                 watched.next_report = 0.0
+                watched.idle_since = watched.where = None
+                reports += _resumed(watched, now)  # a step opened or closed: the thread went on
             if record is None:
+                reports += self._between_steps(watched, now)
                 continue
             limit = threshold(watched.durations, self.floor)
             open_seconds = (now - record.start) / 1e9
@@ -163,6 +182,40 @@ class Watchdog(Component):
             self._send(reports)
         return reports
 
+    def _between_steps(self, watched: _Watched, now: int) -> list[HangReport]:
+        """No step open: a report when the training thread has stayed where it is, with no step
+        written, for longer than the threshold; a ``resumed`` one when it moves on after that."""
+        facts = watched.recorder.facts
+        # Engines that share the thread (a second engine for evaluation): one that has a step open, or
+        # closed one since, is the thread's progress; the open step is watched as such.
+        sharing = [w for w in self._watched if w.thread == watched.thread]
+        frame = sys._current_frames().get(watched.thread)
+        if frame is None or any(w.recorder.open is not None for w in sharing):
+            watched.where = None
+            return _resumed(watched, now)
+        where = _frame_key(frame)
+        if where != watched.where:
+            watched.where, watched.idle_since, watched.next_report = where, now, 0.0
+            return _resumed(watched, now)
+        limit = threshold(watched.durations, self.floor)
+        resumed = _stepped_since(watched, sharing, now)
+        if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
+            return resumed
+        from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+        emitter().drain()  # steps closed since the emitter's last round, if any, are progress
+        resumed += _stepped_since(watched, sharing, now)
+        if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
+            return resumed
+        idle = (now - watched.idle_since) / 1e9
+        watched.next_report = 2 * max(idle, limit)
+        number = max(getattr(facts, "last_written", 0), watched.last.number if watched.last is not None else 0) + 1
+        phase = semconv.PHASE_DATA_WAIT if _in_data_loader(frame) else None
+        watched.reported = HangReport(facts, number, watched.idle_since, now, semconv.HANG_REASON_WATCHDOG, limit,
+                                      phase, None, None, None, _last_sequences(), _stacks(watched.thread),
+                                      between_steps=True)
+        return [*resumed, watched.reported]
+
     def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:
         phase = record.phase
         collective = next((c for c in reversed(list(record.collectives)) if c.end is None), None)
@@ -172,6 +225,7 @@ class Watchdog(Component):
                           _stacks(watched.thread))
 
     def _send(self, reports: list[HangReport]) -> None:
+        from opentelemetry_instrumentation_deepspeed.export import hangs
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 
         sink = emitter()
@@ -184,7 +238,11 @@ class Watchdog(Component):
             if flush is not None:
                 flush(FLUSH_MILLIS)
         for report in reports:
-            where = f"{report.phase} of step {report.number}" if report.phase else f"step {report.number}"
+            where = hangs.where_text(report)
+            if report.reason == semconv.HANG_REASON_RESUMED:
+                _logger.warning("opentelemetry-instrumentation-deepspeed: the training thread moved on after %.0f s "
+                                "in %s", (report.at - report.step_start) / 1e9, where)
+                continue
             if report.collective is not None:
                 where += (f", in {report.collective.route.span_name} (sequence {report.collective.sequence}) for "
                           f"{(report.at - report.collective.start) / 1e9:.0f} s")
@@ -228,10 +286,21 @@ class Watchdog(Component):
     # -- any thread ---------------------------------------------------------------------------------
 
     def _at_exit(self, reason: str) -> None:
-        """Stopped by a signal with a step open: where the training thread was, before the step is closed."""
-        if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED) or self.broken:
+        """Stopped by a signal with a step open: where the training thread was, before the step is closed.
+        Exiting on its own after a report with no step open (a last checkpoint longer than the
+        threshold): the thread was not stuck, and a ``resumed`` report says so."""
+        if self.broken:
             return
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+        if reason == lifecycle.EXITED:
+            now = time.time_ns()
+            for watched in list(self._watched):
+                for report in _resumed(watched, now):
+                    emitter().submit(report)
+            return
+        if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED):
+            return
 
         now = time.time_ns()
         for watched in list(self._watched):
@@ -243,6 +312,47 @@ class Watchdog(Component):
         now = time.time_ns()
         opened = [w.recorder.open for w in list(self._watched)]
         return [Observation(max(((now - r.start) / 1e9 for r in opened if r is not None), default=0.0))]
+
+
+def _stepped_since(watched: _Watched, sharing: list, now: int) -> list[HangReport]:
+    """A step that closed after the thread seemed to stop: it moved (the same stack is the same loop
+    line again), and has been where it is since that step's end at most."""
+    last_end = max(getattr(w.recorder.facts, "last_end", 0) for w in sharing)
+    if last_end <= watched.idle_since:
+        return []
+    watched.idle_since, watched.next_report = last_end, 0.0
+    return _resumed(watched, now)
+
+
+def _resumed(watched: _Watched, now: int) -> list[HangReport]:
+    """The thread left the place of its report with no step open: the same report, ``resumed`` now."""
+    report, watched.reported = watched.reported, None
+    if report is None:
+        return []
+    return [dataclasses.replace(report, at=now, reason=semconv.HANG_REASON_RESUMED, stacks=[])]
+
+
+def _frame_key(frame) -> tuple:
+    """Where a thread is, as code and line of each frame: equal at two looks when it has not moved."""
+    key = []
+    while frame is not None and len(key) < STACK_LIMIT:
+        key.append((id(frame.f_code), frame.f_lineno))
+        frame = frame.f_back
+    return tuple(key)
+
+
+_TORCH_LOADER = os.path.join("torch", "utils", "data", "dataloader.py")
+_OUR_LOADER = os.path.join("instrumentors", "dataloader.py")
+
+
+def _in_data_loader(frame) -> bool:
+    """Inside a data loader's ``next``: torch's, or any loader this instrumentation times."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.endswith(_TORCH_LOADER) or (path.endswith(_OUR_LOADER) and frame.f_code.co_name == "_next"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _last_sequences() -> dict:

@@ -1,39 +1,50 @@
-"""Accuracy of `opentelemetry-deepspeed diagnose` on faults it was not tuned on.
+"""Accuracy of `opentelemetry-deepspeed diagnose` on faults it was not tuned on: every class, one script.
 
 Each fault class is an entry of CLASSES: how to draw a run with random parameters (which rank,
-how long, how often, which phase, how many steps, ZeRO stage) and what a right diagnosis says
-(layer, rank, period or phase). Every repetition runs examples/train.py for real under
-`opentelemetry-instrument` (torchrun, 2 ranks, or 1 process), then `diagnose` on its telemetry,
-and scores the top finding. Prints one line per run and a table per class: right layer, right
-rank, right period/step (or phase), all three, and the seconds `diagnose` took.
+how long, how often, which phase or step, how many steps, ZeRO stage, size) and what a right
+diagnosis says (layer, rank, period/offset, phase or step). Every repetition runs examples/train.py
+for real under `opentelemetry-instrument` (torchrun, 2 ranks, or 1 process), then `diagnose` on
+its telemetry, and scores the verdict. A hang is diagnosed live: `diagnose` reads the hung job's
+directory every second while the job is still blocked, and its time to verdict counts from the
+hang threshold's crossing (the stuck phase's start plus the watchdog's threshold, from the
+reports); the job is killed once the verdict is complete. Prints one line per run and a table per
+class: right layer, right rank, right period/offset, phase or step, all three, and the time to
+verdict (after a run: the seconds `diagnose` took; a hang: seconds from the threshold).
 
-    python benchmarks/accuracy.py --repeat 6 --healthy 20            # every class
-    python benchmarks/accuracy.py --classes loader-stall-rank --repeat 3 --seed 7
+    python benchmarks/accuracy.py --repeat 5 --healthy 20            # every class, round robin
+    python benchmarks/accuracy.py --classes hang desync --repeat 3 --seed 7
     python benchmarks/accuracy.py --keep runs/ ...; python benchmarks/accuracy.py --rescore runs/
                                                        # diagnose kept runs again (after a change)
 
-A new class (a hang, an input shift, a desync) is one more entry: a ``draw(rng)`` returning the
-example's arguments, the launcher and the expected diagnosis, and optionally its own ``judge``.
+A rescored hang is diagnosed after the fact (the job was killed), so only its verdict, not its
+time, is scored again. A new class is one more entry: a ``draw(rng)`` returning the example's
+arguments, the launcher and the expected diagnosis, and optionally its own ``judge``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import re
 import shutil
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
 BIN = Path(sys.executable).parent
+HANG_FLOOR = "2"  # OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT of the hang runs: the watchdog's floor, seconds
+LIVE_TIMEOUT = 240.0  # a live hang run gives up after this many seconds
 
 
 @dataclass
@@ -43,6 +54,7 @@ class Expected:
     period: int | None = None
     offset: int | None = None
     phase: str | None = None  # the part of the late rank's step that made it late
+    step: int | None = None  # the step of a change point, a hang or a desync
 
 
 @dataclass
@@ -50,6 +62,8 @@ class Draw:
     args: list[str]
     expected: Expected
     ranks: int = 2
+    env: dict = field(default_factory=dict)
+    live: bool = False  # diagnosed while the job runs (a hang)
 
 
 def _zero(rng):
@@ -59,8 +73,15 @@ def _zero(rng):
 def draw_healthy(rng: random.Random) -> Draw:
     ranks = rng.choice((1, 2))
     args = ["--steps", str(rng.randint(12, 30)), "--grad-accum", str(rng.choice((1, 2))),
-            "--zero-stage", str(rng.choice((0, 1, 2, 3))), "--micro-batch-size", str(rng.choice((8, 32, 64)))]
+            "--zero-stage", str(rng.choice((0, 1, 2, 3))), "--micro-batch-size", str(rng.choice((8, 16, 32, 64))),
+            "--seq-len", str(rng.choice((32, 64)))]
     return Draw(args, Expected("none"), ranks)
+
+
+def draw_healthy_small(rng: random.Random) -> Draw:
+    # The issue's healthy case: a tiny model whose gloo all-reduce is a real, variable share of the step.
+    return Draw(["--steps", "20", "--zero-stage", "2", "--micro-batch-size", "8", "--seed", str(rng.randint(1, 9999))],
+                Expected("none"), 2)
 
 
 def draw_loader_stall_rank(rng: random.Random) -> Draw:
@@ -84,10 +105,57 @@ def draw_slow_rank(rng: random.Random) -> Draw:
 
 
 def draw_comm_heavy(rng: random.Random) -> Draw:
-    # ZeRO 0-1: under ZeRO-2 the ballast's gradient bucketing in the backward costs as much as its
-    # collectives (measured: backward 43-47%, exposed communication 26-32%), so the class is not clear-cut.
-    return Draw(["--steps", str(rng.randint(8, 12)), "--comm-heavy", "--zero-stage", str(rng.choice((0, 1)))],
+    # --comm-heavy: each backward all-reduces a preallocated 32-64 MiB buffer on top of the model's
+    # own gradients (any ZeRO stage): exposed communication 59-80% of the step on this machine.
+    return Draw(["--steps", str(rng.randint(8, 14)), "--comm-heavy", "--comm-heavy-mib", str(rng.randint(32, 64)),
+                 "--micro-batch-size", str(rng.choice((8, 16))), "--zero-stage", str(rng.choice((0, 1, 2)))],
                 Expected("communication"))
+
+
+def draw_input_shift(rng: random.Random) -> Draw:
+    steps = rng.choice((18, 20, 24))
+    start, factor = rng.choice(((64, 2), (64, 4), (32, 4), (128, 0.5), (256, 0.5)))
+    at = rng.randint(5, steps - 4)
+    args = ["--steps", str(steps), "--zero-stage", "2", "--grad-accum", str(rng.choice((1, 2))),
+            "--seq-len", str(start), "--shift-seq-len", str(int(start * factor)), "--shift-at", str(at)]
+    if rng.random() < 0.5:
+        args.append("--padding")
+    return Draw(args, Expected("INPUT", step=at))
+
+
+def draw_compute_slowdown(rng: random.Random) -> Draw:
+    # Every rank's forward 4-6x slower from a step on, same input: COMPUTE, not INPUT. The forward must
+    # be a fair share of the step for that to slow the step by the rule's x1.5 per token: sequences of
+    # 128-256 tokens, micro-batch 16 (at 32 tokens and micro-batch 8, x4 of a 3 ms forward is noise).
+    steps = rng.choice((18, 20, 24))
+    at = rng.randint(5, steps - 4)
+    return Draw(["--steps", str(steps), "--zero-stage", "2", "--seq-len", str(rng.choice((128, 256))),
+                 "--micro-batch-size", "16", "--slowdown-at", str(at), "--slowdown-factor", str(rng.choice((4, 5, 6)))],
+                Expected("COMPUTE", step=at))
+
+
+def draw_hang(rng: random.Random) -> Draw:
+    rank, step, phase = rng.randint(0, 1), rng.randint(2, 10), rng.choice(("forward", "backward"))
+    return Draw(["--steps", "14", "--hang-rank", str(rank), "--hang-step", str(step), "--hang-phase", phase,
+                 *_zero(rng), "--grad-accum", str(rng.choice((1, 2)))],
+                Expected("HANG", rank, phase=phase, step=step), env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR},
+                live=True)
+
+
+def draw_hang_between_steps(rng: random.Random) -> Draw:
+    # No step open: in the data loader before step N, or in the loop's own code after step N's engine.step().
+    rank, step, phase = rng.randint(0, 1), rng.randint(2, 10), rng.choice(("data", "after-step"))
+    return Draw(["--steps", "14", "--hang-rank", str(rank), "--hang-step", str(step), "--hang-phase", phase,
+                 *_zero(rng), "--grad-accum", str(rng.choice((1, 2)))],
+                Expected("HANG", rank, phase=phase, step=step + (phase == "after-step")),
+                env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR}, live=True)
+
+
+def draw_desync(rng: random.Random) -> Draw:
+    rank, steps = rng.randint(0, 1), rng.randint(10, 16)
+    step = rng.randint(2, steps - 1)
+    return Draw(["--steps", str(steps), "--desync-rank", str(rank), "--desync-step", str(step), *_zero(rng)],
+                Expected("DESYNC", rank, step=step))
 
 
 def judge(report: dict, expected: Expected) -> dict[str, bool]:
@@ -105,6 +173,38 @@ def judge(report: dict, expected: Expected) -> dict[str, bool]:
     return {"layer": layer, "rank": rank, "pattern": pattern}
 
 
+def judge_change(report: dict, expected: Expected) -> dict[str, bool]:
+    """An INPUT change point is exact; a COMPUTE one found in noise may be one step off (docs/diagnose.md)."""
+    verdict = report["verdict"]
+    slack = 0 if expected.layer == "INPUT" else 1
+    layer = verdict["layer"] == expected.layer
+    return {"layer": layer, "rank": layer and verdict.get("rank") is None,
+            "pattern": layer and abs((verdict.get("change_step") or -99) - expected.step) <= slack}
+
+
+def judge_hang(report: dict, expected: Expected) -> dict[str, bool]:
+    """The stopped rank, and where: "rank R stopped in PHASE of step N" (the phase needs its own report);
+    with no step open, in the data loader before step N, or between steps before step N (after-step:
+    blocked after step N - 1's engine.step())."""
+    verdict = report["verdict"]
+    layer = verdict["layer"] == "HANG"
+    where = {"data": f"rank {expected.rank} stopped in the data loader (data wait) before step {expected.step}",
+             "after-step": f"rank {expected.rank} stopped between steps (no step open, before step {expected.step})"
+             }.get(expected.phase, f"rank {expected.rank} stopped in {expected.phase} of step {expected.step}")
+    return {"layer": layer, "rank": layer and verdict.get("rank") == expected.rank,
+            "pattern": layer and verdict.get("step") == expected.step and verdict["summary"].startswith(where)}
+
+
+def judge_desync(report: dict, expected: Expected) -> dict[str, bool]:
+    """With 2 ranks a mismatch cannot say which rank is the odd one out: the rank is right when the
+    finding gives the injected rank's side of it ("rank R all_reduce of 16 bytes int32")."""
+    verdict = report["verdict"]
+    layer = verdict["layer"] == "DESYNC"
+    side = re.search(rf"rank {expected.rank} all_reduce of \d+ bytes int32\b", verdict["summary"])
+    return {"layer": layer, "rank": layer and side is not None,
+            "pattern": layer and verdict.get("step") == expected.step}
+
+
 @dataclass
 class FaultClass:
     name: str
@@ -114,13 +214,22 @@ class FaultClass:
 
 
 CLASSES = [
-    FaultClass("healthy", draw_healthy, notes="1-2 ranks, 12-30 steps, grad accum 1-2, ZeRO 0-3, micro-batch 8/32/64"),
+    FaultClass("healthy", draw_healthy, notes="1-2 ranks, 12-30 steps, grad accum 1-2, ZeRO 0-3, micro-batch 8-64, "
+               "sequence 32/64"),
+    FaultClass("healthy-small", draw_healthy_small, notes="the issue's case: 2 ranks, ZeRO-2, micro-batch 8, 20 steps"),
     FaultClass("loader-stall-rank", draw_loader_stall_rank,
                notes="one rank's loader stalls 80-300 ms every 3rd-6th step, 4-5 times"),
     FaultClass("loader-stall-all", draw_loader_stall_all,
                notes="every rank's loader stalls 80-300 ms every 3rd-6th step"),
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),
-    FaultClass("comm-heavy", draw_comm_heavy, notes="8M parameters of no compute: the all-reduce dominates"),
+    FaultClass("comm-heavy", draw_comm_heavy, notes="each backward all-reduces a 32-64 MiB buffer too, ZeRO 0-2"),
+    FaultClass("input-shift", draw_input_shift, judge_change, notes="sequence length x2, x4 or /2 at a random step"),
+    FaultClass("compute-slowdown", draw_compute_slowdown, judge_change,
+               notes="every rank's forward 4-6x slower from a random step, same input"),
+    FaultClass("hang", draw_hang, judge_hang, notes="rank 0-1 blocks in forward/backward of step 2-10, diagnosed live"),
+    FaultClass("hang-between-steps", draw_hang_between_steps, judge_hang,
+               notes="rank 0-1 blocks in the data loader before step 2-10 or after its engine.step(), diagnosed live"),
+    FaultClass("desync", draw_desync, judge_desync, notes="one rank all-reduces int32 where the other float32"),
 ]
 
 
@@ -130,30 +239,93 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def diagnose(workdir: Path) -> tuple[dict, float, str]:
+def diagnose(workdir: Path) -> tuple[dict | None, float, str]:
     started = time.perf_counter()
     diagnosed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=workdir,
                                capture_output=True, text=True, timeout=600, check=False)
-    return json.loads(diagnosed.stdout), time.perf_counter() - started, diagnosed.stderr[-500:]
+    seconds = time.perf_counter() - started
+    try:
+        return json.loads(diagnosed.stdout), seconds, diagnosed.stderr[-500:]
+    except json.JSONDecodeError:
+        return None, seconds, diagnosed.stderr[-500:]
 
 
-def run_once(draw: Draw, workdir: Path) -> tuple[dict | None, float, str]:
+def _command(draw: Draw) -> tuple[list[str], dict]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHELASTIC_"))
            and key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", **draw.env)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     port = str(free_port())
     if draw.ranks == 1:
         env["MASTER_PORT"] = port
-        command = [str(BIN / "opentelemetry-instrument"), sys.executable, str(TRAIN), *draw.args]
-    else:
-        command = [str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"), "--nproc_per_node", "2",
-                   "--master_port", port, str(TRAIN), *draw.args]
+        return [str(BIN / "opentelemetry-instrument"), sys.executable, str(TRAIN), *draw.args], env
+    return [str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"), "--nproc_per_node", str(draw.ranks),
+            "--master_port", port, str(TRAIN), *draw.args], env
+
+
+def run_once(draw: Draw, workdir: Path) -> tuple[dict | None, float, str]:
+    command, env = _command(draw)
+    if draw.live:
+        return run_live(command, env, workdir)
     completed = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
                                check=False)
     if completed.returncode:
         return None, 0.0, completed.stderr[-1500:]
     return diagnose(workdir)
+
+
+def threshold_crossing(workdir: Path) -> float | None:
+    """The earliest moment a rank's step went past its hang threshold, from its watchdog's reports."""
+    times = []
+    for path in workdir.glob("telemetry/*/traces-rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                document = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            for resource in document.get("resourceSpans", ()):
+                for scope in resource["scopeSpans"]:
+                    for span in scope["spans"]:
+                        if span["name"] == "training.hang":
+                            values = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+                            times.append(int(span["endTimeUnixNano"]) / 1e9 - float(values["training.hang.duration"])
+                                         + float(values["training.hang.threshold"]))
+    return min(times) if times else None
+
+
+def run_live(command: list[str], env: dict, workdir: Path) -> tuple[dict | None, float, str]:
+    """A job that hangs: `diagnose` on its directory every second while it runs, until the verdict is a
+    HANG with every rank's report in (confidence 0.9) or a minute after the first HANG; then the job is
+    killed. Returns the last report and the seconds from the threshold's crossing to the first HANG."""
+    with open(workdir / "job.log", "w", encoding="utf-8") as log:
+        job = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    report, found_at, started = None, None, time.monotonic()
+    try:
+        while time.monotonic() - started < LIVE_TIMEOUT:
+            ended = job.poll() is not None
+            if (workdir / "telemetry").is_dir():
+                report = diagnose(workdir)[0] or report
+                verdict = (report or {}).get("verdict") or {}
+                if verdict.get("layer") == "HANG":
+                    found_at = found_at or time.time()
+                    if verdict.get("confidence", 0) >= 0.9 or time.time() - found_at > 60:
+                        break
+            if ended:
+                break
+            time.sleep(1)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGTERM)
+        try:
+            job.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    crossing = threshold_crossing(workdir)
+    seconds = found_at - crossing if found_at and crossing else float("nan")
+    problem = "" if report else (workdir / "job.log").read_text()[-1500:]
+    return report, seconds, problem
 
 
 def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, args) -> tuple[dict, float]:
@@ -164,9 +336,14 @@ def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, a
         score = fault.judge(report, draw.expected)
         verdict = report["verdict"]
     line = {"class": fault.name, "args": draw.args, "ranks": draw.ranks, "expected": draw.expected.__dict__,
-            "verdict": {k: verdict.get(k) for k in ("layer", "rank", "period", "offset", "phase", "share_of_run",
-                                                    "confidence")},
-            "score": score, "diagnose_seconds": round(seconds, 2)}
+            "verdict": {k: verdict.get(k) for k in ("layer", "rank", "period", "offset", "phase", "step",
+                                                    "change_step", "share_of_run", "confidence", "summary")},
+            "score": score, "seconds_to_verdict" if draw.live else "diagnose_seconds": round(seconds, 2),
+            "load_average": round(os.getloadavg()[0], 1)}
+    if report is not None and fault.name.startswith("healthy"):
+        line["exposed_comm_share"] = (report.get("job") or {}).get("shares", {}).get("exposed_comm")
+    if report is not None and fault.name == "comm-heavy":
+        line["shares"] = {k: round(v, 3) for k, v in (report.get("job") or {}).get("shares", {}).items()}
     print(json.dumps(line), flush=True)
     if args.results:
         with open(args.results, "a", encoding="utf-8") as handle:
@@ -175,25 +352,28 @@ def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, a
 
 
 def print_table(table: dict) -> None:
-    print("\n| class | runs | right layer | right rank | right period / phase | all right | diagnose s (max) |")
+    print("\n| class | runs | right layer | right rank | right period / phase / step | all right "
+          "| time to verdict s (median / max) |")
     print("|---|---|---|---|---|---|---|")
     for name, rows in table.items():
         count = len(rows)
         right = {key: sum(score[key] for score, _s in rows) for key in ("layer", "rank", "pattern")}
         every = sum(all(score.values()) for score, _s in rows)
+        times = [s for _x, s in rows if math.isfinite(s)]
+        timing = f"{statistics.median(times):.1f} / {max(times):.1f}" if times else "-"
         print(f"| {name} | {count} | {right['layer']}/{count} | {right['rank']}/{count} | {right['pattern']}/{count} "
-              f"| {every}/{count} | {max((s for _x, s in rows), default=0):.1f} |")
+              f"| {every}/{count} | {timing} |")
 
 
 def rescore(directories: list[Path], args) -> None:
     table = {}
     classes = {fault.name: fault for fault in CLASSES}
-    kept_runs = sorted((kept for directory in directories for kept in directory.iterdir()),
+    kept_runs = sorted((kept for directory in directories for kept in directory.iterdir() if kept.is_dir()),
                        key=lambda p: (p.name.rsplit("-", 1)[0], int(p.name.rsplit("-", 1)[1])))
     for kept in kept_runs:
         saved = json.loads((kept / "draw.json").read_text())
         fault = classes[saved["class"]]
-        draw = Draw(saved["args"], Expected(**saved["expected"]), saved["ranks"])
+        draw = Draw(saved["args"], Expected(**saved["expected"]), saved["ranks"])  # after the fact, hangs too
         report, seconds, _problem = diagnose(kept)
         table.setdefault(fault.name, []).append(record(fault, draw, report, seconds, args))
     print_table(table)
@@ -215,10 +395,11 @@ def main():
     rng = random.Random(args.seed)
     chosen = [c for c in CLASSES if c.name in args.classes]
     table = {fault.name: [] for fault in chosen}
-    # Round robin over the classes, so that a load on the machine falls on all of them alike.
+    # Round robin over the classes, each class's runs spread evenly over the sitting (the healthy class
+    # has more), so that a load on the machine falls on all of them alike.
     counts = {fault.name: args.healthy if fault.name == "healthy" else args.repeat for fault in chosen}
-    schedule = [(fault, repetition) for repetition in range(max(counts.values(), default=0))
-                for fault in chosen if repetition < counts[fault.name]]
+    schedule = sorted(((fault, repetition) for fault in chosen for repetition in range(counts[fault.name])),
+                      key=lambda item: (item[1] + 0.5) / counts[item[0].name])
     for fault, repetition in schedule:
         draw = fault.draw(rng)
         workdir = Path(tempfile.mkdtemp(prefix=f"accuracy-{fault.name}-"))

@@ -61,8 +61,10 @@ def parse_args(argv=None):
                         help="where the slow rank spends its extra time: each forward, each backward, or each "
                              "optimizer step")
     faults.add_argument("--comm-heavy", action="store_true",
-                        help="add 8M parameters that cost no compute, as a large embedding does, and update "
-                             "with SGD: each step's large gradient all-reduce dominates")
+                        help="each backward also all-reduces a buffer of --comm-heavy-mib, as tensor parallelism "
+                             "all-reduces its activations' gradients: the step waits on the transfer")
+    faults.add_argument("--comm-heavy-mib", type=float, default=48.0, metavar="M",
+                        help="size of --comm-heavy's all-reduce in MiB")
     faults.add_argument("--hang-rank", type=int, default=-1, metavar="R",
                         help="rank R blocks forever in --hang-phase of step --hang-step (the others then wait for "
                              "it in their next collective)")
@@ -186,14 +188,30 @@ class _SlowBackward(torch.autograd.Function):
         return grad, None
 
 
+class _AllReduceInBackward(torch.autograd.Function):
+    """The identity forward; its backward all-reduces ``buffer`` first (a synchronous collective)."""
+
+    @staticmethod
+    def forward(ctx, tensor, buffer):
+        ctx.buffer = buffer
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.distributed.all_reduce(ctx.buffer)
+        return grad, None
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, d_model: int, layers: int, seq_len: int, *, delay_ms: float = 0.0,
-                 backward_delay_ms: float = 0.0, ballast: int = 0):
+                 backward_delay_ms: float = 0.0, exchange: int = 0):
         super().__init__()
         self.delay = delay_ms / 1000
         self.backward_delay = backward_delay_ms / 1000
         self.slowdown = 1.0  # the forward's compute takes this many times as long (fault injection)
-        self.ballast = nn.Parameter(torch.zeros(ballast)) if ballast else None
+        # Allocated once and reused, as a GPU's caching allocator would: a fresh large tensor per step
+        # costs a CPU host as much in page faults as the transfer itself.
+        self.exchange = torch.zeros(exchange) if exchange else None
         self.embed = nn.Embedding(vocab, d_model)
         self.position = nn.Parameter(torch.zeros(1, seq_len, d_model))
         layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0,
@@ -229,7 +247,9 @@ class TinyLM(nn.Module):
             time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
         if self.backward_delay:
             loss = _SlowBackward.apply(loss, self.backward_delay)
-        return loss if self.ballast is None else loss + 0.0 * self.ballast.sum()
+        if self.exchange is not None:
+            loss = _AllReduceInBackward.apply(loss, self.exchange)
+        return loss
 
 
 def block_forever():
@@ -296,8 +316,6 @@ def deepspeed_config(args) -> dict:
     config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     if args.fp16:
         config["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 1000}
-    if args.comm_heavy:
-        config["zero_allow_untested_optimizer"] = True  # torch's SGD under ZeRO: DeepSpeed only asks to be told
     if args.deepspeed_builtins:
         config["wall_clock_breakdown"] = True
         config["comms_logger"] = {"enabled": True}
@@ -323,13 +341,9 @@ def average_loss(loss: torch.Tensor, asynchronous: bool) -> float:
 
 
 def make_optimizer(args, model, delay_ms: float = 0.0):
-    """A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU. The
-    communication-heavy configuration updates with plain SGD, so its large gradients dominate.
+    """A torch optimizer: DeepSpeed's config optimizers JIT-compile fused kernels on CPU.
     ``delay_ms``: each of its steps takes that much longer (a slow optimizer on one rank)."""
-    if args.comm_heavy:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if delay_ms:
         step = optimizer.step
 
@@ -413,7 +427,8 @@ def main(argv=None):
     longest = max(args.seq_len, args.shift_seq_len)
     # With padding, the id after the vocabulary pads (it gets an embedding of its own).
     model = TinyLM(args.vocab + args.padding, args.d_model, args.layers, longest, delay_ms=delays["forward"],
-                   backward_delay_ms=delays["backward"], ballast=8 * 2**20 if args.comm_heavy else 0)
+                   backward_delay_ms=delays["backward"],
+                   exchange=int(args.comm_heavy_mib * 2**18) if args.comm_heavy else 0)
     optimizer = make_optimizer(args, model, delays["optimizer"])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dataset = SyntheticTokens(args.steps * args.grad_accum * args.micro_batch_size * world_size,

@@ -54,7 +54,7 @@ def test_one_ranks_loader_stall_is_named_on_that_rank_and_the_other_waits_for_it
 
 @pytest.mark.parametrize(("rank", "slow_ms", "phase"), [(1, 40, "forward"), (0, 25, "backward")])
 def test_straggler_rank(workdir, rank, slow_ms, phase):
-    launch(workdir, "torchrun", "--steps", "14", "--slow-rank", str(rank), "--slow-ms", str(slow_ms),
+    launch(workdir, "torchrun", "--steps", "20", "--slow-rank", str(rank), "--slow-ms", str(slow_ms),
            "--slow-phase", phase).check()
     _, report = diagnose(workdir, "--json")
     verdict = report["verdict"]
@@ -68,7 +68,7 @@ def test_communication_heavy_configuration(workdir):
     launch(workdir, "torchrun", "--steps", "8", "--comm-heavy").check()
     _, report = diagnose(workdir, "--json")
     assert report["verdict"]["layer"] == "communication", report["verdict"]
-    assert report["job"]["shares"]["exposed_comm"] > 0.30
+    assert report["job"]["shares"]["exposed_comm"] > 0.50
 
 
 def test_healthy_run_gets_no_false_alarm_and_a_readable_report(workdir):

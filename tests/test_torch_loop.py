@@ -80,10 +80,10 @@ def test_a_step_per_optimizer_step_with_micro_batches_and_collectives(tmp_path, 
 
 
 def test_a_slow_fsdp_rank_is_named(workdir):
-    launch(workdir, "torchrun", "--mode", "fsdp", "--steps", "8", "--slow-rank", "1", "--slow-ms", "40",
+    launch(workdir, "torchrun", "--mode", "fsdp", "--steps", "12", "--slow-rank", "1", "--slow-ms", "40",
            script=SCRIPT).check()
     report = diagnose(workdir)
-    assert set(report["ranks"]) == {"0", "1"} and all(r["steps"] == 8 for r in report["ranks"].values())
+    assert set(report["ranks"]) == {"0", "1"} and all(r["steps"] == 12 for r in report["ranks"].values())
     assert report["straggler"]["rank"] == 1 and report["straggler"]["extra_compute_seconds"] > 0.04 * 0.6
     # Named as the verdict, or as evidence where gloo's exposed all-gathers cost more per step (a loaded host).
     verdict = report["verdict"]

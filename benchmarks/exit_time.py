@@ -20,11 +20,15 @@ Two figures per run: ``run``, the launcher's wall time; ``tail``, from the momen
 its last line (training done) to the launcher's exit, which is where a failing collector costs
 time. The extra exit time of an arm is its median tail minus bare's. ``--sigterm`` instead sends
 SIGTERM to rank 1 once training is under way (steps made slow with the example's straggler
-option) and reports how long that rank took to die.
+option) and reports how long that rank took to die. ``--sigterm --block-in-native`` sends it to
+rank 0 while its training thread is blocked in native code (gloo's all-reduce, waiting for rank 1,
+which hangs in the forward of step 8 for good), where the Python handler cannot run: the hang
+watchdog's thread takes over after ``lifecycle.GRACE_SECONDS``.
 
     OMP_NUM_THREADS=1 python benchmarks/exit_time.py --rounds 2
     OMP_NUM_THREADS=1 python benchmarks/exit_time.py --arms bare black-hole --profile-every 1
     OMP_NUM_THREADS=1 python benchmarks/exit_time.py --sigterm --arms bare black-hole
+    OMP_NUM_THREADS=1 python benchmarks/exit_time.py --sigterm --block-in-native --arms bare black-hole
 
 Arms run interleaved, one run of each per round. The machine's load changes every figure: read
 the differences to ``bare`` of the same sitting, never one run's seconds.
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile-every", type=int, default=0, help="OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY")
     parser.add_argument("--sigterm", action="store_true", help="time a rank's death after SIGTERM instead")
+    parser.add_argument("--block-in-native", action="store_true",
+                        help="with --sigterm: signal rank 0 while it waits in a collective for a hung rank 1")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra variables for the instrumented arms")
     parser.add_argument("--json", help="write every run's figures here")
@@ -134,7 +140,12 @@ def one_run(arm: str, args, workdir: Path) -> dict:
         collector.close()
 
 
+HUNG_STEP = 8
+
+
 def _sigterm_run(arm: str, args, workdir: Path, env: dict) -> dict:
+    if args.block_in_native:
+        return _sigterm_in_native_run(arm, workdir, env)
     import psutil
 
     # Rank 1 computes 200 ms longer per forward: the signal lands inside a step.
@@ -169,6 +180,49 @@ def _sigterm_run(arm: str, args, workdir: Path, env: dict) -> dict:
         return {"arm": arm, "sigterm_to_death": died, "loss_lines": lost}
     finally:
         process.kill()
+
+
+def _sigterm_in_native_run(arm: str, workdir: Path, env: dict) -> dict:
+    import psutil
+
+    # Rank 1 blocks for good in the forward of HUNG_STEP; rank 0 goes on to that step's gradient
+    # all-reduce and waits there, inside gloo. The hang threshold (30 s) is far off when the signal lands.
+    extra = ["--print-steps", "--hang-rank", "1", "--hang-step", str(HUNG_STEP), "--hang-phase", "forward"]
+    process = subprocess.Popen(_command(arm, 100, extra), cwd=workdir, env=clean_env(**env),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(f"step {HUNG_STEP - 1} rank 0 "):
+                break
+        else:
+            raise SystemExit(f"{arm}: the run ended before step {HUNG_STEP}: " + "".join(lines[-40:]))
+        reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+        reader.start()
+        (rank0,) = [child for child in psutil.Process(process.pid).children(recursive=True)
+                    if child.environ().get("RANK") == "0" and "train.py" in " ".join(child.cmdline())]
+        # Well past rank 0's forward of the hung step, into the all-reduce (a few ms on a quiet machine).
+        time.sleep(5)
+        sent = time.monotonic()
+        rank0.send_signal(signal.SIGTERM)
+        try:
+            rank0.wait(timeout=120)
+        except psutil.TimeoutExpired:
+            pass
+        died = time.monotonic() - sent
+        process.wait(timeout=120)
+        reader.join(timeout=5)
+    finally:
+        process.kill()
+    output = "".join(lines)
+    # Instrumented, the watchdog says it took over: proof that the handler could not run, i.e. the
+    # thread was blocked in native code when the signal came.
+    if arm != "bare" and "SIGTERM while the training thread is blocked" not in output:
+        sys.stderr.write(output[-4000:])
+        raise SystemExit(f"{arm}: the watchdog did not take over")
+    lost = [line.strip() for line in lines if "were not delivered" in line]
+    return {"arm": arm, "sigterm_to_death": died, "loss_lines": lost}
 
 
 def main(argv=None) -> None:

@@ -104,7 +104,8 @@ def parse_args(argv=None):
                              "optimizer step, exactly (repr)")
     faults.add_argument("--block-in-step", type=int, default=0, metavar="K",
                         help="the forward of step K blocks on rank 0 until a signal arrives, after printing "
-                             "'blocked in step K': a SIGTERM sent then lands inside a step")
+                             "'blocked in step K': a SIGTERM sent then lands inside a step; SIGUSR1 lets the step "
+                             "go on (a running job's telemetry can be read while it waits)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -226,8 +227,14 @@ class TinyLM(nn.Module):
         if getattr(self, "crash", False):
             raise RuntimeError("injected crash in forward")
         if getattr(self, "block", None):
+            # SIGUSR1 (its default action would kill) becomes a wake-up; polled, not signal.pause(),
+            # so that one sent right after the line is printed is not missed. A SIGTERM ends the sleep
+            # and its handler runs here, inside the step.
+            woken = []
+            signal.signal(signal.SIGUSR1, lambda _signum, _frame: woken.append(_signum))
             print(f"blocked in step {self.block}", flush=True)
-            signal.pause()
+            while not woken:
+                time.sleep(0.05)
         if getattr(self, "out_of_memory", False):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         if self.delay:

@@ -7,6 +7,7 @@ Tests that start real DeepSpeed are marked ``slow``; ``pytest -m "not slow"`` is
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import socket
@@ -27,8 +28,36 @@ _INHERITED_PREFIXES = ("OTEL_", "TORCHELASTIC_", "SLURM_")
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+_PORTS = random.SystemRandom()  # not the global generator, which a test may seed: suites side by side would agree
+
+
+def _ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port free now, from below the kernel's ephemeral range.
+
+    A port is chosen seconds before the job binds it (DeepSpeed's rendezvous, after its imports: a
+    minute on a loaded machine). One from the ephemeral range (bind to port 0) can be handed to any
+    outgoing connection on the machine meanwhile, and the job then fails with EADDRINUSE (seen with
+    several test suites running at once); below that range only a listener picked the same way can
+    take it, one chance in thousands."""
+    ephemeral = _ephemeral_ports()
+    candidates = range(10000, ephemeral.start) if ephemeral.start > 12000 else range(ephemeral.stop, 65536)
+    for _ in range(200):
+        port = _PORTS.choice(candidates)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every try taken: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

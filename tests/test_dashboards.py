@@ -71,18 +71,18 @@ class Runs:
     jobs: dict[str, Job]
 
 
-def _otlp(endpoint: str) -> dict[str, str]:
+def _otlp(endpoint: str, timeout: str) -> dict[str, str]:
     """Traces and (besides Prometheus) metrics pushed over OTLP/HTTP, failing fast when nobody listens."""
     return {
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{endpoint}/v1/traces",
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": timeout,
         "OTEL_BSP_SCHEDULE_DELAY": "500",
         "OTEL_METRICS_EXPORTER": "prometheus,otlp",
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"{endpoint}/v1/metrics",
         "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
-        "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "1",
+        "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": timeout,
         "OTEL_METRIC_EXPORT_INTERVAL": "2000",
     }
 
@@ -120,7 +120,11 @@ def runs(tmp_path_factory) -> Runs:
                     "OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS": "1e12",
                     # Profiling the step after a slow one would add its own slow steps to the fault runs.
                     "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR": "0",
-                    **_otlp(endpoint or receiver.endpoint),
+                    # The dead endpoint refuses at once: 1 s keeps its exporter from retrying for long.
+                    # The receiver lives in this test's process: at a load of 17 on 2 cores it took
+                    # over 1 s to answer, the healthy run counted exports as lost and raised
+                    # TrainingTelemetryDropped. 10 s is the exporter's own default.
+                    **_otlp(endpoint or receiver.endpoint, "1" if endpoint else "10"),
                     **extra,
                 }
                 workdir = directory / name

@@ -122,6 +122,21 @@ def test_exit_is_bounded_whatever_the_flushes_do():
     assert [rest for _, rest in _lines(result, "shutdown")] == ["traces starts", "metrics starts"]
 
 
+def test_stages_started_late_by_a_signal_get_what_is_left_of_the_budget():
+    # The watchdog's thread takes over GRACE_SECONDS after a SIGTERM that the training thread, blocked
+    # in native code, could not handle: the budget counts from the signal, so the stages get the rest.
+    result = _run(_STUCK + """
+        lifecycle.finish("first", spent=8.0)
+        say("finished", round(time.monotonic() - started, 2), *lifecycle.cut_short)
+    """, OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT="10")
+    assert result.returncode == 0, result.stderr
+    (finished,) = [rest.split(" ", 1) for _, rest in _lines(result, "finished")]
+    # 2 s left: the metrics' flush is left behind at 70% of that (1.4 s), not of the whole budget (7 s,
+    # which the bound fails); the rest of the bound is a loaded machine's slack.
+    assert 2 * lifecycle._ENDS_BY[lifecycle.FLUSH_METRICS] <= float(finished[0]) < 5, finished
+    assert finished[1] == "flush spans flush metrics"
+
+
 def test_sigterm_during_a_stuck_exit_kills_the_process_once_the_stages_end():
     # The process exits (atexit runs the stages), the flushes hang, the launcher sends SIGTERM.
     result = _run(_STUCK + """

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import ssl
 import subprocess
 import threading
@@ -363,10 +364,15 @@ def test_prometheus_endpoint_answers_on_loopback_only(tmp_path):
     port = free_port()
     env = clean_env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
                     MASTER_PORT=str(free_port()))
-    command = [str(BIN / "opentelemetry-instrument"), str(BIN / "python"), str(TRAIN), "--steps", "300"]
+    # The job blocks in step 10 until SIGUSR1 (the example's --block-in-step): it is still training
+    # when the endpoint is read, however slow or fast the machine.
+    command = [str(BIN / "opentelemetry-instrument"), str(BIN / "python"), str(TRAIN), "--steps", "20",
+               "--block-in-step", "10"]
     with open(tmp_path / "output", "w+") as output:
         process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
+            # 150 s: start-up (DeepSpeed's import and init, ~10 s on a quiet machine) many times over;
+            # it only bounds how long a run whose endpoint never answers keeps the suite waiting.
             addresses, page, deadline = [], "", time.monotonic() + 150
             while process.poll() is None and time.monotonic() < deadline:
                 addresses = addresses or _listening(process.pid, port)
@@ -381,6 +387,10 @@ def test_prometheus_endpoint_answers_on_loopback_only(tmp_path):
                         break
                 time.sleep(0.1)
             still_training = process.poll() is None
+            while process.poll() is None and time.monotonic() < deadline and \
+                    "blocked in step 10" not in (tmp_path / "output").read_text():
+                time.sleep(0.1)  # SIGUSR1 before the step installs its handler would kill the job
+            process.send_signal(signal.SIGUSR1)
         finally:
             code = process.wait(timeout=150)
         output.seek(0)

@@ -34,12 +34,15 @@ def _run(tmp_path_factory, name: str, launcher: str, *args: str):
     # One batch prefetched per worker: the slow read overlaps at most two micro-batches of training,
     # so most of it shows as waiting. Collections every 100 ms: a worker that exports does so while
     # it lives (~1 s), not only at exit.
-    # The timeout is the deadlock check: a hang at fork fails the run instead of the suite.
+    # The timeout is the deadlock check: a hang at fork fails the run instead of the suite. A deadlock
+    # lasts for ever, so the bound only has to stay clear of a slow run: the spawn run (workers that
+    # import torch anew) took 72 s with the suite and a 2-process CPU burner beside it on 2 cores
+    # (load 6 to 13); 480 s is more than 6 times that.
     run = launch_script(workdir, "train_workers.py", launcher, "--steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM),
                         "--micro-batch-size", str(MICRO_BATCH), "--workers", str(WORKERS), "--epochs", str(EPOCHS),
                         "--slow-sample", str(slow_sample), "--slow-ms", str(SLOW_MS), "--prefetch-factor", "1",
                         "--probe-dir", str(probes),
-                        *args, env={"OTEL_METRIC_EXPORT_INTERVAL": "100"}, timeout=240)
+                        *args, env={"OTEL_METRIC_EXPORT_INTERVAL": "100"}, timeout=480)
     run.world_size = world_size
     run.probes = [json.loads(path.read_text()) for path in sorted(probes.glob("worker-*.json"))]
     return run

@@ -37,7 +37,8 @@ its handlers under a stage, and the order is the list's, not the order of regist
   (``watchdog.py``) reads the signal numbers the interpreter writes to its wakeup fd
   (``signal.set_wakeup_fd``, set here when nothing else set one) even then. When the handler
   above has not started ``GRACE_SECONDS`` after a SIGTERM (or a SIGINT leaves the training thread
-  where it was), that thread runs the same exit stages, then the process dies by the signal
+  where it was), that thread runs the same exit stages in what is left of the exit budget (it
+  counts from the signal, grace period included), then the process dies by the signal
   (``finish_elsewhere``), with its telemetry out.
 
 The exit stages run once, in the process that registered them (never in a forked child). In a
@@ -171,14 +172,15 @@ def time_left() -> float:
     return max(0.0, _deadline - time.monotonic())
 
 
-def finish(reason: str) -> None:
-    """Run the exit stages, in order, with ``reason`` for open steps, within the exit budget. Once, in the
+def finish(reason: str, spent: float = 0.0) -> None:
+    """Run the exit stages, in order, with ``reason`` for open steps, within the exit budget less
+    ``spent`` (seconds since the signal that ended the process, when they start late). Once, in the
     process that registered them; when a SIGTERM came meanwhile, the process then dies by it."""
     global _deadline  # noqa: PLW0603
     if os.getpid() != _pid or not _finished.acquire(blocking=False):
         return
     try:
-        started, budget = time.monotonic(), env.exit_timeout()
+        started, budget = time.monotonic(), max(env.exit_timeout() - spent, 0.0)
         extra = 0.0
         for stage in EXIT_ORDER:
             if stage == FINAL_SCRAPE:
@@ -200,10 +202,11 @@ def finishing() -> bool:
     return _finished.locked()
 
 
-def finish_elsewhere(signum: int, reason: str) -> None:
+def finish_elsewhere(signum: int, reason: str, spent: float = 0.0) -> None:
     """From a thread other than the main one, blocked where a signal's handler cannot run: the exit
-    stages, then death by ``signum`` as its default action would have it."""
-    finish(reason)
+    stages, in what is left of the budget ``spent`` seconds after the signal (the grace period), then
+    death by ``signum`` as its default action would have it."""
+    finish(reason, spent)
     _die_by(signum)
 
 

@@ -268,7 +268,8 @@ class Watchdog(Component):
         else:
             return
         before = self._positions()
-        deadline = time.monotonic() + lifecycle.GRACE_SECONDS
+        arrived = time.monotonic()
+        deadline = arrived + lifecycle.GRACE_SECONDS
         while time.monotonic() < deadline:
             if lifecycle.finishing():
                 return
@@ -280,7 +281,7 @@ class Watchdog(Component):
         # SIGTERM: its handler did not start within the grace period; the default action is death anyway.
         _logger.warning("opentelemetry-instrumentation-deepspeed: %s while the training thread is blocked; "
                         "writing the telemetry from the watchdog's thread", signal.Signals(signum).name)
-        lifecycle.finish_elsewhere(signum, reason)
+        lifecycle.finish_elsewhere(signum, reason, spent=time.monotonic() - arrived)  # the budget runs from the signal
 
     def _positions(self) -> list:
         """Where each watched thread is: its innermost frame and instruction, with a step open; else None."""

@@ -279,7 +279,9 @@ def _rewritten(source: Path, target: Path, rank: int, real_time=None) -> Path:
 
 def test_a_clock_that_drifts_during_the_run_is_followed_by_the_refreshed_offset(workdir, tmp_path):
     skew, rate = 2.5, 0.02  # rank 1's clock: 2.5 s ahead, and 20 ms more each second (a clock far worse than NTP's)
-    run = launch(workdir, "torchrun", "--steps", "16", "--slow-rank", "1", "--slow-ms", "80",
+    # 30 steps: rank 1's sleeps alone make the run last 2.4 s or more, so the 0.5 s refresh reads the
+    # clock at least 3 times however fast the machine (16 steps gave 3 or 4 readings, depending on it).
+    run = launch(workdir, "torchrun", "--steps", "30", "--slow-rank", "1", "--slow-ms", "80",
                  env={"OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW": f"1:{skew}:{rate}",
                       "OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH": "0.5"}).check()
     since = int(re.search(r"drifting \+0\.020000 s/s from (\d+)", run.output)[1])
@@ -288,7 +290,7 @@ def test_a_clock_that_drifts_during_the_run_is_followed_by_the_refreshed_offset(
         return round((skewed - skew * 1e9 + rate * since) / (1 + rate))
 
     syncs = [span for span in run.by_rank()[1] if span.name == "training.clock.sync"]
-    assert len(syncs) >= 4, "refreshed every 0.5 s during the run"
+    assert len(syncs) >= 3, "refreshed every 0.5 s during the run"
     for span in syncs:  # each reading is the offset at its time, within its error
         truth = skew * 1e9 + rate * (real_time(span.end) - since)
         assert abs(span.attributes["training.clock.offset"] - truth) <= span.attributes[

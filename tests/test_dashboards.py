@@ -97,8 +97,10 @@ def runs(tmp_path_factory) -> Runs:
     prometheus = Prometheus.start(directory, targets, [str(RULES)], prometheus_port)
     dead = f"http://127.0.0.1:{dead_port}"  # nothing listens there: connections are refused at once
     plans = {
-        # Loader workers, so that the DataLoader panels have someone to show.
-        "healthy": (("--steps", "80", "--workers", "1"), None, {}),
+        # Loader workers, so that the DataLoader panels have someone to show. 300 steps: on a quiet
+        # machine 80 trained in ~1.5 s, within one 2 s metric export, and the rate of exported metric
+        # points (a counter that first appears after an export) had no two scrapes to compare.
+        "healthy": (("--steps", "300", "--workers", "1"), None, {}),
         # The loader stalls on the main thread (no workers) every 2nd step; telemetry goes nowhere.
         "stall": (("--steps", "60", "--stall-every", "2", "--stall-ms", "200"), dead, {}),
         # Rank 1 computes longer in each forward, on a GPU that NVML says is idle, hot and failing.

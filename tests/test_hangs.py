@@ -17,6 +17,7 @@ import pytest
 
 from tests import conftest
 from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
+from tests.otlp_json import read_last_points
 
 pytestmark = pytest.mark.slow  # real DeepSpeed jobs
 
@@ -93,6 +94,18 @@ def _first_threshold_crossing(workdir: Path) -> float:
     return min(times)
 
 
+def _stalled_seconds(workdir: Path, job: subprocess.Popen, rank: int, timeout: float = 60) -> float:
+    """``training.step.open.duration`` as ``rank`` last exported it, once it passes the watchdog's floor."""
+    deadline, seen = time.monotonic() + timeout, 0.0
+    while time.monotonic() < deadline and job.poll() is None:
+        for path in workdir.glob(f"telemetry/*/metrics-rank{rank}.jsonl"):
+            seen = max([seen] + [p.value for p in read_last_points(path) if p.metric == "training.step.open.duration"])
+        if seen > float(HANG_FLOOR):
+            break
+        time.sleep(1)
+    return seen
+
+
 def _stop(job: subprocess.Popen, workdir: Path) -> str:
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGTERM)
@@ -140,9 +153,12 @@ def test_a_rank_blocked_in_the_data_loader_is_diagnosed_live_and_the_html_report
     # No step is open on rank 1: it blocks fetching step 6's batch; rank 0 runs step 6 up to its first
     # collective and waits there.
     job = start(workdir, "--steps", "20", "--zero-stage", "2", "--hang-rank", "1", "--hang-step", "6",
-                "--hang-phase", "data", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
+                "--hang-phase", "data", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR,
+                                             "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
     try:
         report, when = wait_for_hang(workdir, job)
+        # The gauge the no-progress alert reads grows on the rank stuck with no step open too.
+        assert _stalled_seconds(workdir, job, rank=1) > float(HANG_FLOOR)
         verdict = report["verdict"]
         assert verdict["rank"] == 1 and verdict["step"] == 6, verdict
         assert verdict["summary"].startswith("rank 1 stopped in the data loader (data wait) before step 6, no step "

@@ -53,6 +53,8 @@ def test_the_watchdog_reports_a_step_that_does_not_close_and_learns_from_those_t
 
     phase = recorder.forward_started(engine)  # step 4 opens, and its forward never returns
     start = recorder.open.start
+    (gauge,) = dog._observe_open(None, now=start + int(7e9))
+    assert gauge.value == pytest.approx(7.0), "the open step's age"
     assert _check_from_another_thread(dog, start + int(1.9e9)) == []
     (report,) = _check_from_another_thread(dog, start + int(2.5e9))
     assert (report.number, report.phase, report.collective) == (4, semconv.PHASE_FORWARD, None)
@@ -399,6 +401,10 @@ def test_a_rank_blocked_in_the_data_loader_between_steps_is_reported_with_its_st
     dog = made["dog"]
     try:
         assert _looks(dog, [0, 1, 10]) == [], "below the threshold: 10 floors, no step seen closing"
+        # No step open, but no progress either: the gauge the no-progress alert reads grows all the same.
+        idle_since = dog._watched[0].idle_since
+        (gauge,) = dog._observe_open(None, now=idle_since + int(10e9))
+        assert gauge.value == pytest.approx(10.0)
         (report,) = _looks(dog, [25])
         assert report.between_steps and report.phase == semconv.PHASE_DATA_WAIT and report.number == 3
         assert report.collective is None and "__getitem__" in report.stacks[0][2]
@@ -413,6 +419,8 @@ def test_a_rank_blocked_in_the_data_loader_between_steps_is_reported_with_its_st
         thread.join(10)
     # The batch came after all: the thread went on (and ended), which closes the report.
     (resumed,) = _looks(dog, [60, 90])
+    (gauge,) = dog._observe_open(None, now=idle_since + int(90e9))
+    assert gauge.value == 0.0, "the thread moved on: no stall to count"
     assert resumed.reason == semconv.HANG_REASON_RESUMED and resumed.number == 3 and resumed.between_steps
     spans = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
     assert [s.attributes[semconv.HANG_REASON] for s in spans] == [semconv.HANG_REASON_WATCHDOG,

@@ -108,7 +108,8 @@ class Watchdog(Component):
             self._meters.append(meter)
             meter.create_observable_gauge(
                 semconv.METRIC_STEP_OPEN_DURATION, [observing(self, self._observe_open)], unit="s",
-                description="How long the step open now on this rank has been running; 0 between steps")
+                description="How long the step open now on this rank has been running; with no step open, how "
+                            "long the training thread has stood still with no step written")
         if self._thread is None and start:
             self._listen_for_signals()
             lifecycle.at_exit(lifecycle.REPORT_HANGS, self._at_exit)
@@ -204,7 +205,8 @@ class Watchdog(Component):
         where = _frame_key(frame)
         if where != watched.where:
             # Not progress by itself: a signal's handler, or an exception unwinding the stack, moves it too.
-            watched.where, watched.idle_since, watched.next_report = where, now, 0.0
+            # idle_since first: the metric reader's thread reads the two without a lock.
+            watched.idle_since, watched.where, watched.next_report = now, where, 0.0
             return resumed
         limit = threshold(watched.durations, self.floor)
         if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
@@ -319,10 +321,19 @@ class Watchdog(Component):
             if record is not None:
                 emitter().submit(self._report(watched, record, now, reason, threshold(watched.durations, self.floor)))
 
-    def _observe_open(self, _options):
-        now = time.time_ns()
-        opened = [w.recorder.open for w in list(self._watched)]
-        return [Observation(max(((now - r.start) / 1e9 for r in opened if r is not None), default=0.0))]
+    def _observe_open(self, _options, now: int | None = None):
+        """How long this rank has made no step progress: its open step's age; with no step open, how long
+        the training thread has stood where it is with no step written (a rank blocked in its data
+        loader waits for the next step), as the between-steps reports count it; 0 while it moves."""
+        now = time.time_ns() if now is None else now
+        since = []
+        for watched in list(self._watched):
+            record = watched.recorder.open
+            if record is not None:
+                since.append(record.start)
+            elif watched.where is not None and watched.idle_since is not None:
+                since.append(watched.idle_since)
+        return [Observation(max((max(0, now - start) / 1e9 for start in since), default=0.0))]
 
 
 def _stepped_since(watched: _Watched, sharing: list, now: int) -> list[HangReport]:

@@ -87,6 +87,9 @@ def parse_args(argv=None):
                         help="from optimizer step K on, every rank's forward computes --slowdown-factor times "
                              "slower, with the same tokens (a throttled device, a slower kernel)")
     faults.add_argument("--slowdown-factor", type=float, default=2.0, metavar="F")
+    faults.add_argument("--barrier", action="store_true",
+                        help="after each step the loop waits for the other ranks in torch.distributed.barrier(), as "
+                             "a program's own code between steps does (an evaluation, a checkpoint): no step is open")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
     numerics = parser.add_argument_group("numerics and memory faults", "for the MODEL and MEMORY verdicts; STEP is the "
@@ -372,6 +375,14 @@ def write_comms_counts(prefix: str, rank: int) -> None:
     pathlib.Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(counts))
 
 
+def write_measurements(args, rank: int, step_seconds: list[float]) -> None:
+    if args.step_times:
+        lines = "".join(f"{seconds:.9f}\n" for seconds in step_seconds)
+        pathlib.Path(f"{args.step_times}.rank{rank}").write_text(lines)
+    if args.comms_log:
+        write_comms_counts(args.comms_log, rank)
+
+
 def inject_faults(args, model, rank: int, step: int) -> None:
     """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks until a signal,
     when asked to; every rank's compute slows down from --slowdown-at on; one rank hangs for good."""
@@ -382,8 +393,14 @@ def inject_faults(args, model, rank: int, step: int) -> None:
         model.slowdown = args.slowdown_factor
     if step + 1 == args.hang_step and rank == args.hang_rank:
         model.hang = args.hang_phase
+
+
+def after_step(args, rank: int, step: int) -> None:
+    """The loop's own code after optimizer step ``step`` (1-based) ends, before the next one fetches."""
     if args.hang_phase == "after-step" and step == args.hang_step and rank == args.hang_rank:
-        block_forever()  # the loop's own code after step N's engine.step(), before step N + 1 fetches
+        block_forever()
+    if args.barrier:
+        torch.distributed.barrier()
 
 
 def make_loader(args, engine, dataset) -> DataLoader:
@@ -476,11 +493,8 @@ def main(argv=None):
         losses.append(step_loss)
         print_step(args, engine, step_loss)
         step_seconds.append(time.perf_counter() - started)
-    if args.step_times:
-        pathlib.Path(f"{args.step_times}.rank{engine.global_rank}").write_text(
-            "".join(f"{seconds:.9f}\n" for seconds in step_seconds))
-    if args.comms_log:
-        write_comms_counts(args.comms_log, engine.global_rank)
+        after_step(args, engine.global_rank, step + 1)
+    write_measurements(args, engine.global_rank, step_seconds)
 
     if engine.global_rank == 0:
         print(f"trained {engine.global_steps} steps ({engine.skipped_steps} skipped), "

@@ -149,6 +149,35 @@ def test_hang_in_forward_is_diagnosed_live_and_sigterm_reaches_the_rank_blocked_
     assert final["verdict"]["layer"] == "HANG" and final["verdict"]["rank"] == 1, final["verdict"]
 
 
+def test_sigterm_reaches_a_rank_blocked_in_its_own_barrier_between_steps(workdir):
+    # Rank 1 stops in the loop's own code after step 5; rank 0 waits for it in the barrier that follows:
+    # a native wait with no step open, where rank 0's SIGTERM handler cannot run either.
+    job = start(workdir, "--steps", "20", "--zero-stage", "2", "--barrier", "--hang-rank", "1", "--hang-step", "5",
+                "--hang-phase", "after-step", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
+    try:
+        report, _when = wait_for_hang(workdir, job)
+        verdict = report["verdict"]
+        assert verdict["rank"] == 1 and verdict["step"] == 6, verdict
+        summary = verdict["summary"]
+        assert summary.startswith("rank 1 stopped between steps (no step open, before step 6) at train.py"), summary
+        assert "rank 0 waits for rank 1 in barrier" in summary, "its collective, though no step is open"
+        rank0 = int(_resources(workdir)[0]["process.pid"])
+        sent = time.monotonic()
+        os.kill(rank0, signal.SIGTERM)
+        job.wait(timeout=90)  # the launcher sees rank 0 die, stops rank 1 and exits
+        took = time.monotonic() - sent
+    finally:
+        output = _stop(job, workdir)
+    assert "SIGTERM while the training thread is blocked" in output, output[-4000:]
+    assert f"exitcode  : -15 (pid: {rank0})" in output, output[-4000:]
+    assert took < 60, "the watchdog's thread did the exit work, not the launcher's SIGKILL"
+    (traces,) = workdir.glob("telemetry/*/traces-rank0.jsonl")
+    steps = {span["name"] for line in traces.read_text().splitlines() for resource in json.loads(line)["resourceSpans"]
+             for scope in resource["scopeSpans"] for span in scope["spans"] if span["name"] == "training.step"}
+    assert steps, "rank 0's steps went out on its way out"
+    assert diagnose(workdir)["verdict"]["rank"] == 1, diagnose(workdir)["verdict"]
+
+
 def test_a_rank_blocked_in_the_data_loader_is_diagnosed_live_and_the_html_report_shows_the_stacks(workdir):
     # No step is open on rank 1: it blocks fetching step 6's batch; rank 0 runs step 6 up to its first
     # collective and waits there.

@@ -96,6 +96,7 @@ class CommObserver(Component):
         self._gpu = None
         self._gpu_step: object = -1  # the step whose start was last considered for an anchor
         self._emitter = emitter()
+        self.between_steps: Collective | None = None  # the last issued outside any step (hang reports)
         _observers.add(self)
         self._sdk_seen = False  # an SDK instrument is behind the histograms (once true, for good)
         self._emitter.watch_collections(meter)
@@ -131,6 +132,8 @@ class CommObserver(Component):
         recorder = registry.active()
         if recorder is not None:
             recorder.comm_issued(call, self._spans)
+        if not call.in_step:
+            self.between_steps = call  # a rank blocked in it with no step open waits for a peer here
         if tensor is not None and getattr(tensor, "is_cuda", False):
             call.timeline = self._timeline(recorder)
             call.gpu_start = call.timeline.event()
@@ -265,6 +268,14 @@ def last_sequences() -> dict[str, int]:
             if group.sequence:
                 found[group.name] = max(found.get(group.name, -1), group.sequence - 1)
     return found
+
+
+def in_flight_between_steps() -> Collective | None:
+    """The latest collective issued outside any step, while it has not completed (any thread: for hang
+    reports made with no step open)."""
+    calls = [observer.between_steps for observer in list(_observers)]
+    return max((call for call in calls if call is not None and call.end is None), key=lambda call: call.start,
+               default=None)
 
 
 def _collective_wrapper(observer: CommObserver, spec: OpSpec):

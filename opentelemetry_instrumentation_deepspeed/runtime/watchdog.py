@@ -221,9 +221,10 @@ class Watchdog(Component):
         watched.next_report = 2 * max(idle, limit)
         number = max(getattr(facts, "last_written", 0), watched.last.number if watched.last is not None else 0) + 1
         phase = semconv.PHASE_DATA_WAIT if _in_data_loader(frame) else None
+        collective = _comm("in_flight_between_steps", None)  # a barrier, an evaluation's all-reduce
         watched.reported = HangReport(facts, number, watched.idle_since, now, semconv.HANG_REASON_WATCHDOG, limit,
-                                      phase, None, None, None, _last_sequences(), _stacks(watched.thread),
-                                      between_steps=True)
+                                      phase, None, None, collective, _comm("last_sequences", {}),
+                                      _stacks(watched.thread), between_steps=True)
         return [*resumed, watched.reported]
 
     def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:
@@ -231,7 +232,7 @@ class Watchdog(Component):
         collective = next((c for c in reversed(list(record.collectives)) if c.end is None), None)
         return HangReport(record.facts, record.number, record.start, now, reason, limit,
                           None if phase is None else phase.name, None if phase is None else phase.micro_step,
-                          None if phase is None else phase.start, collective, _last_sequences(),
+                          None if phase is None else phase.start, collective, _comm("last_sequences", {}),
                           _stacks(watched.thread))
 
     def _send(self, reports: list[HangReport]) -> None:
@@ -286,12 +287,14 @@ class Watchdog(Component):
         lifecycle.finish_elsewhere(signum, reason, spent=time.monotonic() - arrived)  # the budget runs from the signal
 
     def _positions(self) -> list:
-        """Where each watched thread is: its innermost frame and instruction, with a step open; else None."""
+        """Where each watched thread is (its innermost frame and instruction; None once it ended), step
+        open or not: blocked in a collective of its own between steps (an evaluation's, a barrier before
+        a checkpoint), a rank's handler cannot run either."""
         frames = sys._current_frames()
         found = []
         for watched in self._watched:
             frame = frames.get(watched.thread)
-            found.append(None if frame is None or watched.recorder.open is None else (id(frame), frame.f_lasti))
+            found.append(None if frame is None else (id(frame), frame.f_lasti))
         return found
 
     # -- any thread ---------------------------------------------------------------------------------
@@ -380,13 +383,14 @@ def _in_data_loader(frame) -> bool:
     return False
 
 
-def _last_sequences() -> dict:
+def _comm(function: str, default):
+    """What the collectives' instrumentation knows (``last_sequences``, ``in_flight_between_steps``), if it runs."""
     comm = sys.modules.get("opentelemetry_instrumentation_deepspeed.instrumentors.comm")
     if comm is None:
-        return {}
+        return default
     with contextlib.suppress(Exception):
-        return comm.last_sequences()
-    return {}
+        return getattr(comm, function)()
+    return default
 
 
 def _stacks(thread: int) -> list:

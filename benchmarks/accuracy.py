@@ -31,7 +31,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,10 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 TRAIN = REPO / "examples" / "train.py"
 BIN = Path(sys.executable).parent
 HANG_FLOOR = "2"  # OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT of the hang runs: the watchdog's floor, seconds
 LIVE_TIMEOUT = 240.0  # a live hang run gives up after this many seconds
+
+from tests.conftest import free_port  # noqa: E402 - below the ephemeral range: no clash with other jobs' sockets
 
 
 @dataclass
@@ -233,10 +235,6 @@ CLASSES = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def diagnose(workdir: Path) -> tuple[dict | None, float, str]:

@@ -48,7 +48,7 @@ def parse_args():
     return parser.parse_args()
 
 
-def setup_sdk(directory: Path, sampled_out: bool = False):
+def setup_sdk(directory: Path, sampled_out: bool = False, export_interval_millis: int = 5000):
     """The SDK as the embedded default sets it up: batch processor and periodic reader into this
     project's OTLP JSON lines exporters. ``sampled_out``: every step's root is dropped by a
     parent-based sampler, as ``parentbased_traceidratio`` drops most of them."""
@@ -70,7 +70,7 @@ def setup_sdk(directory: Path, sampled_out: bool = False):
     counted = _CountingExporter(output.JsonLinesSpanExporter())
     tracer_provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF) if sampled_out else None)
     tracer_provider.add_span_processor(BatchSpanProcessor(counted))
-    reader = PeriodicExportingMetricReader(output.JsonLinesMetricExporter(), export_interval_millis=5000)
+    reader = PeriodicExportingMetricReader(output.JsonLinesMetricExporter(), export_interval_millis)
     meter_provider = MeterProvider(metric_readers=[reader])
     trace.set_tracer_provider(tracer_provider)
     metrics.set_meter_provider(meter_provider)

@@ -84,8 +84,9 @@ def parse_args(argv=None):
                         help="each sequence holds between half and all of its length in real tokens, padded to "
                              "the batch's length with an attention_mask, as tokenizers pad")
     faults.add_argument("--slowdown-at", type=int, default=0, metavar="K",
-                        help="from optimizer step K on, every rank's forward computes --slowdown-factor times "
-                             "slower, with the same tokens (a throttled device, a slower kernel)")
+                        help="from optimizer step K on, every rank's forward and backward compute "
+                             "--slowdown-factor times slower, with the same tokens (a throttled device, a slower "
+                             "kernel)")
     faults.add_argument("--slowdown-factor", type=float, default=2.0, metavar="F")
     faults.add_argument("--barrier", action="store_true",
                         help="after each step the loop waits for the other ranks in torch.distributed.barrier(), as "
@@ -192,6 +193,20 @@ class _SlowBackward(torch.autograd.Function):
         return grad, None
 
 
+class _BackwardClock(torch.autograd.Function):
+    """The identity forward; its backward, the first of the pass, notes when the backward started."""
+
+    @staticmethod
+    def forward(ctx, tensor, clock):
+        ctx.clock = clock
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock["started"] = time.perf_counter()
+        return grad, None
+
+
 class _AllReduceInBackward(torch.autograd.Function):
     """The identity forward; its backward all-reduces ``buffer`` first (a synchronous collective)."""
 
@@ -249,12 +264,18 @@ class TinyLM(nn.Module):
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
         if hang == "backward":
             hidden.register_hook(lambda _gradient: block_forever())
+        backward_clock = {}
+        if self.slowdown > 1:  # the layers' backward too, timed from the loss down to here
+            factor = self.slowdown
+            hidden.register_hook(lambda _gradient: time.sleep(
+                (factor - 1) * (time.perf_counter() - backward_clock["started"])))
         mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
+            loss = _BackwardClock.apply(loss, backward_clock)
         if self.backward_delay:
             loss = _SlowBackward.apply(loss, self.backward_delay)
         if self.exchange is not None:

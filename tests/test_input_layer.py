@@ -56,3 +56,14 @@ def test_a_sequence_length_shift_is_counted_and_diagnosed_as_input(workdir):
     assert verdict["layer"] == "INPUT" and verdict["change_step"] == SHIFT_AT, verdict
     assert verdict["summary"].startswith(f"from step {SHIFT_AT}, tokens per step x4.0 (sequence length 32 -> 128)")
     assert verdict["rank"] is None and verdict["cost_seconds"] > 0
+
+
+def test_compute_that_got_slower_with_the_same_input_is_compute_not_input(workdir):
+    # Every rank's forward and backward 5 times slower from step 11, the same tokens every step.
+    launch(workdir, "torchrun", "--steps", "18", "--zero-stage", "2", "--seq-len", "256", "--micro-batch-size", "16",
+           "--slowdown-at", "11", "--slowdown-factor", "5").check()
+    completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=workdir,
+                               capture_output=True, text=True, timeout=120, check=True)
+    verdict = json.loads(completed.stdout)["verdict"]
+    assert verdict["layer"] == "COMPUTE" and abs(verdict["change_step"] - 11) <= 1, verdict
+    assert "with the same tokens per step" in verdict["summary"] and verdict["rank"] is None, verdict["summary"]

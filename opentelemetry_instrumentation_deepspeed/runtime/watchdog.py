@@ -16,7 +16,8 @@ after ``engine.step()``), the training thread can block too. There the watchdog 
 thread is: its stack (code and line of each frame) at each poll, and the last step the emitter
 wrote. A stack that does not change, with no step written, for longer than the same threshold is
 reported the same way, as the next step's (``training.hang.between_steps``), with the phase
-``data.wait`` when the thread is inside a data loader's ``next``. A thread that makes progress
+``data.wait`` when the thread is inside a data loader's ``next``, and the collective in flight when
+it waits in one issued outside any step (a barrier of the program's own). A thread that makes progress
 (an evaluation loop, a checkpoint being written in Python) changes its stack from poll to poll; one
 blocked in a single native call for that long (a collective, a lock, a very long write) does not.
 

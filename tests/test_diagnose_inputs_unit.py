@@ -141,3 +141,12 @@ def test_change_points_need_both_sides_to_hold_and_a_large_enough_factor():
     assert change_points([1.0] * 10 + [1.1] * 10, 1.2) == []
     assert change_points([1.0] * 18 + [4.0] * 2, 1.2) == []  # two steps are no new regime
     assert change_points([1.0, 3.0] * 10, 1.2) == []  # alternating: no split holds
+
+
+def test_a_step_the_change_reached_halfway_does_not_hide_the_change():
+    # Step times (ms) of a run whose compute got 5x slower at its 4th counted step, on a loaded host:
+    # least squares puts that step (620) before the split, where one of the 4 steps is then no
+    # longer below the middle; the split one step earlier holds.
+    steps = [215, 210, 188, 620, 819, 866, 2102, 1205, 1023, 1435, 1474, 2117, 2267, 1746, 4029, 3420, 2549]
+    assert change_points(steps, 1.5)[0] == 3
+    assert change_points([1.0] * 4 + [2.0] + [1.0] * 5, 1.5) == [], "one slow step is still no new regime"

@@ -18,7 +18,9 @@ padded tokens per step, which are exact counts, and the time per padded token, w
 
 A change point is the split of a segment that best separates the logarithms of its values (least
 squares, both sides at least ``MIN_SEGMENT`` steps), searched again inside each side (binary
-segmentation). It counts only if it holds beyond the noise: the medians of the two sides differ by
+segmentation); where it fails the test below, the split one step either side is tried (a step
+the change reached halfway may pull the least-squares split onto the wrong side of it). It counts
+only if it holds beyond the noise: the medians of the two sides differ by
 the factor below, and at least ``SEPARATION`` of the steps on each side lie on their side of the
 geometric middle of the two medians (a run of a few slow steps, or noise, does not). A stretch of
 slow steps in the middle of a run (a neighbour's job on the host for a while) is no single split
@@ -123,6 +125,14 @@ def _best_split(logs: list[float], low: int, high: int) -> int | None:
     return None if where is None else low + where
 
 
+def _holds(before: list[float], after: list[float], factor: float) -> bool:
+    """The two sides' medians differ by ``factor`` and each side's steps lie on their side of the middle."""
+    if len(before) < MIN_SEGMENT or len(after) < MIN_SEGMENT:
+        return False
+    ratio = statistics.median(after) / statistics.median(before)
+    return max(ratio, 1 / ratio) >= factor and _separation(before, after) >= SEPARATION
+
+
 def change_points(values: list[float], factor: float) -> list[int]:
     """Indices where ``values`` (positive) change by ``factor`` or more, beyond the noise, in order."""
     logs = [math.log(v) for v in values]
@@ -133,9 +143,11 @@ def change_points(values: list[float], factor: float) -> list[int]:
         split = _best_split(logs, low, high)
         if split is None:
             continue
-        before, after = values[low:split], values[split:high]
-        ratio = statistics.median(after) / statistics.median(before)
-        if max(ratio, 1 / ratio) < factor or _separation(before, after) < SEPARATION:
+        # The least-squares split, else a neighbour: a step that changed halfway (the change came in its
+        # middle, or the host's load moved with it) may pull the split one step off, onto the wrong side.
+        split = next((at for at in (split, split - 1, split + 1)
+                      if _holds(values[low:at], values[at:high], factor)), None)
+        if split is None:
             continue
         found.append(split)
         segments += [(low, split), (split, high)]

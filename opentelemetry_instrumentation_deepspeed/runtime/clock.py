@@ -32,6 +32,8 @@ _logger = logging.getLogger(__name__)
 ROUNDS = 4
 BUDGET_SECONDS = 3.0
 POLL_SECONDS = 0.0002
+POLL_CAP_SECONDS = 0.002
+REFRESH_SHARE = 256
 _PREFIX = "opentelemetry-instrumentation-deepspeed/clock"
 
 
@@ -63,23 +65,26 @@ def estimate(store, key: str, rank: int, world_size: int) -> tuple[int, int] | N
     prefix = f"{_PREFIX}/{key}"
     deadline = time.monotonic() + BUDGET_SECONDS
     if rank == 0:
-        _answer(store, prefix, world_size, deadline)
+        _answer(store, prefix, range(1, world_size), deadline)
         return 0, 0
-    found = _measure(store, prefix, rank, deadline)
+    found = _measure(store, prefix, rank, world_size, deadline)
     return None if found is None else found[:2]
 
 
-def _measure(store, prefix: str, rank: int, deadline: float) -> tuple[int, int, int, int] | None:
-    """(offset, error, sent, received) of the best of ``ROUNDS`` pings to rank 0; None: no answer in time."""
-    best = None
+def _measure(store, prefix: str, rank: int, world_size: int, deadline: float) -> tuple[int, int, int, int] | None:
+    """(offset, error, sent, received) of the best of ``ROUNDS`` pings to rank 0; None: no answer in time.
+    Reads its answers (and then removes them) from the store."""
+    best, cap = None, _poll_cap(world_size)
     for round_ in range(ROUNDS):
-        ping, pong = f"{prefix}/{rank}/{round_}/ping", f"{prefix}/{rank}/{round_}/pong"
+        pong = f"{prefix}/{rank}/{round_}/pong"
         sent = time.time_ns()
-        store.set(ping, b"1")
-        if not _arrived(store, pong, deadline):
+        store.append(f"{prefix}/pings", f"{rank}.{round_} ")
+        if not _arrived(store, pong, deadline, cap):
             break
         received = time.time_ns()
         theirs = int(store.get(pong))
+        with contextlib.suppress(Exception):
+            store.delete_key(pong)
         if best is None or received - sent < best[1] - best[0]:
             best = (sent, received, theirs)
     if best is None:
@@ -89,19 +94,45 @@ def _measure(store, prefix: str, rank: int, deadline: float) -> tuple[int, int, 
     return (sent + received) // 2 - theirs, (received - sent + 1) // 2, sent, received
 
 
-def _answer(store, prefix: str, world_size: int, deadline: float) -> None:
-    for rank in range(1, world_size):
-        for round_ in range(ROUNDS):
-            if not _arrived(store, f"{prefix}/{rank}/{round_}/ping", deadline):
+def _answer(store, prefix: str, ranks, deadline: float) -> None:
+    """Answer ``ranks``' pings in the order they come, every ping read in one sweep with one reading of
+    this clock, until each rank had its ``ROUNDS`` or the deadline passed; then remove the pings' log."""
+    log, expected = f"{prefix}/pings", set(ranks)
+    left, read = len(expected) * ROUNDS, 0
+    try:
+        while left > 0:
+            pings = store.get(log)[read:] if read or store.check([log]) else b""
+            read += len(pings)
+            asked = [entry.decode() for entry in pings.split()]
+            asked = [entry for entry in asked if int(entry.partition(".")[0]) in expected]
+            if asked:
+                now = str(time.time_ns())
+                store.multi_set([f"{prefix}/{entry.replace('.', '/')}/pong" for entry in asked], [now] * len(asked))
+                left -= len(asked)
+            elif time.monotonic() > deadline:
                 return
-            store.set(f"{prefix}/{rank}/{round_}/pong", str(time.time_ns()).encode())
+            else:
+                time.sleep(POLL_SECONDS)
+    finally:
+        with contextlib.suppress(Exception):
+            store.delete_key(log)
 
 
-def _arrived(store, key: str, deadline: float) -> bool:
+def _poll_cap(world_size: int) -> float:
+    """The longest wait between two looks for an answer: ``POLL_CAP_SECONDS`` per 64 ranks, so the
+    waiting ranks together ask the store about as often at any world size."""
+    return POLL_CAP_SECONDS * max(1.0, world_size / 64)
+
+
+def _arrived(store, key: str, deadline: float, cap: float = POLL_SECONDS) -> bool:
+    """``key`` is in the store before the deadline; polled with ``check``, every ``POLL_SECONDS`` at first,
+    then twice as long after each miss up to ``cap``."""
+    pause = POLL_SECONDS
     while not store.check([key]):
         if time.monotonic() > deadline:
             return False
-        time.sleep(POLL_SECONDS)
+        time.sleep(pause)
+        pause = min(pause * 2, cap)
     return True
 
 
@@ -136,18 +167,21 @@ class Refresher:
         prefix = f"{_PREFIX}/{self.key}/{round_}"
         deadline = time.monotonic() + BUDGET_SECONDS
         if self.rank == 0:
-            _answer(self.store, prefix, self.world_size, deadline)
+            _answer(self.store, prefix, [r for r in range(1, self.world_size) if self.asks(r, round_)], deadline)
             return
-        found = _measure(self.store, prefix, self.rank, deadline)
-        # This rank's keys: rank 0 read them all by now, or gave up on them.
-        for round_number in range(ROUNDS):
-            for side in ("ping", "pong"):
-                with contextlib.suppress(Exception):
-                    self.store.delete_key(f"{prefix}/{self.rank}/{round_number}/{side}")
+        if not self.asks(self.rank, round_):
+            return
+        found = _measure(self.store, prefix, self.rank, self.world_size, deadline)
         if found is not None:
             self.latest = found
             if self.send is not None:
                 self.send(found)
+
+    def asks(self, rank: int, round_: int) -> bool:
+        """Whether ``rank`` measures in round ``round_``: all of them up to ``REFRESH_SHARE`` ranks, else each
+        rank every ``ceil((world_size - 1) / REFRESH_SHARE)``-th round, in turns."""
+        turns = -(-(self.world_size - 1) // REFRESH_SHARE)
+        return (rank - 1) % turns == round_ % turns
 
 
 _refresher: Refresher | None = None

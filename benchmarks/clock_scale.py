@@ -61,32 +61,35 @@ def _exchange(store, key: str, rank: int, world: int, mode: str):
     return None if refresher.latest is None else refresher.latest[:2]
 
 
-def worker(port: int, key: str, world: int, ranks: list[int], mode: str) -> None:
-    results, threads = {}, []
+def worker(port: int, key: str, world: int, ranks: list[int], modes: list[str]) -> None:
     stores = {rank: Counting(TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60)))
               for rank in ranks}
-    go = threading.Event()
-
-    def run(rank):
-        go.wait()
-        found = _exchange(stores[rank], key, rank, world, mode)
-        results[rank] = {"found": found, "end": time.monotonic(), "calls": stores[rank].calls}
-
-    for rank in ranks:
-        threads.append(threading.Thread(target=run, args=(rank,), daemon=True))
-        threads[-1].start()
     control = stores[ranks[0]]._store
     control.add(f"{key}/ready", len(ranks))
-    while not control.check([f"{key}/go"]):
-        time.sleep(0.001)
-    go.set()
-    for thread in threads:
-        thread.join(30)
-    print(json.dumps(results))
+    for mode in modes:
+        results, threads, go = {}, [], threading.Event()
+
+        def run(rank, mode=mode, results=results, go=go):
+            go.wait()
+            store = stores[rank]
+            store.calls = {}
+            found = _exchange(store, f"{key}/{mode}", rank, world, mode)
+            results[rank] = {"found": found, "end": time.monotonic(), "calls": store.calls}
+
+        for rank in ranks:
+            threads.append(threading.Thread(target=run, args=(rank,), daemon=True))
+            threads[-1].start()
+        control.add(f"{key}/{mode}/ready", len(ranks))
+        while not control.check([f"{key}/{mode}/go"]):
+            time.sleep(0.001)
+        go.set()
+        for thread in threads:
+            thread.join(30)
+        print(json.dumps(results), flush=True)
 
 
-def sitting(world: int, processes: int, mode: str, round_: int) -> dict:
-    key = f"bench-{mode}-{world}-{round_}"
+def sitting(world: int, processes: int, modes: list[str], round_: int) -> list[dict]:
+    key = f"bench-{world}-{round_}"
     server = TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     ranks = list(range(1, world))
     shares = [ranks[i::processes] for i in range(min(processes, len(ranks)))]
@@ -94,10 +97,33 @@ def sitting(world: int, processes: int, mode: str, round_: int) -> dict:
     for share in shares:  # one after another: TCPStore clients connecting from several processes at once
         # take ~0.2-0.3 s each here (one at a time: ~1 ms)
         children.append(subprocess.Popen([sys.executable, __file__, "--worker", str(server.port), key, str(world),
-                                          mode, ",".join(map(str, share))], stdout=subprocess.PIPE, text=True))
+                                          ",".join(modes), ",".join(map(str, share))], stdout=subprocess.PIPE,
+                                         text=True))
         connected += len(share)
         while int(server.add(f"{key}/ready", 0)) < connected:
             time.sleep(0.01)
+    lines = [[] for _ in children]
+    readers = [threading.Thread(target=_read, args=(child.stdout, out), daemon=True)
+               for child, out in zip(children, lines, strict=True)]
+    for reader in readers:
+        reader.start()
+    found = []
+    for index, mode in enumerate(modes):
+        found.append(_one(server, f"{key}/{mode}", world, mode, lines=lines, index=index))
+    for child in children:
+        child.wait(60)
+    del server
+    return found
+
+
+def _read(stream, out: list) -> None:
+    for line in stream:  # a line per exchange, as each ends
+        out.append(line)
+
+
+def _one(server, key: str, world: int, mode: str, *, lines: list, index: int) -> dict:
+    while int(server.add(f"{key}/ready", 0)) < world - 1:
+        time.sleep(0.01)
     time.sleep(0.2)  # the workers' threads sit in their go wait
     rank0 = Counting(server)
     cpu = time.process_time()
@@ -106,10 +132,12 @@ def sitting(world: int, processes: int, mode: str, round_: int) -> dict:
     found0 = _exchange(rank0, key, 0, world, mode)
     rank0_end = time.monotonic()
     cpu = time.process_time() - cpu
+    deadline = time.monotonic() + 60
+    while any(len(out) <= index for out in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
     results = {}
-    for child in children:
-        out, _ = child.communicate(timeout=120)
-        results.update({int(rank): value for rank, value in json.loads(out.strip().splitlines()[-1]).items()})
+    for out in lines:
+        results.update({int(rank): value for rank, value in json.loads(out[index]).items()})
     got = [r for r in results.values() if r["found"] is not None]
     errors = sorted(r["found"][1] / 1e6 for r in got)
     wrong = sum(abs(r["found"][0]) > r["found"][1] for r in got)
@@ -119,8 +147,7 @@ def sitting(world: int, processes: int, mode: str, round_: int) -> dict:
         for name, count in r["calls"].items():
             calls[name] = calls.get(name, 0) + count
     requests = sum(calls.values())
-    remaining = len(server.list_keys()) if hasattr(server, "list_keys") else None
-    del server
+    left = [k for k in server.list_keys() if k.startswith(clock._PREFIX)]
     pct = (lambda q: errors[min(len(errors) - 1, int(q * len(errors)))]) if errors else (lambda q: float("nan"))
     return {"mode": mode, "world": world, "estimates": len(got), "of": world - 1, "wrong": wrong,
             "wall_s": round(end - start, 3), "rank0_wall_s": round(rank0_end - start, 3),
@@ -128,13 +155,13 @@ def sitting(world: int, processes: int, mode: str, round_: int) -> dict:
             "rank0_cpu_s": round(cpu, 3), "rank0_requests": sum(rank0.calls.values()),
             "error_ms_median": round(pct(0.5), 3), "error_ms_p90": round(pct(0.9), 3),
             "error_ms_max": round(errors[-1] if errors else float("nan"), 3), "calls": calls,
-            "keys_left": remaining, "rank0_ok": found0 is not None}
+            "keys_left": len(left), "keys_left_e.g.": left[:3], "rank0_ok": found0 is not None}
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        port, key, world, mode, ranks = sys.argv[2:7]
-        worker(int(port), key, int(world), [int(r) for r in ranks.split(",")], mode)
+        port, key, world, modes, ranks = sys.argv[2:7]
+        worker(int(port), key, int(world), [int(r) for r in ranks.split(",")], modes.split(","))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
@@ -146,8 +173,8 @@ def main() -> None:
           flush=True)
     for world in args.ranks:
         for round_ in range(args.repeat):
-            for mode in args.modes:
-                print(json.dumps(sitting(world, args.processes, mode, round_)), flush=True)
+            for found in sitting(world, args.processes, args.modes, round_):
+                print(json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ use too; ``benchmarks/clock_scale.py`` measures it):
   then twice as long after each miss, up to ``POLL_CAP_SECONDS`` per 64 ranks of the world: the
   waiting ranks together ask about as often at any size, and the best of the rounds is kept anyway;
 - everything ends within ``BUDGET_SECONDS``; rank 0 stops as soon as every expected ping is
-  answered (each once), removes the log, and each rank removes its answers once read.
+  answered (each once), removes the log, and each rank removes its answers at the end of its exchange.
 
 Clocks drift apart (and get stepped) during a long run, so the same exchange is made again every
 ``OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH`` seconds by a daemon thread on each rank (``Refresher``):
@@ -93,7 +93,7 @@ def estimate(store, key: str, rank: int, world_size: int) -> tuple[int, int] | N
 
 def _measure(store, prefix: str, rank: int, asking: int, deadline: float) -> tuple[int, int, int, int] | None:
     """(offset, error, sent, received) of the best of ``ROUNDS`` pings to rank 0, ``asking`` ranks asking
-    with it; None: no answer in time. Reads its answers (and then removes them) from the store."""
+    with it; None: no answer in time. Removes its answers from the store at the end."""
     best, cap = None, _poll_cap(asking)
     for round_ in range(ROUNDS):
         # Each ping at a random moment of a window as long as SPREAD_SECONDS per rank asking: ranks that
@@ -106,10 +106,11 @@ def _measure(store, prefix: str, rank: int, asking: int, deadline: float) -> tup
             break
         received = time.time_ns()
         theirs = int(store.get(pong))
-        with contextlib.suppress(Exception):
-            store.delete_key(pong)
         if best is None or received - sent < best[1] - best[0]:
             best = (sent, received, theirs)
+    for round_ in range(ROUNDS):  # all of them at the end, answered or not (rank 0 is done with them)
+        with contextlib.suppress(Exception):
+            store.delete_key(f"{prefix}/{rank}/{round_}/pong")
     if best is None:
         _logger.debug("No clock offset to rank 0: no answer within %s s", BUDGET_SECONDS)
         return None

@@ -22,7 +22,7 @@ use too; ``benchmarks/clock_scale.py`` measures it):
   1,024 ranks; 0.05 ms at 2), so ranks that start together do not all wait at once;
 - a waiting rank polls its answer with ``check`` (never a blocking ``wait``, which would hold the
   store client's lock from the training thread's own store calls), first after ``POLL_SECONDS``,
-  then twice as long after each miss, up to ``POLL_CAP_SECONDS`` per 64 ranks of the world: the
+  then twice as long after each miss, up to ``POLL_CAP_SECONDS`` per 64 ranks asking: the
   waiting ranks together ask about as often at any size, and the best of the rounds is kept anyway;
 - everything ends within ``BUDGET_SECONDS``; rank 0 stops as soon as every expected ping is
   answered (each once), removes the log, and each rank removes its answers at the end of its exchange.

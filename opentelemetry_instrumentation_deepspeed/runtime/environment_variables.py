@@ -124,8 +124,9 @@ skewed host clock would, and from then on by ``rate`` seconds more per second (a
 
 OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH = "OTEL_PYTHON_DEEPSPEED_CLOCK_REFRESH"
 """Seconds between two estimates of each rank's clock offset to rank 0 during the run (a few store round
-trips on a thread of its own; ``training.clock.sync`` spans). 0 turns the refresh off (the start
-estimate only). Default: 60.
+trips on a thread of its own; ``training.clock.sync`` spans; beyond 256 ranks each round takes a share of
+them in turns, so each rank is measured every ``ceil((ranks - 1) / 256)`` rounds). 0 turns the refresh off
+(the start estimate only). Default: 60.
 """
 
 OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET = "OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET"

@@ -12,6 +12,7 @@ about OpenTelemetry: run it under ``opentelemetry-instrument`` to trace it::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -179,31 +180,18 @@ class StallingCollate:
         return batch
 
 
-class _SlowBackward(torch.autograd.Function):
-    """The identity forward; its backward sleeps first: extra backward time on one rank."""
+class _OnBackward(torch.autograd.Function):
+    """The identity forward; its backward, the first of the pass when applied to the loss, calls ``act``
+    first: extra backward time (a sleep), or the moment the backward started."""
 
     @staticmethod
-    def forward(ctx, tensor, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, tensor, act):
+        ctx.act = act
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class _BackwardClock(torch.autograd.Function):
-    """The identity forward; its backward, the first of the pass, notes when the backward started."""
-
-    @staticmethod
-    def forward(ctx, tensor, clock):
-        ctx.clock = clock
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.clock["started"] = time.perf_counter()
+        ctx.act()
         return grad, None
 
 
@@ -275,9 +263,9 @@ class TinyLM(nn.Module):
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
-            loss = _BackwardClock.apply(loss, backward_clock)
+            loss = _OnBackward.apply(loss, lambda: backward_clock.update(started=time.perf_counter()))
         if self.backward_delay:
-            loss = _SlowBackward.apply(loss, self.backward_delay)
+            loss = _OnBackward.apply(loss, functools.partial(time.sleep, self.backward_delay))
         if self.exchange is not None:
             loss = _AllReduceInBackward.apply(loss, self.exchange)
         return loss

@@ -37,6 +37,7 @@ the differences to ``bare`` of the same sitting, never one run's seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import BIN, TRAIN, clean_env, free_port  # noqa: E402
+from tests.conftest import BIN, TRAIN, clean_env, free_port, rank_process  # noqa: E402
 from tests.otlp_receiver import Misbehaving, OtlpReceiver, SilentSocket  # noqa: E402
 
 ARMS = ("bare", "healthy", "refused", "black-hole", "503", "429", "slow", "grpc-refused", "grpc-black-hole",
@@ -146,7 +147,6 @@ HUNG_STEP = 8
 def _sigterm_run(arm: str, args, workdir: Path, env: dict) -> dict:
     if args.block_in_native:
         return _sigterm_in_native_run(arm, workdir, env)
-    import psutil
 
     # Rank 1 computes 200 ms longer per forward: the signal lands inside a step.
     process = subprocess.Popen(_command(arm, 100_000, ["--slow-rank", "1", "--slow-ms", "200"]), cwd=workdir,
@@ -155,36 +155,30 @@ def _sigterm_run(arm: str, args, workdir: Path, env: dict) -> dict:
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
     reader.start()
     try:
-        rank = None
-        deadline = time.monotonic() + 240
-        while rank is None and time.monotonic() < deadline:
-            for child in psutil.Process(process.pid).children(recursive=True):
-                try:
-                    if child.environ().get("RANK") == "1":
-                        rank = child
-                except psutil.Error:
-                    pass
-            time.sleep(0.5)
-        assert rank is not None, "no rank 1"
+        rank = rank_process(process.pid, 1, timeout=240)
         time.sleep(25)  # past start-up and a few steps (and, instrumented, a few failed exports)
-        sent = time.monotonic()
-        rank.send_signal(signal.SIGTERM)
-        try:
-            rank.wait(timeout=120)
-        except psutil.TimeoutExpired:
-            pass
-        died = time.monotonic() - sent
-        process.wait(timeout=120)
-        reader.join(timeout=5)
+        died = _sigterm_and_time(rank, process, reader)
         lost = [line.strip() for line in lines if "were not delivered" in line]
         return {"arm": arm, "sigterm_to_death": died, "loss_lines": lost}
     finally:
         process.kill()
 
 
-def _sigterm_in_native_run(arm: str, workdir: Path, env: dict) -> dict:
+def _sigterm_and_time(rank, process: subprocess.Popen, reader: threading.Thread) -> float:
+    """SIGTERM to ``rank`` (a ``psutil.Process``): seconds until it died; then the launcher's end."""
     import psutil
 
+    sent = time.monotonic()
+    rank.send_signal(signal.SIGTERM)
+    with contextlib.suppress(psutil.TimeoutExpired):
+        rank.wait(timeout=120)
+    died = time.monotonic() - sent
+    process.wait(timeout=120)
+    reader.join(timeout=5)
+    return died
+
+
+def _sigterm_in_native_run(arm: str, workdir: Path, env: dict) -> dict:
     # Rank 1 blocks for good in the forward of HUNG_STEP; rank 0 goes on to that step's gradient
     # all-reduce and waits there, inside gloo. The hang threshold (30 s) is far off when the signal lands.
     extra = ["--print-steps", "--hang-rank", "1", "--hang-step", str(HUNG_STEP), "--hang-phase", "forward"]
@@ -200,19 +194,10 @@ def _sigterm_in_native_run(arm: str, workdir: Path, env: dict) -> dict:
             raise SystemExit(f"{arm}: the run ended before step {HUNG_STEP}: " + "".join(lines[-40:]))
         reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
         reader.start()
-        (rank0,) = [child for child in psutil.Process(process.pid).children(recursive=True)
-                    if child.environ().get("RANK") == "0" and "train.py" in " ".join(child.cmdline())]
+        rank0 = rank_process(process.pid, 0)
         # Well past rank 0's forward of the hung step, into the all-reduce (a few ms on a quiet machine).
         time.sleep(5)
-        sent = time.monotonic()
-        rank0.send_signal(signal.SIGTERM)
-        try:
-            rank0.wait(timeout=120)
-        except psutil.TimeoutExpired:
-            pass
-        died = time.monotonic() - sent
-        process.wait(timeout=120)
-        reader.join(timeout=5)
+        died = _sigterm_and_time(rank0, process, reader)
     finally:
         process.kill()
     output = "".join(lines)

@@ -6,6 +6,7 @@ Tests that start real DeepSpeed are marked ``slow``; ``pytest -m "not slow"`` is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -13,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,22 @@ def _ephemeral_ports() -> range:
     except (OSError, ValueError):
         low, high = 32768, 60999  # Linux's default
     return range(low, high + 1)
+
+
+def rank_process(launcher_pid: int, rank: int, timeout: float = 0.0):
+    """The process under the launcher ``launcher_pid`` that trains as ``rank`` (a ``psutil.Process``), waiting
+    up to ``timeout`` seconds for it to start."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for child in psutil.Process(launcher_pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if child.environ().get("RANK") == str(rank) and "train.py" in " ".join(child.cmdline()):
+                    return child
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"no rank {rank} under process {launcher_pid}")
+        time.sleep(0.5)
 
 
 def free_port() -> int:

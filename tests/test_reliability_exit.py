@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import BIN, TRAIN, clean_env, free_port, launch
+from tests.conftest import BIN, TRAIN, clean_env, free_port, launch, rank_process
 from tests.otlp_json import read_spans
 from tests.otlp_receiver import Misbehaving, OtlpReceiver
 
@@ -211,8 +211,6 @@ def test_exit_is_bounded_and_every_lost_span_counted(workdir, references, collec
 
 
 def test_sigterm_with_a_black_holed_collector_dies_within_the_exit_budget(workdir):
-    import psutil
-
     server = Misbehaving(status=None)
     command = [str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"), "--nproc_per_node", "2",
                "--master_port", str(free_port()), str(TRAIN), "--steps", "100", "--block-in-step", BLOCKED_STEP_TEXT]
@@ -224,8 +222,7 @@ def test_sigterm_with_a_black_holed_collector_dies_within_the_exit_budget(workdi
             lines.append(line)
             if line.startswith(f"blocked in step {BLOCKED_STEP}"):
                 break
-        (rank0,) = [child for child in psutil.Process(process.pid).children(recursive=True)
-                    if child.environ().get("RANK") == "0" and "train.py" in " ".join(child.cmdline())]
+        rank0 = rank_process(process.pid, 0)
         sent = time.monotonic()
         rank0.send_signal(signal.SIGTERM)
         rank0.wait(timeout=120)

@@ -75,6 +75,11 @@ TRAINING_BATCH_TOKENS = "training.batch.tokens"  # real: not padding
 TRAINING_STEP_TOKENS = "training.step.tokens"
 TRAINING_STEP_PADDED_TOKENS = "training.step.padded_tokens"
 TRAINING_STEP_SEQUENCE_LENGTH = "training.step.sequence_length"  # the longest of its micro-batches
+# On training.step: CPUs in use on average during the step (recording/host_cpu.py): on the whole host,
+# idle on the host, and by this process
+TRAINING_STEP_HOST_CPU_BUSY = "training.step.host.cpu.busy"
+TRAINING_STEP_HOST_CPU_IDLE = "training.step.host.cpu.idle"
+TRAINING_STEP_PROCESS_CPU = "training.step.process.cpu"
 # A plain PyTorch loop's data parallelism, on training.step: "ddp", "fsdp", or "none" (trace_training())
 TRAINING_PARALLELISM = "training.parallelism"
 # Pipeline parallelism (PipelineEngine): on training.step, and on the resource of the rank

@@ -19,9 +19,10 @@ SEEDS = range(12)
 
 
 def run_spans(rng: random.Random, steps: int, lengths, per_token=lambda step: 1.0, *, ranks=2, samples=8,
-              padding=1.0, attributes=True, jitter=0.15, spikes=0.05, rank_lengths=None):
+              padding=1.0, attributes=True, jitter=0.15, spikes=0.05, rank_lengths=None, cpus=None):
     """The ``training.step`` spans of a job: ``lengths(step)`` padded tokens per sample on every rank (or
-    ``rank_lengths(rank, step)``), step time proportional to the tokens of the step's longest rank."""
+    ``rank_lengths(rank, step)``), step time proportional to the tokens of the step's longest rank;
+    ``cpus(step)``: (host busy, host idle, each rank's process) CPUs, as each rank measured them on one host."""
     spans, clock = [], 1_700_000_000_000_000_000
     for step in range(1, steps + 1):
         by_rank = {rank: (rank_lengths(rank, step) if rank_lengths else lengths(step)) for rank in range(ranks)}
@@ -36,6 +37,13 @@ def run_spans(rng: random.Random, steps: int, lengths, per_token=lambda step: 1.
                 extra = {semconv.TRAINING_STEP_PADDED_TOKENS: samples * length,
                          semconv.TRAINING_STEP_TOKENS: int(samples * length * padding),
                          semconv.TRAINING_STEP_SEQUENCE_LENGTH: length}
+            if cpus is not None:
+                busy, idle, process = cpus(step)
+                jittered = rng.uniform(0.95, 1.05)  # each rank's samples cover slightly different intervals
+                extra.update({semconv.TRAINING_STEP_HOST_CPU_BUSY: busy * jittered,
+                              semconv.TRAINING_STEP_HOST_CPU_IDLE: idle * jittered,
+                              semconv.TRAINING_STEP_PROCESS_CPU: process * rng.uniform(0.9, 1.1),
+                              semconv.HOST_NAME: "node-1"})
             end = clock + int(seconds * 1e9 * rng.uniform(0.98, 1.0))
             spans.append(Span(semconv.SPAN_STEP, trace, f"{rank:016x}", "", clock, end, "job", rank,
                               {semconv.TRAINING_STEP: step, **extra}))
@@ -95,6 +103,40 @@ def test_compute_slower_per_token_is_not_input(seed):
     # change); the exact counts of the input's never do.
     assert finding["layer"] == "COMPUTE" and abs(finding["change_step"] - at) <= 1, finding
     assert "time per token x" in finding["summary"] and "not the input" in finding["summary"]
+
+
+# The host's CPUs as this machine's 2-core runs measured them (docs/diagnose.md, "Accuracy"): two ranks alone
+# use 0.8 CPU each and leave 0.3 idle; with a neighbour's 2-rank job they get 0.45 each and none is idle.
+ALONE, NEIGHBOUR = (1.65, 0.35, 0.8), (2.0, 0.0, 0.45)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_steps_slowed_by_a_neighbour_taking_the_cpus_are_no_finding_of_the_job(seed):
+    rng = random.Random(3000 + seed)
+    steps = rng.randint(16, 60)
+    at = rng.randint(5, steps - 2)
+    factor = rng.uniform(2, 4)  # what, without the host's figures, is a compute slowdown (the test above)
+    report = diagnose(run_spans(rng, steps, lambda step: 64, per_token=lambda step: factor if step >= at else 1.0,
+                                cpus=lambda step: NEIGHBOUR if step >= at else ALONE))
+    assert report["verdict"]["layer"] == "none", report["verdict"]
+    [load] = report["host_load"]
+    assert abs(load["change_step"] - at) <= 1 and load["host"] == "node-1"
+    assert load["other_cpus"][1] - load["other_cpus"][0] > 0.8 and load["idle_cpus"][1] < 0.1
+    assert f"from step {load['change_step']} the steps took x" in report["verdict"]["summary"]
+    assert "other processes on host node-1 used 1." in report["verdict"]["summary"]
+
+
+@pytest.mark.parametrize("cpus", [lambda step: NEIGHBOUR, lambda step: ALONE, lambda step: (3.0, 60.0, 0.9)],
+                         ids=["loaded throughout", "quiet throughout", "neighbour on a host with CPUs to spare"])
+def test_a_slower_device_is_compute_whatever_the_host_load(cpus):
+    rng = random.Random(4)
+    at = 20
+    spare = cpus(1)[1] > 1  # a neighbour starts with the slowdown, but the host keeps CPUs idle
+    load = (lambda step: (6.0, 57.0, 0.9) if step >= at else (3.0, 60.0, 0.9)) if spare else cpus
+    report = diagnose(run_spans(rng, 40, lambda step: 64, per_token=lambda step: 3.0 if step >= at else 1.0,
+                                cpus=load))
+    assert report["verdict"]["layer"] == "COMPUTE" and abs(report["verdict"]["change_step"] - at) <= 1
+    assert report["host_load"] == []
 
 
 def test_tokens_that_change_while_the_step_time_does_not_cost_nothing():

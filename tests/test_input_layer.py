@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from tests.otlp_json import read_last_points
 pytestmark = pytest.mark.slow  # a real DeepSpeed job
 
 STEPS, SHIFT_AT, GRAD_ACCUM, MICRO_BATCH = 16, 9, 2, 8
+HOST_CPUS = Path("/proc/stat").read_text().count("\ncpu")  # its lines cpu0, cpu1, ...
 
 
 def test_a_sequence_length_shift_is_counted_and_diagnosed_as_input(workdir):
@@ -41,6 +43,11 @@ def test_a_sequence_length_shift_is_counted_and_diagnosed_as_input(workdir):
                 b["training.batch.samples"] * b["training.batch.sequence_length"] for b in mine)
             assert step.attributes["training.step.sequence_length"] == max(
                 b["training.batch.sequence_length"] for b in mine)
+            # The host's CPUs in the step: busy and idle add up to all of them; this rank used some.
+            cpus = step.attributes
+            assert 0.8 * HOST_CPUS <= cpus["training.step.host.cpu.busy"] + cpus["training.step.host.cpu.idle"] \
+                <= 1.2 * HOST_CPUS
+            assert 0 < cpus["training.step.process.cpu"] <= HOST_CPUS
         (metrics_file,) = workdir.glob(f"telemetry/*/metrics-rank{rank}.jsonl")
         points = {p.metric: p for p in read_last_points(metrics_file)}
         lengths = points["training.batch.sequence_length"]

@@ -218,10 +218,10 @@ class Analysis:
         # Model and memory layers (diagnose/model.py), the input layer (diagnose/inputs.py: INPUT / COMPUTE
         # change points): ranked with the others by the time they cost.
         model = self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)
-        result["findings"] = findings_module.ranked(result["findings"] + model
-                                                    + inputs.findings(self._inputs, job, by_rank))
+        changes, result["host_load"] = inputs.findings(self._inputs, job, by_rank)
+        result["findings"] = findings_module.ranked(result["findings"] + model + changes)
         result["verdict"] = (result["findings"][0] if result["findings"]
-                             else findings_module.none(_quiet(job_summary)))
+                             else findings_module.none(_quiet(job_summary, result["host_load"])))
         broken = [f for f in model if f["confidence"] >= BROKEN_RUN]  # a NaN or an OOM: broken, not slow
         if broken:
             result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
@@ -429,10 +429,11 @@ def _anomaly_shape(period: int, offset, phase, numbers: list[int], steps: list[d
             "trace_ids": [s["trace_id"] for s in sorted(inside, key=lambda s: s["seconds"], reverse=True)[:5]]}
 
 
-def _quiet(job: dict) -> str:
+def _quiet(job: dict, host_load: list | None = None) -> str:
     if not job:
         return "no complete steps in the input"
     shares = job["shares"]
     compute = shares["forward"] + shares["backward"] + shares["optimizer"]
-    return (f"no finding costs {findings_module.MIN_COST_SHARE:.0%} of the run beyond chance: median step "
-            f"{job['step_seconds_p50'] * 1e3:.1f} ms, {compute:.0%} compute")
+    quiet = (f"no finding costs {findings_module.MIN_COST_SHARE:.0%} of the run beyond chance: median step "
+             f"{job['step_seconds_p50'] * 1e3:.1f} ms, {compute:.0%} compute")
+    return "; ".join([quiet] + [load["summary"] for load in host_load or ()])

@@ -15,6 +15,11 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   sequence length, a device is more efficient on larger batches).
 - The time per token rises at step K while the tokens per step do not: the compute got slower per
   token: a hardware or model finding (COMPUTE), not the input's. (Faster is no finding.)
+- Unless, from step K, other processes took the host's CPUs: on a host of the job, their CPU time
+  (the host's busy CPUs, ``training.step.host.cpu.busy``, less those of the job's ranks there)
+  rose by ``HOST_SHIFT`` CPUs or more and left fewer than ``HOST_IDLE`` idle. The steps are slower
+  because the host is busier (a neighbour's job), not because a device or the model got slower: no
+  finding of the job, a note on the host instead (``host_load``), which the verdict "none" quotes.
 
 A change point is the split of a segment that best separates the logarithms of its values (least
 squares, both sides at least ``MIN_SEGMENT`` steps), searched again inside each side (binary
@@ -45,6 +50,8 @@ PER_TOKEN_FACTOR = 1.5  # the time per token, with the tokens unchanged, to be a
 SEPARATION = 0.85  # share of each side's steps that lies on its side of the middle
 MAX_CHANGES = 4  # change points searched per series
 UNCHANGED = 1.25  # time per token within this factor (either way) reads "unchanged"
+HOST_SHIFT = 0.5  # CPUs: other processes' use of a host rose this much at a change of the time per token...
+HOST_IDLE = 0.5  # ... and left fewer idle CPUs than this: a busier host, not a slower device
 
 REMEDIES = {
     "INPUT": ["check what changed in the data at that step: a new dataset mix or shard, a curriculum or "
@@ -175,7 +182,7 @@ def _duration(seconds: float) -> str:
 def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> list[dict]:
     """Per step number of the job: its time (median over ranks), tokens summed over ranks, longest sequence."""
     steps: dict[int, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0,
-                                                  "counted": 0, "ranks": {}, "trace_id": ""})
+                                                  "counted": 0, "ranks": {}, "trace_id": "", "cpus": {}})
     for rank, rank_steps in by_rank.items():
         for step in rank_steps:
             entry = steps[step["step"]]
@@ -191,21 +198,41 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             tokens = attributes.get(semconv.TRAINING_STEP_TOKENS)
             entry["tokens"] = None if tokens is None or entry["tokens"] is None else entry["tokens"] + tokens
             entry["counted"] += 1
+            cpus = tuple(attributes.get(key) for key in _CPUS)
+            if None not in cpus:
+                entry["cpus"][rank] = (attributes.get(semconv.HOST_NAME), *cpus)
     ordered = []
     for number in sorted(steps):
         entry = steps[number]
         # A step counts when every rank that ran it counted its input.
         if entry["counted"] and entry["counted"] == len(entry["seconds"]) and entry["padded"] > 0:
             ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
-                key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")}})
+                key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")},
+                "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None})
     return ordered[1:] if len(ordered) > 3 else ordered
 
 
-def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> list[dict]:
-    """INPUT and COMPUTE findings of the job, each with the step of its change (``change_step``)."""
+_CPUS = (semconv.TRAINING_STEP_HOST_CPU_BUSY, semconv.TRAINING_STEP_HOST_CPU_IDLE, semconv.TRAINING_STEP_PROCESS_CPU)
+
+
+def _host(cpus: dict) -> tuple[str | None, float, float]:
+    """(host, CPUs other processes used there, CPUs idle there) in a step, on the host whose other processes
+    used the most: each host's busy and idle CPUs as its ranks measured them (the median), less the ranks' own."""
+    by_host = defaultdict(list)
+    for host, busy, idle, process in cpus.values():
+        by_host[host].append((busy, idle, process))
+    return max(((host, statistics.median(r[0] for r in readings) - sum(r[2] for r in readings),
+                 statistics.median(r[1] for r in readings)) for host, readings in by_host.items()),
+               key=lambda figures: figures[1])
+
+
+def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> tuple[list[dict], list[dict]]:
+    """INPUT and COMPUTE findings of the job, each with the step of its change (``change_step``); and the
+    host's load where it, not the job, slowed the steps (``_host_load``)."""
     steps = _job_steps(series, job, by_rank)
+    loads: list[dict] = []
     if len(steps) < 2 * MIN_SEGMENT:
-        return []
+        return [], loads
     run_seconds = sum(s["seconds"] for rank_steps in by_rank.values() for s in rank_steps) / max(len(by_rank), 1)
     padded = [s["padded"] for s in steps]
     seconds = [s["seconds"] for s in steps]
@@ -226,9 +253,38 @@ def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> l
             continue  # the input changed inside the segment: the split mixes both
         if statistics.median(per_token[i] for i in after) < statistics.median(per_token[i] for i in before):
             continue  # faster per token: nothing lost
+        load = _host_load(steps, seconds, before, after)
+        if load is not None:
+            loads.append(load)
+            continue
         found.append(_compute_finding(steps, seconds, per_token, before, after, run_seconds))
     found.sort(key=lambda finding: finding["cost_seconds"], reverse=True)
-    return found
+    return found, loads
+
+
+def _host_load(steps: list[dict], seconds: list[float], before: range, after: range) -> dict | None:
+    """The host's load from the change on, where other processes took its CPUs; else None."""
+    first = [steps[i]["host"] for i in before if steps[i]["host"] is not None]
+    second = [steps[i]["host"] for i in after if steps[i]["host"] is not None]
+    if len(first) < MIN_SEGMENT or len(second) < MIN_SEGMENT:
+        return None  # not measured (an older version's files, not Linux)
+    others = (max(statistics.median(h[1] for h in first), 0.0),  # the ranks' own readings may exceed the host's
+              max(statistics.median(h[1] for h in second), 0.0))
+    idle = statistics.median(h[2] for h in first), statistics.median(h[2] for h in second)
+    if others[1] - others[0] < HOST_SHIFT or idle[1] >= HOST_IDLE:
+        return None
+    hosts = [h[0] for h in second if h[0] is not None]
+    host = max(set(hosts), key=hosts.count) if hosts else None
+    time_before, time_after, cost = _cost(seconds, before, after)
+    change_step = steps[after[0]]["step"]
+    where = f"host {host}" if host else "the host"
+    return {"change_step": change_step, "host": host, "other_cpus": [round(others[0], 2), round(others[1], 2)],
+            "idle_cpus": [round(idle[0], 2), round(idle[1], 2)],
+            "step_seconds": [round(time_before, 6), round(time_after, 6)], "cost_seconds": cost,
+            "summary": f"from step {change_step} the steps took {_factor(time_after / time_before)} as long "
+                       f"({time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms) while other processes on {where} "
+                       f"used {others[1]:.1f} CPUs ({others[0]:.1f} before) and left {idle[1]:.1f} idle: a busier "
+                       "host, not this job"}
 
 
 def _cost(seconds: list[float], before: range, after: range) -> tuple[float, float, float]:

@@ -33,7 +33,10 @@ _MODEL_TYPES = {semconv.TRAINING_LOSS: (int, float), semconv.TRAINING_GRAD_NORM:
                 **{semconv.TRAINING_MEMORY_PHASE_PEAK.format(phase=phase): int for phase in semconv.PHASES[1:]}}
 # The input layer (diagnose/inputs.py)
 _INPUT_TYPES = {semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_TOKENS: int,
-                semconv.TRAINING_STEP_SEQUENCE_LENGTH: int}
+                semconv.TRAINING_STEP_SEQUENCE_LENGTH: int,
+                # the host's CPUs during the step, and the resource's host.name, copied onto training.step
+                semconv.TRAINING_STEP_HOST_CPU_BUSY: (int, float), semconv.TRAINING_STEP_HOST_CPU_IDLE: (int, float),
+                semconv.TRAINING_STEP_PROCESS_CPU: (int, float), semconv.HOST_NAME: str}
 _KEPT += tuple(_MODEL_TYPES) + tuple(_INPUT_TYPES)
 
 
@@ -285,13 +288,17 @@ def spans_of_request(request: dict, clocks: dict | None = None) -> Iterator[Span
     clocks = {} if clocks is None else clocks
     for resource_spans in request.get("resourceSpans") or ():
         job, rank, resource = _resource((resource_spans.get("resource") or {}).get("attributes"),
-                                        (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK, semconv.TRAINING_CLOCK_OFFSET))
+                                        (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK, semconv.TRAINING_CLOCK_OFFSET,
+                                         semconv.HOST_NAME))
         if job is None or rank is None:
             continue  # not a training rank's telemetry
         offset = resource.get(semconv.TRAINING_CLOCK_OFFSET)
         for scope_spans in resource_spans.get("scopeSpans") or ():
             for span in scope_spans.get("spans") or ():
                 attributes = _attributes(span.get("attributes"), _KEPT)
+                host = resource.get(semconv.HOST_NAME)
+                if span.get("name") == semconv.SPAN_STEP and type(host) is str:
+                    attributes[semconv.HOST_NAME] = host  # which ranks share the host's CPUs (diagnose/inputs.py)
                 if span.get("name") == semconv.SPAN_HANG:
                     attributes.update(_hang_stack(span.get("events")))
                 elif span.get("name") == semconv.SPAN_CLOCK_SYNC:

@@ -38,6 +38,7 @@ from opentelemetry_instrumentation_deepspeed.export import batches, clock, hangs
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
+from opentelemetry_instrumentation_deepspeed.recording.host_cpu import HostCpu
 from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, HangReport, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 
@@ -71,6 +72,7 @@ class StepFacts:
             semconv.TRAINING_MICRO_BATCH_SIZE: engine.train_micro_batch_size_per_gpu(),
         }
         self.profile_top = profile_top
+        self.host_cpu = HostCpu()
         self.peer_stages: dict | None = None  # a pipeline stage's {global rank: stage} of its pipeline
         # The root of a step that raised, kept open for its retry (same number) until the next step.
         self.held_root: _HeldRoot | None = None
@@ -317,6 +319,10 @@ class Emitter(Component):
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)
             self._model(record, more)
         self._memory(record, more)
+        cpus = facts.host_cpu.over(record.start, record.end)
+        if cpus is not None:
+            more[semconv.TRAINING_STEP_HOST_CPU_BUSY], more[semconv.TRAINING_STEP_HOST_CPU_IDLE], \
+                more[semconv.TRAINING_STEP_PROCESS_CPU] = (round(value, 3) for value in cpus)
         if record.comm_count:
             more[semconv.COMM_COUNT] = record.comm_count
         if record.comm_dropped:

@@ -1,0 +1,74 @@
+"""The host's CPUs during a step: how busy the host was, and how much of it this process used.
+
+A step that takes longer because other processes took the host's CPUs looks, by its times alone,
+like a device that got slower. What tells them apart is the CPU time of the others: the host's busy
+time (``/proc/stat``) less what the job's own processes used (``os.times()`` here; ``diagnose``
+subtracts every rank of the job on the same host). A device that got slower leaves it unchanged; a
+neighbour's job raises it, and saturates the host.
+
+Reading them costs two system calls, so the training thread never does: the emitter's thread
+samples them as it writes a step that ended after its last sample (so once per drain, every half
+second, while steps close), and a step gets the figures interpolated between the samples around
+its start and its end: the averages over the half second or so around it. A sustained change, what
+``diagnose`` compares, shows in full. Where ``/proc/stat`` cannot be read (not Linux) there are no
+figures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import deque
+
+KEEP = 32  # samples kept: 16 s of drains, more than a queued record can lag behind
+_TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /proc/stat's unit, in ns
+
+
+class HostCpu:
+    """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
+
+    __slots__ = ("_on", "_samples")
+
+    def __init__(self):
+        self._on = True
+        self._samples: deque = deque(maxlen=KEEP)  # (time.time_ns(), host busy, host idle, process): ns
+        self.sample()
+
+    def sample(self) -> None:
+        """One reading, now; after a failed read the figures stay off."""
+        if not self._on:
+            return
+        try:
+            with open("/proc/stat", "rb") as stat:
+                fields = [int(value) for value in stat.readline().split()[1:9]]
+            times = os.times()
+        except (OSError, ValueError):
+            self._on = False
+            self._samples.clear()
+            return
+        user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+        busy = (user + nice + system + irq + softirq + steal) * _TICK
+        self._samples.append((time.time_ns(), busy, (idle + iowait) * _TICK,
+                              (times.user + times.system) * 1e9))
+
+    def over(self, start: int, end: int) -> tuple[float, float, float] | None:
+        """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this
+        process); None when the samples do not reach back to ``start`` or the interval is empty."""
+        if self._samples and self._samples[-1][0] < end:
+            self.sample()
+        samples = list(self._samples)
+        if len(samples) < 2 or start < samples[0][0] or end <= start:
+            return None
+        first, last = _at(samples, start), _at(samples, end)
+        return tuple(max(b - a, 0.0) / (end - start) for a, b in zip(first, last, strict=True))
+
+
+def _at(samples: list, when: int) -> tuple[float, ...]:
+    """The cumulative figures at ``when``, linear between the samples around it (the last one's beyond it)."""
+    for before, after in itertools.pairwise(samples):
+        if when <= after[0]:
+            span = after[0] - before[0]
+            share = (when - before[0]) / span if span > 0 else 1.0
+            return tuple(a + (b - a) * share for a, b in zip(before[1:], after[1:], strict=True))
+    return samples[-1][1:]

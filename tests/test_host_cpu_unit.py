@@ -1,0 +1,53 @@
+"""The host's CPUs during a step (recording/host_cpu.py): read off the training thread, interpolated to the step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed.recording import host_cpu
+from opentelemetry_instrumentation_deepspeed.recording.host_cpu import HostCpu
+
+S = 1_000_000_000
+
+
+def with_samples(*samples) -> HostCpu:
+    cpu = HostCpu()
+    cpu._samples.clear()
+    cpu._samples.extend(samples)
+    return cpu
+
+
+def test_a_step_gets_the_rates_of_the_samples_around_it():
+    # Busy 1.5 CPUs and this process 0.5 in the first second, then 2.0 and 0.25 (a neighbour came).
+    cpu = with_samples((10 * S, 0, 0, 0), (11 * S, 1.5 * S, 0.5 * S, 0.5 * S), (12 * S, 3.5 * S, 0.5 * S, 0.75 * S))
+    assert cpu.over(10 * S + S // 4, 10 * S + S // 2) == pytest.approx((1.5, 0.5, 0.5))
+    assert cpu.over(11 * S + S // 10, 11 * S + S // 5) == pytest.approx((2.0, 0.0, 0.25))
+    # Across a sample, the two rates weighted by the time on each side.
+    assert cpu.over(10 * S + S // 2, 11 * S + S // 2) == pytest.approx((1.75, 0.25, 0.375))
+
+
+def test_a_step_ending_after_the_last_sample_takes_a_new_one():
+    cpu = HostCpu()
+    start = time.time_ns()
+    sum(range(200_000))  # this process uses some CPU
+    figures = cpu.over(start, time.time_ns())
+    assert figures is not None and len(cpu._samples) == 2
+    busy, idle, process = figures
+    assert busy >= 0 and idle >= 0 and process >= 0
+
+
+def test_no_figures_before_the_first_sample_or_without_proc_stat(monkeypatch):
+    cpu = with_samples((10 * S, 0, 0, 0), (11 * S, S, 0, 0))
+    assert cpu.over(9 * S, 10 * S + 1) is None  # the samples do not reach back to its start
+    assert cpu.over(10 * S + 5, 10 * S + 5) is None  # an empty interval
+
+    def no_proc(*_args, **_kwargs):
+        raise FileNotFoundError("/proc/stat")
+
+    monkeypatch.setattr(host_cpu, "open", no_proc, raising=False)
+    cpu = HostCpu()
+    assert cpu.over(time.time_ns() - S, time.time_ns()) is None
+    cpu.sample()  # stays off, quietly
+    assert not cpu._samples

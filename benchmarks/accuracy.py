@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,9 @@ class Draw:
     ranks: int = 2
     env: dict = field(default_factory=dict)
     live: bool = False  # diagnosed while the job runs (a hang)
+    # Other processes that take the host's CPUs from a moment of the run on: (kind, count, seconds after the
+    # run's first telemetry file): "job", another 2-rank training job; "spin", ``count`` processes that spin.
+    neighbour: tuple | None = None
 
 
 def _zero(rng):
@@ -84,6 +88,15 @@ def draw_healthy_small(rng: random.Random) -> Draw:
     # The issue's healthy case: a tiny model whose gloo all-reduce is a real, variable share of the step.
     return Draw(["--steps", "20", "--zero-stage", "2", "--micro-batch-size", "8", "--seed", str(rng.randint(1, 9999))],
                 Expected("none"), 2)
+
+
+def draw_healthy_neighbour(rng: random.Random) -> Draw:
+    # A healthy job whose host gets busier partway through: what a neighbour's job (the test suite's, beside
+    # a sitting) did to three healthy runs, which read as a device that got slower.
+    args = ["--steps", str(rng.randint(300, 600)), "--zero-stage", str(rng.choice((1, 2))),
+            "--micro-batch-size", str(rng.choice((8, 16))), "--seq-len", str(rng.choice((32, 64)))]
+    return Draw(args, Expected("none"), 2, neighbour=(rng.choice(("job", "spin")), rng.randint(1, 3),
+                                                      round(rng.uniform(1.0, 4.0), 1)))
 
 
 def draw_loader_stall_rank(rng: random.Random) -> Draw:
@@ -221,6 +234,9 @@ CLASSES = [
     FaultClass("healthy", draw_healthy, notes="1-2 ranks, 12-30 steps, grad accum 1-2, ZeRO 0-3, micro-batch 8-64, "
                "sequence 32/64"),
     FaultClass("healthy-small", draw_healthy_small, notes="the issue's case: 2 ranks, ZeRO-2, micro-batch 8, 20 steps"),
+    FaultClass("healthy-neighbour", draw_healthy_neighbour,
+               notes="2 ranks, 300-600 steps; from 1-4 s into the run another 2-rank job or 1-3 spinning processes "
+               "take the host's CPUs"),
     FaultClass("loader-stall-rank", draw_loader_stall_rank,
                notes="one rank's loader stalls 80-300 ms every 3rd-6th step, 4-5 times"),
     FaultClass("loader-stall-all", draw_loader_stall_all,
@@ -267,11 +283,54 @@ def run_once(draw: Draw, workdir: Path) -> tuple[dict | None, float, str]:
     command, env = _command(draw)
     if draw.live:
         return run_live(command, env, workdir)
-    completed = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
-                               check=False)
+    neighbour = Neighbour(draw.neighbour, env, workdir) if draw.neighbour is not None else None
+    try:
+        completed = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
+                                   check=False)
+    finally:
+        if neighbour is not None:
+            neighbour.stop()
     if completed.returncode:
         return None, 0.0, completed.stderr[-1500:]
     return diagnose(workdir)
+
+
+class Neighbour:
+    """Other processes on the host, started once the run has written its first telemetry (its steps have
+    begun) and ``delay`` seconds more, and killed when it ends."""
+
+    def __init__(self, neighbour: tuple, env: dict, workdir: Path):
+        self.kind, self.count, self.delay = neighbour
+        self.env = {key: value for key, value in env.items() if not key.startswith("OTEL_")}  # not instrumented
+        self.workdir = workdir
+        self.processes: list[subprocess.Popen] = []
+        self.lock = threading.Lock()
+        self.ended = threading.Event()
+        threading.Thread(target=self._start, daemon=True).start()
+
+    def _start(self) -> None:
+        while not self.ended.is_set() and not list(self.workdir.glob("telemetry/*/traces-rank*.jsonl")):
+            time.sleep(0.1)
+        if self.ended.wait(self.delay):
+            return
+        home = self.workdir / "neighbour"
+        home.mkdir(exist_ok=True)
+        commands = ([[str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),
+                      "--steps", "100000"]] if self.kind == "job"
+                    else [[sys.executable, "-c", "while True: pass"]] * self.count)
+        with self.lock:
+            for command in commands:
+                if self.ended.is_set():
+                    return
+                self.processes.append(subprocess.Popen(command, cwd=home, env=self.env, stdout=subprocess.DEVNULL,
+                                                       stderr=subprocess.DEVNULL, start_new_session=True))
+
+    def stop(self) -> None:
+        self.ended.set()
+        with self.lock:
+            for process in self.processes:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def threshold_crossing(workdir: Path) -> float | None:
@@ -342,6 +401,9 @@ def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, a
             "load_average": round(os.getloadavg()[0], 1)}
     if report is not None and fault.name.startswith("healthy"):
         line["exposed_comm_share"] = (report.get("job") or {}).get("shares", {}).get("exposed_comm")
+        line["host_load"] = [load["summary"] for load in report.get("host_load", ())]
+    if draw.neighbour is not None:
+        line["neighbour"] = draw.neighbour
     if report is not None and fault.name == "comm-heavy":
         line["shares"] = {k: round(v, 3) for k, v in (report.get("job") or {}).get("shares", {}).items()}
     print(json.dumps(line), flush=True)

@@ -321,8 +321,9 @@ class Emitter(Component):
         self._memory(record, more)
         cpus = facts.host_cpu.over(record.start, record.end)
         if cpus is not None:
-            more[semconv.TRAINING_STEP_HOST_CPU_BUSY], more[semconv.TRAINING_STEP_HOST_CPU_IDLE], \
-                more[semconv.TRAINING_STEP_PROCESS_CPU] = (round(value, 3) for value in cpus)
+            more[semconv.TRAINING_STEP_HOST_CPU_BUSY] = round(cpus[0], 3)
+            more[semconv.TRAINING_STEP_HOST_CPU_IDLE] = round(cpus[1], 3)
+            more[semconv.TRAINING_STEP_PROCESS_CPU] = round(cpus[2], 3)
         if record.comm_count:
             more[semconv.COMM_COUNT] = record.comm_count
         if record.comm_dropped:

@@ -16,7 +16,6 @@ figures.
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections import deque
@@ -55,20 +54,29 @@ class HostCpu:
     def over(self, start: int, end: int) -> tuple[float, float, float] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this
         process); None when the samples do not reach back to ``start`` or the interval is empty."""
-        if self._samples and self._samples[-1][0] < end:
+        samples = self._samples
+        if samples and samples[-1][0] < end:
             self.sample()
-        samples = list(self._samples)
         if len(samples) < 2 or start < samples[0][0] or end <= start:
             return None
-        first, last = _at(samples, start), _at(samples, end)
-        return tuple(max(b - a, 0.0) / (end - start) for a, b in zip(first, last, strict=True))
+        _t, busy, idle, process = _at(samples, start)
+        _t, busy_end, idle_end, process_end = _at(samples, end)
+        seconds = end - start
+        return (max(busy_end - busy, 0.0) / seconds, max(idle_end - idle, 0.0) / seconds,
+                max(process_end - process, 0.0) / seconds)
 
 
-def _at(samples: list, when: int) -> tuple[float, ...]:
-    """The cumulative figures at ``when``, linear between the samples around it (the last one's beyond it)."""
-    for before, after in itertools.pairwise(samples):
-        if when <= after[0]:
-            span = after[0] - before[0]
-            share = (when - before[0]) / span if span > 0 else 1.0
-            return tuple(a + (b - a) * share for a, b in zip(before[1:], after[1:], strict=True))
-    return samples[-1][1:]
+def _at(samples: deque, when: int) -> tuple:
+    """The cumulative figures at ``when``, linear between the samples around it (the last one's beyond it).
+    Searched from the newest: a step is written within a drain or two of its end. (Plain arithmetic, no
+    generators: this runs once per step on the emitter's thread.)"""
+    last = samples[-1]
+    if when >= last[0]:
+        return last
+    index = len(samples) - 1
+    while index > 0 and samples[index - 1][0] > when:
+        index -= 1
+    (t0, busy0, idle0, process0), (t1, busy1, idle1, process1) = samples[index - 1], samples[index]
+    share = (when - t0) / (t1 - t0) if t1 > t0 else 1.0
+    return (when, busy0 + (busy1 - busy0) * share, idle0 + (idle1 - idle0) * share,
+            process0 + (process1 - process0) * share)

@@ -132,6 +132,43 @@ def test_three_stalls_in_eighteen_steps_are_not_beyond_chance_but_four_in_twenty
     assert (found.period, found.offset, found.steps) == (5, 0, [5, 10, 15, 20]) and found.p_value <= periodic.ALPHA
 
 
+def test_a_pattern_too_short_to_find_is_confirmed_as_one_fixed_hypothesis():
+    # 4 stalls in 12 steps fall on one of the searched classes by chance too often to pass the search,
+    # but tested as the one class another rank's search named they are beyond chance.
+    rng = random.Random(5)
+    numbers = list(range(1, 13))
+    values = [1.0 + rng.random() * 0.2 + (3.0 if n % 3 == 0 else 0.0) for n in numbers]
+    found = periodic.find_period(numbers, values, 0.0, random.Random(1))
+    assert found is None or found.p_value > periodic.ALPHA
+    confirmed = periodic.confirms(numbers, values, 3, 0, effect=3.0, rng=random.Random(1))
+    assert (confirmed.period, confirmed.offset, confirmed.steps) == (3, 0, [3, 6, 9, 12])
+    assert confirmed.p_value <= periodic.ALPHA
+    assert periodic.confirms(numbers, values, 3, 1, effect=3.0, rng=random.Random(1)) is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_noise_does_not_confirm_a_pattern(seed):
+    rng = random.Random(seed)
+    numbers = list(range(1, 13 + seed))
+    values = [1.0 + rng.random() + (rng.uniform(2, 6) if rng.random() < 0.05 else 0.0) for _ in numbers]
+    assert periodic.confirms(numbers, values, 2 + seed % 4, seed % 2, effect=0.5, rng=random.Random(seed)) is None
+
+
+def test_a_stall_on_every_rank_found_on_one_rank_only_is_still_the_jobs():
+    # Rank 1 misses one stall and has a spike elsewhere: its own search fails, the confirmation does not.
+    def extra(rank, step):
+        if step % 5 == 0 and not (rank == 1 and step == 10):
+            return {"data_wait": 150}
+        return {"data_wait": 150} if rank == 1 and step in (3, 7) else {}
+    spans = synthetic_job(20, extra=extra)
+    analysis = Analysis()
+    analysis.add(spans)
+    report = analysis.result()
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["period"], verdict["ranks"]) == ("data loading", None, 5, [0, 1])
+    assert len([f for f in report["findings"] if f.get("period")]) == 1
+
+
 def test_exposed_communication_over_its_share_is_communication():
     report = analyse(synthetic_job(8, transfer=8.0))
     verdict = report["verdict"]

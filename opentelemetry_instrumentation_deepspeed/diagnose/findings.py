@@ -6,9 +6,10 @@ least MIN_COST_SHARE of the run and holds beyond chance (a test at ALPHA, named 
 ``test``); otherwise the verdict is "none". Three analyses of the steps live here:
 
 - **periodic**: per rank and per part of its own step (data wait, forward, backward, optimizer, an
-  earlier collective, host work), a part that grows every k-th step (``periodic.find_period``).
-  When the same pattern is on every rank it is one job-wide finding; on some ranks only, it is
-  theirs, and the waits of the other ranks in those steps are its consequence;
+  earlier collective, host work), a part that grows every k-th step (``periodic.find_period``); a
+  pattern one rank's search found is then tested on the other ranks as one fixed hypothesis
+  (``periodic.confirms``). When the same pattern is on every rank it is one job-wide finding; on
+  some ranks only, it is theirs, and the waits of the other ranks in those steps are its consequence;
 - **late rank**: a rank whose own part of the step is longer than the other ranks' median, step
   after step (a one-sided Wilcoxon signed-rank test on the per-step excess), costing the time the
   others wait for it in the collectives, up to that excess;
@@ -150,9 +151,30 @@ class StepFindings:
                     best[key] = (part, pattern)
             for (period, offset), (part, pattern) in best.items():
                 by_pattern[(part, period, offset)].append((rank, part, pattern))
+        taken = defaultdict(set)  # rank -> the (period, offset) of its own patterns
+        for (_part, period, offset), members in by_pattern.items():
+            for rank, _p, _pattern in members:
+                taken[rank].add((period, offset))
+        for (part, period, offset), members in by_pattern.items():
+            self._confirm(part, period, offset, members, taken)
+            for rank, _part, pattern in members:
                 if rank not in self.patterns or pattern.cost > self.patterns[rank].cost:
                     self.patterns[rank] = pattern
         return [self._periodic_finding(part, members) for (part, _p, _o), members in by_pattern.items()]
+
+    def _confirm(self, part: str, period: int, offset: int, members: list, taken: dict) -> None:
+        """The ranks whose own search missed a pattern that another rank's found: tested for that one pattern
+        (``periodic.confirms``), they join it. A stall on every rank whose search passed on one rank only is
+        then the job's, not that rank's."""
+        found = {rank for rank, _part, _pattern in members}
+        effect = max(pattern.effect for _rank, _part, pattern in members)
+        for rank, steps in sorted(self.steady.items()):
+            if rank in found or (period, offset) in taken.get(rank, ()):
+                continue  # ... or the rank has its own pattern in those steps, in another part (one cause each)
+            pattern = periodic.confirms([s["step"] for s in steps], [s["parts"][part] for s in steps], period, offset,
+                                        effect=effect, rng=self.rng)
+            if pattern is not None:
+                members.append((rank, part, pattern))
 
     def _periodic_finding(self, part: str, members: list[tuple[int, str, periodic.Pattern]]) -> dict:
         ranks = sorted(rank for rank, _part, _pattern in members)

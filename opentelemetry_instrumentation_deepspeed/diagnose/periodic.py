@@ -126,6 +126,36 @@ def find_period(numbers: list[int], values: list[float], min_cost: float, rng: r
                    sum(max(value, 0.0) for value in excess.values()), p_value, excess)
 
 
+def confirms(numbers: list[int], values: list[float], period: int, offset: int, *, effect: float,
+             rng: random.Random) -> Pattern | None:
+    """The pattern another rank's search found (``period``, ``offset``, its median ``effect``), tested on these
+    values as one hypothesis fixed beforehand: there is no search to pay for, so a pattern too short to be
+    found by the search on its own (4 occurrences in 12 steps) can still be confirmed on a second rank. It
+    holds when at least 3/4 of the class's steps exceed the others' median by half of ``effect`` or more,
+    and the class's rank sum is reached by at most ALPHA of the shuffles."""
+    pairs = list(zip(numbers, values, strict=True))
+    inside = [index for index, (number, _value) in enumerate(pairs) if number % period == offset]
+    outside = [value for number, value in pairs if number % period != offset]
+    if len(inside) < MIN_OCCURRENCES or len(outside) < MIN_OCCURRENCES:
+        return None
+    baseline = statistics.median(outside)
+    excess = {pairs[index][0]: pairs[index][1] - baseline for index in inside}
+    if sum(value >= effect / 2 for value in excess.values()) < 0.75 * len(inside):
+        return None
+    ranks = _ranks(values)
+    observed = sum(ranks[index] for index in inside)
+    allowed = int(ALPHA * (PERMUTATIONS + 1)) - 1
+    shuffled, exceeded = list(ranks), 0
+    for _ in range(PERMUTATIONS):
+        rng.shuffle(shuffled)
+        if sum(shuffled[index] for index in inside) >= observed:
+            exceeded += 1
+            if exceeded > allowed:
+                return None
+    return Pattern(period, offset, sorted(excess), statistics.median(excess.values()),
+                   sum(max(value, 0.0) for value in excess.values()), (exceeded + 1) / (PERMUTATIONS + 1), excess)
+
+
 def _p_value(classes: _Classes, ranks: list[float], observed: tuple, count: int, rng: random.Random) -> float:
     """How often the search scores at least ``observed`` by chance; above ALPHA it may stop early."""
     if min(count, classes.n - count) >= NORMAL_FROM:

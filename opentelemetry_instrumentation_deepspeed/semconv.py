@@ -80,6 +80,8 @@ TRAINING_STEP_SEQUENCE_LENGTH = "training.step.sequence_length"  # the longest o
 TRAINING_STEP_HOST_CPU_BUSY = "training.step.host.cpu.busy"
 TRAINING_STEP_HOST_CPU_IDLE = "training.step.host.cpu.idle"
 TRAINING_STEP_PROCESS_CPU = "training.step.process.cpu"
+# ... and the share of the step the training thread was ready to run but waited for a CPU (run-queue delay)
+TRAINING_STEP_THREAD_CPU_WAIT = "training.step.thread.cpu.wait"
 # A plain PyTorch loop's data parallelism, on training.step: "ddp", "fsdp", or "none" (trace_training())
 TRAINING_PARALLELISM = "training.parallelism"
 # Pipeline parallelism (PipelineEngine): on training.step, and on the resource of the rank

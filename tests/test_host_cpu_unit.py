@@ -20,12 +20,14 @@ def with_samples(*samples) -> HostCpu:
 
 
 def test_a_step_gets_the_rates_of_the_samples_around_it():
-    # Busy 1.5 CPUs and this process 0.5 in the first second, then 2.0 and 0.25 (a neighbour came).
-    cpu = with_samples((10 * S, 0, 0, 0), (11 * S, 1.5 * S, 0.5 * S, 0.5 * S), (12 * S, 3.5 * S, 0.5 * S, 0.75 * S))
-    assert cpu.over(10 * S + S // 4, 10 * S + S // 2) == pytest.approx((1.5, 0.5, 0.5))
-    assert cpu.over(11 * S + S // 10, 11 * S + S // 5) == pytest.approx((2.0, 0.0, 0.25))
+    # Busy 1.5 CPUs and this process 0.5 in the first second, then 2.0 and 0.25 (a neighbour came), and the
+    # training thread waited 0.1 s, then 0.6 s, for a CPU.
+    cpu = with_samples((10 * S, 0, 0, 0, 0), (11 * S, 1.5 * S, 0.5 * S, 0.5 * S, 0.1 * S),
+                       (12 * S, 3.5 * S, 0.5 * S, 0.75 * S, 0.7 * S))
+    assert cpu.over(10 * S + S // 4, 10 * S + S // 2) == pytest.approx((1.5, 0.5, 0.5, 0.1))
+    assert cpu.over(11 * S + S // 10, 11 * S + S // 5) == pytest.approx((2.0, 0.0, 0.25, 0.6))
     # Across a sample, the two rates weighted by the time on each side.
-    assert cpu.over(10 * S + S // 2, 11 * S + S // 2) == pytest.approx((1.75, 0.25, 0.375))
+    assert cpu.over(10 * S + S // 2, 11 * S + S // 2) == pytest.approx((1.75, 0.25, 0.375, 0.35))
 
 
 def test_a_step_ending_after_the_last_sample_takes_a_new_one():
@@ -34,12 +36,12 @@ def test_a_step_ending_after_the_last_sample_takes_a_new_one():
     sum(range(200_000))  # this process uses some CPU
     figures = cpu.over(start, time.time_ns())
     assert figures is not None and len(cpu._samples) == 2
-    busy, idle, process = figures
-    assert busy >= 0 and idle >= 0 and process >= 0
+    busy, idle, process, waiting = figures
+    assert busy >= 0 and idle >= 0 and process >= 0 and 0 <= waiting <= 1
 
 
 def test_no_figures_before_the_first_sample_or_without_proc_stat(monkeypatch):
-    cpu = with_samples((10 * S, 0, 0, 0), (11 * S, S, 0, 0))
+    cpu = with_samples((10 * S, 0, 0, 0, 0), (11 * S, S, 0, 0, 0))
     assert cpu.over(9 * S, 10 * S + 1) is None  # the samples do not reach back to its start
     assert cpu.over(10 * S + 5, 10 * S + 5) is None  # an empty interval
 
@@ -51,3 +53,37 @@ def test_no_figures_before_the_first_sample_or_without_proc_stat(monkeypatch):
     assert cpu.over(time.time_ns() - S, time.time_ns()) is None
     cpu.sample()  # stays off, quietly
     assert not cpu._samples
+
+
+def test_without_the_threads_schedstat_only_the_wait_is_off(monkeypatch):
+    cpu = HostCpu()
+    monkeypatch.setattr(cpu, "_thread", "/proc/self/task/0/no-such-file")
+    start = time.time_ns()
+    cpu.sample()
+    sum(range(100_000))
+    busy, _idle, process, waiting = cpu.over(start, time.time_ns())
+    assert waiting is None and busy >= 0 and process >= 0
+    assert cpu._thread is None  # not read again
+
+
+def test_a_thread_kept_from_its_cpu_shows_its_wait():
+    # Two spinning processes per CPU: whatever the machine's other load, the training thread waits.
+    import os
+    import subprocess
+    import sys
+
+    cpu = HostCpu()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
+    try:
+        time.sleep(0.2)
+        start = time.time_ns()
+        cpu.sample()
+        deadline = time.perf_counter() + 0.5
+        while time.perf_counter() < deadline:
+            pass
+        waiting = cpu.over(start, time.time_ns())[3]
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert waiting > 0.3

@@ -15,11 +15,16 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   sequence length, a device is more efficient on larger batches).
 - The time per token rises at step K while the tokens per step do not: the compute got slower per
   token: a hardware or model finding (COMPUTE), not the input's. (Faster is no finding.)
-- Unless, from step K, other processes took the host's CPUs: on a host of the job, their CPU time
-  (the host's busy CPUs, ``training.step.host.cpu.busy``, less those of the job's ranks there)
-  rose by ``HOST_SHIFT`` CPUs or more and left fewer than ``HOST_IDLE`` idle. The steps are slower
-  because the host is busier (a neighbour's job), not because a device or the model got slower: no
-  finding of the job, a note on the host instead (``host_load``), which the verdict "none" quotes.
+- Unless, from step K, other processes took the host's CPUs from the job: on a host of the job,
+  their CPU time (the host's busy CPUs, ``training.step.host.cpu.busy``, less those of the job's
+  ranks there) rose by ``HOST_SHIFT`` CPUs or more and left fewer than ``HOST_IDLE`` idle, and the
+  time a training thread waited, ready to run, for a CPU (``training.step.thread.cpu.wait``; the
+  most any rank waited in the step) grew by at least ``HOST_EXPLAINS`` of the step's extra time.
+  The steps are slower because the host is busier (a neighbour's job), not because a device or the
+  model got slower: no finding of the job, a note on the host instead (``host_load``), which the
+  verdict "none" quotes. A busier host whose training threads did not wait for it (they were
+  sleeping, or waiting for a slower device, while a neighbour used the idle CPUs) leaves the
+  finding standing, as do steps without the wait measured (older files, other kernels).
 
 A change point is the split of a segment that best separates the logarithms of its values (least
 squares, both sides at least ``MIN_SEGMENT`` steps), searched again inside each side (binary
@@ -51,7 +56,8 @@ SEPARATION = 0.85  # share of each side's steps that lies on its side of the mid
 MAX_CHANGES = 4  # change points searched per series
 UNCHANGED = 1.25  # time per token within this factor (either way) reads "unchanged"
 HOST_SHIFT = 0.5  # CPUs: other processes' use of a host rose this much at a change of the time per token...
-HOST_IDLE = 0.5  # ... and left fewer idle CPUs than this: a busier host, not a slower device
+HOST_IDLE = 0.5  # ... and left fewer idle CPUs than this: a busier host, not a slower device...
+HOST_EXPLAINS = 0.5  # ... when the training threads' wait for a CPU grew by this share of the step's extra time
 
 REMEDIES = {
     "INPUT": ["check what changed in the data at that step: a new dataset mix or shard, a curriculum or "
@@ -182,7 +188,8 @@ def _duration(seconds: float) -> str:
 def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> list[dict]:
     """Per step number of the job: its time (median over ranks), tokens summed over ranks, longest sequence."""
     steps: dict[int, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0,
-                                                  "counted": 0, "ranks": {}, "trace_id": "", "cpus": {}})
+                                                  "counted": 0, "ranks": {}, "trace_id": "", "cpus": {},
+                                                  "waited": {}})
     for rank, rank_steps in by_rank.items():
         for step in rank_steps:
             entry = steps[step["step"]]
@@ -201,6 +208,9 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             cpus = tuple(attributes.get(key) for key in _CPUS)
             if None not in cpus:
                 entry["cpus"][rank] = (attributes.get(semconv.HOST_NAME), *cpus)
+            waiting = attributes.get(semconv.TRAINING_STEP_THREAD_CPU_WAIT)
+            if waiting is not None:
+                entry["waited"][rank] = waiting * step["seconds"]
     ordered = []
     for number in sorted(steps):
         entry = steps[number]
@@ -208,7 +218,9 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
         if entry["counted"] and entry["counted"] == len(entry["seconds"]) and entry["padded"] > 0:
             ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
                 key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")},
-                "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None})
+                "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None,
+                # the rank that waited the most for a CPU is the one the others wait for in the collectives
+                "waited": max(entry["waited"].values()) if len(entry["waited"]) == len(entry["seconds"]) else None})
     return ordered[1:] if len(ordered) > 3 else ordered
 
 
@@ -273,18 +285,26 @@ def _host_load(steps: list[dict], seconds: list[float], before: range, after: ra
     idle = statistics.median(h[2] for h in first), statistics.median(h[2] for h in second)
     if others[1] - others[0] < HOST_SHIFT or idle[1] >= HOST_IDLE:
         return None
+    waits = [[steps[i]["waited"] for i in side] for side in (before, after)]
+    if any(waited is None for side in waits for waited in side):
+        return None  # who was busy is known, but not whether the job waited for them
+    waited = statistics.median(waits[0]), statistics.median(waits[1])
+    time_before, time_after, cost = _cost(seconds, before, after)
+    if waited[1] - waited[0] < HOST_EXPLAINS * (time_after - time_before):
+        return None  # the job's threads were not kept from running: its own steps got slower
     hosts = [h[0] for h in second if h[0] is not None]
     host = max(set(hosts), key=hosts.count) if hosts else None
-    time_before, time_after, cost = _cost(seconds, before, after)
     change_step = steps[after[0]]["step"]
     where = f"host {host}" if host else "the host"
     return {"change_step": change_step, "host": host, "other_cpus": [round(others[0], 2), round(others[1], 2)],
             "idle_cpus": [round(idle[0], 2), round(idle[1], 2)],
+            "waited_seconds": [round(waited[0], 6), round(waited[1], 6)],
             "step_seconds": [round(time_before, 6), round(time_after, 6)], "cost_seconds": cost,
             "summary": f"from step {change_step} the steps took {_factor(time_after / time_before)} as long "
                        f"({time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms) while other processes on {where} "
-                       f"used {others[1]:.1f} CPUs ({others[0]:.1f} before) and left {idle[1]:.1f} idle: a busier "
-                       "host, not this job"}
+                       f"used {others[1]:.1f} CPUs ({others[0]:.1f} before) and left {idle[1]:.1f} idle; the "
+                       f"training thread waited {(waited[1] - waited[0]) * 1e3:.1f} ms more per step for a CPU: "
+                       "a busier host, not this job"}
 
 
 def _cost(seconds: list[float], before: range, after: range) -> tuple[float, float, float]:

@@ -12,11 +12,20 @@ second, while steps close), and a step gets the figures interpolated between the
 its start and its end: the averages over the half second or so around it. A sustained change, what
 ``diagnose`` compares, shows in full. Where ``/proc/stat`` cannot be read (not Linux) there are no
 figures.
+
+Who is busy is not yet who is slowed: a neighbour may take CPUs this job leaves idle while it
+waits (a sleeping loader, a slower device). The training thread's own run-queue delay, the time it
+was ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second field), measures the
+cost to this job directly, as a share of the step. The thread that builds the engine is taken as
+the one that trains it, as the hang watchdog takes it. Where the file is missing (a kernel without
+``CONFIG_SCHED_INFO``) that figure alone is off.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
 from collections import deque
 
@@ -27,11 +36,14 @@ _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /pr
 class HostCpu:
     """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
 
-    __slots__ = ("_on", "_samples")
+    __slots__ = ("_on", "_samples", "_thread")
 
     def __init__(self):
         self._on = True
-        self._samples: deque = deque(maxlen=KEEP)  # (time.time_ns(), host busy, host idle, process): ns
+        self._thread: str | None = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        # (time.time_ns(), host busy, host idle, process, the training thread's run-queue delay): ns; the delay is
+        # NaN once unreadable, which every difference and interpolation carries through to "not measured".
+        self._samples: deque = deque(maxlen=KEEP)
         self.sample()
 
     def sample(self) -> None:
@@ -49,21 +61,32 @@ class HostCpu:
         user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
         busy = (user + nice + system + irq + softirq + steal) * _TICK
         self._samples.append((time.time_ns(), busy, (idle + iowait) * _TICK,
-                              (times.user + times.system) * 1e9))
+                              (times.user + times.system) * 1e9, self._waited()))
 
-    def over(self, start: int, end: int) -> tuple[float, float, float] | None:
+    def _waited(self) -> float:
+        if self._thread is not None:
+            try:
+                with open(self._thread, "rb") as schedstat:
+                    return float(schedstat.read().split()[1])
+            except (OSError, ValueError, IndexError):
+                self._thread = None  # another kernel, or the thread has ended: this figure stays off
+        return math.nan
+
+    def over(self, start: int, end: int) -> tuple[float, float, float, float | None] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this
-        process); None when the samples do not reach back to ``start`` or the interval is empty."""
+        process, and the share of the interval the training thread waited for a CPU, or None where unmeasured);
+        None when the samples do not reach back to ``start`` or the interval is empty."""
         samples = self._samples
         if samples and samples[-1][0] < end:
             self.sample()
         if len(samples) < 2 or start < samples[0][0] or end <= start:
             return None
-        _t, busy, idle, process = _at(samples, start)
-        _t, busy_end, idle_end, process_end = _at(samples, end)
+        _t, busy, idle, process, waited = _at(samples, start)
+        _t, busy_end, idle_end, process_end, waited_end = _at(samples, end)
         seconds = end - start
+        waiting = (waited_end - waited) / seconds
         return (max(busy_end - busy, 0.0) / seconds, max(idle_end - idle, 0.0) / seconds,
-                max(process_end - process, 0.0) / seconds)
+                max(process_end - process, 0.0) / seconds, None if math.isnan(waiting) else max(waiting, 0.0))
 
 
 def _at(samples: deque, when: int) -> tuple:
@@ -76,7 +99,7 @@ def _at(samples: deque, when: int) -> tuple:
     index = len(samples) - 1
     while index > 0 and samples[index - 1][0] > when:
         index -= 1
-    (t0, busy0, idle0, process0), (t1, busy1, idle1, process1) = samples[index - 1], samples[index]
+    (t0, busy0, idle0, process0, waited0), (t1, busy1, idle1, process1, waited1) = samples[index - 1], samples[index]
     share = (when - t0) / (t1 - t0) if t1 > t0 else 1.0
     return (when, busy0 + (busy1 - busy0) * share, idle0 + (idle1 - idle0) * share,
-            process0 + (process1 - process0) * share)
+            process0 + (process1 - process0) * share, waited0 + (waited1 - waited0) * share)

@@ -99,18 +99,34 @@ def draw_healthy_neighbour(rng: random.Random) -> Draw:
                                                       round(rng.uniform(1.0, 4.0), 1)))
 
 
+# The periodicity test's bound (docs/diagnose.md, "Findings and the verdict"): four stalls every 3rd step in
+# the 11-13 steps counted of a 12-14 step run stand at alpha even when each is the slowest step (p = 0.008 to
+# 0.010 by the arrangements alone), so the stall classes run 16 steps or more; below is the class of its own.
+MIN_STALL_STEPS = 16
+
+
+def _stall_steps(rng: random.Random, every: int) -> int:
+    return max(every * rng.randint(4, 5) + rng.randint(0, every - 1), MIN_STALL_STEPS)  # four or five stalls
+
+
 def draw_loader_stall_rank(rng: random.Random) -> Draw:
     rank, every, stall = rng.randint(0, 1), rng.randint(3, 6), rng.randint(80, 300)
-    steps = every * rng.randint(4, 5) + rng.randint(0, every - 1)  # four or five stalls
-    return Draw(["--steps", str(steps), "--stall-every", str(every), "--stall-ms", str(stall), "--stall-rank",
-                 str(rank), *_zero(rng)], Expected("data loading", rank, every, 0, "data_wait"))
+    return Draw(["--steps", str(_stall_steps(rng, every)), "--stall-every", str(every), "--stall-ms", str(stall),
+                 "--stall-rank", str(rank), *_zero(rng)], Expected("data loading", rank, every, 0, "data_wait"))
 
 
 def draw_loader_stall_all(rng: random.Random) -> Draw:
     every, stall = rng.randint(3, 6), rng.randint(80, 300)
-    steps = every * rng.randint(4, 5) + rng.randint(0, every - 1)
-    return Draw(["--steps", str(steps), "--stall-every", str(every), "--stall-ms", str(stall), *_zero(rng)],
-                Expected("data loading", None, every, 0, "data_wait"))
+    return Draw(["--steps", str(_stall_steps(rng, every)), "--stall-every", str(every), "--stall-ms", str(stall),
+                 *_zero(rng)], Expected("data loading", None, every, 0, "data_wait"))
+
+
+def draw_loader_stall_short(rng: random.Random) -> Draw:
+    """At the test's bound: four stalls every 3rd step in a 12-14 step run, on one rank or on every rank."""
+    rank, stall = rng.choice((0, 1, None)), rng.randint(80, 300)
+    where = [] if rank is None else ["--stall-rank", str(rank)]
+    return Draw(["--steps", str(rng.randint(12, 14)), "--stall-every", "3", "--stall-ms", str(stall), *where,
+                 *_zero(rng)], Expected("data loading", rank, 3, 0, "data_wait"))
 
 
 def draw_slow_rank(rng: random.Random) -> Draw:
@@ -238,9 +254,11 @@ CLASSES = [
                notes="2 ranks, 300-600 steps; from 1-4 s into the run another 2-rank job or 1-3 spinning processes "
                "take the host's CPUs"),
     FaultClass("loader-stall-rank", draw_loader_stall_rank,
-               notes="one rank's loader stalls 80-300 ms every 3rd-6th step, 4-5 times"),
+               notes="one rank's loader stalls 80-300 ms every 3rd-6th step, 4-5 times, 16 steps or more"),
     FaultClass("loader-stall-all", draw_loader_stall_all,
-               notes="every rank's loader stalls 80-300 ms every 3rd-6th step"),
+               notes="every rank's loader stalls 80-300 ms every 3rd-6th step, 16 steps or more"),
+    FaultClass("loader-stall-short", draw_loader_stall_short,
+               notes="at the test's bound: 4 stalls every 3rd step in 12-14 steps, one rank or every rank"),
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),
     FaultClass("comm-heavy", draw_comm_heavy, notes="each backward all-reduces a 32-64 MiB buffer too, ZeRO 0-2"),
     FaultClass("input-shift", draw_input_shift, judge_change, notes="sequence length x2, x4 or /2 at a random step"),

@@ -129,7 +129,8 @@ class CommObserver(Component):
         group.sequence += 1
         if spec.peer_name is not None:
             call.peer = spec.peer(args, kwargs)
-        recorder = registry.active()
+        # registry.active() inline for one engine: a frame fewer per collective.
+        recorder = registry.active() if registry._several else registry._active
         if recorder is not None:
             recorder.comm_issued(call, self._spans)
         if not call.in_step:

@@ -279,11 +279,22 @@ def in_flight_between_steps() -> Collective | None:
                default=None)
 
 
+# The fail-open guards of issued() and completed(), inline in the wrapper below: the same checks and
+# the same report, without the guard's frame (two per collective, the most frequent call of a step).
+_issue = CommObserver.issued.__wrapped__
+_complete = CommObserver.completed.__wrapped__
+
+
 def _collective_wrapper(observer: CommObserver, spec: OpSpec):
     def wrapper(wrapped, instance, args, kwargs):
         if (session.silent and not observer.explicit) or getattr(_guard, "inside", False):
             return wrapped(*args, **kwargs)
-        call = observer.issued(spec, args, kwargs)
+        call = None
+        if not observer.broken:
+            try:
+                call = _issue(observer, spec, args, kwargs)
+            except Exception:  # noqa: BLE001 - ours only: the user's call below is outside this try
+                observer.fail(_issue.__qualname__)
         _guard.inside = True
         try:
             result = wrapped(*args, **kwargs)
@@ -292,7 +303,11 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec):
             raise
         finally:
             _guard.inside = False
-        observer.completed(call, result)
+        if call is not None and not observer.broken:
+            try:
+                _complete(observer, call, result)
+            except Exception:  # noqa: BLE001 - ours only
+                observer.fail(_complete.__qualname__)
         return result
 
     return wrapper

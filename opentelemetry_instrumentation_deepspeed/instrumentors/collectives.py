@@ -144,7 +144,10 @@ class OpSpec:
             data_bytes, tensor = 0, None
         else:
             data = args[self.data_index] if 0 <= self.data_index < count else kwargs.get(self.data_name)
-            data_bytes, tensor = _tensor_bytes(data)
+            if hasattr(data, "element_size"):  # one tensor, the usual case: _tensor_bytes's answer without its frame
+                data_bytes, tensor = data.element_size() * data.nelement(), data
+            else:
+                data_bytes, tensor = _tensor_bytes(data)
         is_async = self.always_async or bool(
             args[self.async_index] if 0 <= self.async_index < count else kwargs.get("async_op", False))
         return group, data_bytes, tensor, is_async

@@ -22,6 +22,7 @@ from opentelemetry_instrumentation_deepspeed.instrumentors import pipeline
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
 from opentelemetry_instrumentation_deepspeed.package import _instruments
 from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
@@ -64,7 +65,6 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     from opentelemetry_instrumentation_deepspeed.export.spans import SpanWriter
     from opentelemetry_instrumentation_deepspeed.export.training_metrics import TrainingMetrics, flops_per_token
     from opentelemetry_instrumentation_deepspeed.recording import profiler
-    from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
     from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
     session.end_with_the_process()
@@ -123,34 +123,64 @@ def _device_scalars(cuda):
         return None
 
 
+# The wrappers read the registry's dict themselves, and the fail-open guards of the recorder's
+# methods are inline below (the method's __wrapped__ in a try of the wrapper's own, the same checks
+# and the same report): recorder_for() and a guard would be two more Python frames per phase, and
+# at ~80 calls per step the number of frames is most of what a step pays. The user's call is never
+# inside those tries. A broken recorder's methods do nothing, so its engine runs unobserved.
+_forward_started = StepRecorder.forward_started.__wrapped__
+_forward_ended = StepRecorder.forward_ended.__wrapped__
+_backward_started = StepRecorder.backward_started.__wrapped__
+_phase_ended = StepRecorder.phase_ended.__wrapped__
+_optimizer_step_started = StepRecorder.optimizer_step_started.__wrapped__
+_optimizer_step_ended = StepRecorder.optimizer_step_ended.__wrapped__
+
+
 def _forward(wrapped, instance, args, kwargs):
-    recorder = registry.recorder_for(instance)
-    if recorder is None:
+    recorder = registry._by_id.get(id(instance))
+    if recorder is None or recorder.broken:
         return wrapped(*args, **kwargs)
     if not (instance.training and sys.modules["torch"].is_grad_enabled()):
         recorder.not_training()
         return wrapped(*args, **kwargs)
-    phase = recorder.forward_started(instance, args, kwargs)
+    try:
+        phase = _forward_started(recorder, instance, args, kwargs)
+    except Exception:  # noqa: BLE001 - ours only
+        recorder.fail(_forward_started.__qualname__)
+        phase = None
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
         recorder.phase_failed(phase, error)
         raise
-    recorder.forward_ended(phase, result)
+    if not recorder.broken:
+        try:
+            _forward_ended(recorder, phase, result)
+        except Exception:  # noqa: BLE001 - ours only
+            recorder.fail(_forward_ended.__qualname__)
     return result
 
 
 def _backward(wrapped, instance, args, kwargs):
-    recorder = registry.recorder_for(instance)
-    if recorder is None:
+    recorder = registry._by_id.get(id(instance))
+    if recorder is None or recorder.broken:
         return wrapped(*args, **kwargs)
-    phase = recorder.backward_started(instance, loss=args[0] if args else kwargs.get("loss"))
+    loss = args[0] if args else kwargs.get("loss")
+    try:
+        phase = _backward_started(recorder, instance, False, loss)
+    except Exception:  # noqa: BLE001 - ours only
+        recorder.fail(_backward_started.__qualname__)
+        phase = None
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
         recorder.phase_failed(phase, error)
         raise
-    recorder.phase_ended(phase)
+    if not recorder.broken:
+        try:
+            _phase_ended(recorder, phase)
+        except Exception:  # noqa: BLE001 - ours only
+            recorder.fail(_phase_ended.__qualname__)
     return result
 
 
@@ -158,7 +188,7 @@ def _backward_prologue(wrapped, instance, args, kwargs):
     # Inside engine.backward() the phase is already open; this catches a direct loss.backward().
     recorder = None
     if not getattr(instance, "_running_engine_backward", True):
-        recorder = registry.recorder_for(instance)
+        recorder = registry._by_id.get(id(instance))
         if recorder is not None:
             recorder.backward_started(instance, direct=True)
     try:
@@ -173,7 +203,7 @@ def _backward_epilogue(wrapped, instance, args, kwargs):
     # Inside engine.backward(), its own wrapper ends the phase: only a direct loss.backward()'s is ours.
     if getattr(instance, "_running_engine_backward", True):
         return wrapped(*args, **kwargs)
-    recorder = registry.recorder_for(instance)
+    recorder = registry._by_id.get(id(instance))
     try:
         result = wrapped(*args, **kwargs)
     except BaseException as error:
@@ -186,8 +216,14 @@ def _backward_epilogue(wrapped, instance, args, kwargs):
 
 
 def _step(wrapped, instance, args, kwargs):
-    recorder = registry.recorder_for(instance)
-    phase = None if recorder is None else recorder.optimizer_step_started(instance)
+    recorder = registry._by_id.get(id(instance))
+    if recorder is None or recorder.broken:
+        return wrapped(*args, **kwargs)
+    try:
+        phase = _optimizer_step_started(recorder, instance)
+    except Exception:  # noqa: BLE001 - ours only
+        recorder.fail(_optimizer_step_started.__qualname__)
+        phase = None
     if phase is None:
         return wrapped(*args, **kwargs)
     try:
@@ -195,7 +231,11 @@ def _step(wrapped, instance, args, kwargs):
     except BaseException as error:
         recorder.phase_failed(phase, error)
         raise
-    recorder.optimizer_step_ended(instance, phase)
+    if not recorder.broken:
+        try:
+            _optimizer_step_ended(recorder, instance, phase)
+        except Exception:  # noqa: BLE001 - ours only
+            recorder.fail(_optimizer_step_ended.__qualname__)
     return result
 
 

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 _recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # The same, by id(engine), for the wrappers' lookups: a WeakKeyDictionary's get() makes a weak
 # reference each call. An entry leaves when its engine is collected, before its id can be reused.
+# The wrappers read _by_id, _active and _several themselves (a function here would be one more frame
+# per event): _by_id is cleared, never rebound.
 _by_id: dict[int, StepRecorder] = {}
 _active: StepRecorder | None = None
 _several = False  # more than one engine was built: the active one is looked for at each call

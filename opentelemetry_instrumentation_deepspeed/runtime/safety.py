@@ -40,6 +40,9 @@ def fail_open(method):
 
     A method whose parameters are all required is guarded positionally, and must be called so: on
     the training thread a ``**kwargs`` wrapper costs a dict per call, three times the call itself.
+    The hottest callers (the engine, DataLoader and collective wrappers) do without the guard's frame:
+    they call ``method.__wrapped__`` inside a ``try`` of their own, with the same ``broken`` check and
+    the same ``fail(method.__qualname__)``.
     """
     optional = any(parameter.default is not parameter.empty or parameter.kind is not parameter.POSITIONAL_OR_KEYWORD
                    for parameter in inspect.signature(method).parameters.values())

@@ -15,16 +15,16 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   sequence length, a device is more efficient on larger batches).
 - The time per token rises at step K while the tokens per step do not: the compute got slower per
   token: a hardware or model finding (COMPUTE), not the input's. (Faster is no finding.)
-- Unless, from step K, other processes took the host's CPUs from the job: on a host of the job,
-  their CPU time (the host's busy CPUs, ``training.step.host.cpu.busy``, less those of the job's
-  ranks there) rose by ``HOST_SHIFT`` CPUs or more and left fewer than ``HOST_IDLE`` idle, and the
-  time a training thread waited, ready to run, for a CPU (``training.step.thread.cpu.wait``; the
-  most any rank waited in the step) grew by at least ``HOST_EXPLAINS`` of the step's extra time.
-  The steps are slower because the host is busier (a neighbour's job), not because a device or the
-  model got slower: no finding of the job, a note on the host instead (``host_load``), which the
-  verdict "none" quotes. A busier host whose training threads did not wait for it (they were
-  sleeping, or waiting for a slower device, while a neighbour used the idle CPUs) leaves the
-  finding standing, as do steps without the wait measured (older files, other kernels).
+- Unless the job's training threads waited for a CPU from step K: take out of each step the time
+  its training thread was ready to run but had no CPU (``training.step.thread.cpu.wait`` times the
+  step; of the ranks, the one left with the least time, whose thread the others wait for), and the
+  time per token that remains does not change by ``PER_TOKEN_FACTOR``; no CPU was idle on its host
+  (under ``HOST_IDLE``). The steps are slower because the host is busier (a neighbour's job, more
+  competing processes), not because a device or the model got slower: no finding of the job, a
+  note on the host instead (``host_load``), which the verdict "none" quotes. A device or model that
+  got slower keeps its change once the wait is taken out, however loaded the host was before and
+  after; so does a thread that slept or waited for a device while a neighbour filled the idle
+  CPUs. Steps without the wait measured (older files, other kernels) keep the finding.
 
 A change point is the split of a segment that best separates the logarithms of its values (least
 squares, both sides at least ``MIN_SEGMENT`` steps), searched again inside each side (binary
@@ -55,9 +55,7 @@ PER_TOKEN_FACTOR = 1.5  # the time per token, with the tokens unchanged, to be a
 SEPARATION = 0.85  # share of each side's steps that lies on its side of the middle
 MAX_CHANGES = 4  # change points searched per series
 UNCHANGED = 1.25  # time per token within this factor (either way) reads "unchanged"
-HOST_SHIFT = 0.5  # CPUs: other processes' use of a host rose this much at a change of the time per token...
-HOST_IDLE = 0.5  # ... and left fewer idle CPUs than this: a busier host, not a slower device...
-HOST_EXPLAINS = 0.5  # ... when the training threads' wait for a CPU grew by this share of the step's extra time
+HOST_IDLE = 0.5  # CPUs: fewer idle than this on the host, and the training threads waited for one
 
 REMEDIES = {
     "INPUT": ["check what changed in the data at that step: a new dataset mix or shard, a curriculum or "
@@ -189,7 +187,7 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
     """Per step number of the job: its time (median over ranks), tokens summed over ranks, longest sequence."""
     steps: dict[int, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0,
                                                   "counted": 0, "ranks": {}, "trace_id": "", "cpus": {},
-                                                  "waited": {}})
+                                                  "unwaited": {}})
     for rank, rank_steps in by_rank.items():
         for step in rank_steps:
             entry = steps[step["step"]]
@@ -210,7 +208,7 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
                 entry["cpus"][rank] = (attributes.get(semconv.HOST_NAME), *cpus)
             waiting = attributes.get(semconv.TRAINING_STEP_THREAD_CPU_WAIT)
             if waiting is not None:
-                entry["waited"][rank] = waiting * step["seconds"]
+                entry["unwaited"][rank] = step["seconds"] * (1.0 - min(waiting, 1.0))
     ordered = []
     for number in sorted(steps):
         entry = steps[number]
@@ -219,8 +217,10 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
                 key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")},
                 "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None,
-                # the rank that waited the most for a CPU is the one the others wait for in the collectives
-                "waited": max(entry["waited"].values()) if len(entry["waited"]) == len(entry["seconds"]) else None})
+                # the step less its wait for a CPU: of the rank left with the least, whose thread the others'
+                # wait for in the collectives (theirs counts as their own time, not as a wait for a CPU)
+                "unwaited": min(entry["unwaited"].values()) if len(entry["unwaited"]) == len(entry["seconds"])
+                else None})
     return ordered[1:] if len(ordered) > 3 else ordered
 
 
@@ -275,25 +275,23 @@ def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> t
 
 
 def _host_load(steps: list[dict], seconds: list[float], before: range, after: range) -> dict | None:
-    """The host's load from the change on, where other processes took its CPUs; else None."""
+    """The host's load from the change on, where the job's threads waited for its CPUs; else None."""
     first = [steps[i]["host"] for i in before if steps[i]["host"] is not None]
     second = [steps[i]["host"] for i in after if steps[i]["host"] is not None]
-    if len(first) < MIN_SEGMENT or len(second) < MIN_SEGMENT:
-        return None  # not measured (an older version's files, not Linux)
+    unwaited = [[steps[i]["unwaited"] for i in side] for side in (before, after)]
+    if len(first) < MIN_SEGMENT or len(second) < MIN_SEGMENT or None in unwaited[0] + unwaited[1]:
+        return None  # not measured (an older version's files, not Linux): the finding stands
+    idle = statistics.median(h[2] for h in first), statistics.median(h[2] for h in second)
+    rest = [statistics.median(unwaited[side][k] / steps[i]["padded"] for k, i in enumerate(indices))
+            for side, indices in enumerate((before, after))]
+    if idle[1] >= HOST_IDLE or rest[1] >= PER_TOKEN_FACTOR * rest[0]:
+        return None  # with the wait taken out the change remains: the job's own steps got slower
     others = (max(statistics.median(h[1] for h in first), 0.0),  # the ranks' own readings may exceed the host's
               max(statistics.median(h[1] for h in second), 0.0))
-    idle = statistics.median(h[2] for h in first), statistics.median(h[2] for h in second)
-    if others[1] - others[0] < HOST_SHIFT or idle[1] >= HOST_IDLE:
-        return None
-    waits = [[steps[i]["waited"] for i in side] for side in (before, after)]
-    if any(waited is None for side in waits for waited in side):
-        return None  # who was busy is known, but not whether the job waited for them
-    waited = statistics.median(waits[0]), statistics.median(waits[1])
-    time_before, time_after, cost = _cost(seconds, before, after)
-    if waited[1] - waited[0] < HOST_EXPLAINS * (time_after - time_before):
-        return None  # the job's threads were not kept from running: its own steps got slower
     hosts = [h[0] for h in second if h[0] is not None]
     host = max(set(hosts), key=hosts.count) if hosts else None
+    time_before, time_after, cost = _cost(seconds, before, after)
+    waited = [statistics.median(seconds[i] - steps[i]["unwaited"] for i in side) for side in (before, after)]
     change_step = steps[after[0]]["step"]
     where = f"host {host}" if host else "the host"
     return {"change_step": change_step, "host": host, "other_cpus": [round(others[0], 2), round(others[1], 2)],
@@ -301,10 +299,10 @@ def _host_load(steps: list[dict], seconds: list[float], before: range, after: ra
             "waited_seconds": [round(waited[0], 6), round(waited[1], 6)],
             "step_seconds": [round(time_before, 6), round(time_after, 6)], "cost_seconds": cost,
             "summary": f"from step {change_step} the steps took {_factor(time_after / time_before)} as long "
-                       f"({time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms) while other processes on {where} "
-                       f"used {others[1]:.1f} CPUs ({others[0]:.1f} before) and left {idle[1]:.1f} idle; the "
-                       f"training thread waited {(waited[1] - waited[0]) * 1e3:.1f} ms more per step for a CPU: "
-                       "a busier host, not this job"}
+                       f"({time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms) while the training thread waited "
+                       f"{waited[0] * 1e3:.1f} -> {waited[1] * 1e3:.1f} ms per step for a CPU of {where} (other "
+                       f"processes used {others[0]:.1f} -> {others[1]:.1f} CPUs, {idle[1]:.1f} idle); without "
+                       f"that wait, the time per token {_factor(rest[1] / rest[0])}: a busier host, not this job"}
 
 
 def _cost(seconds: list[float], before: range, after: range) -> tuple[float, float, float]:

@@ -18,11 +18,12 @@ MS = 1_000_000  # nanoseconds
 
 
 def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None, spikes: float = 0.0,
-                  transfer: float = 1.0) -> list[Span]:
+                  transfer: float = 1.0, cpu_wait=None) -> list[Span]:
     """Spans of a data-parallel job: per step data wait, forward, backward ending in a synchronous
     all-reduce, optimizer step ending in a synchronous all-gather. ``extra(rank, step)`` returns
     {part: extra milliseconds}; ``spikes``: the chance of a random 20-60 ms spike in a part of a step;
-    ``transfer`` scales the collectives' transfer time.
+    ``transfer`` scales the collectives' transfer time; ``cpu_wait(rank, step)``: the share of the step the
+    rank's training thread waited for a CPU.
     Collectives end for everyone once the last rank arrives, so the others wait for a late rank."""
     rng = random.Random(seed)
     spans, clock, sequence = [], 1_700_000_000_000 * MS, 0
@@ -63,7 +64,8 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
                 now[rank] = done + rank * 0.05 * MS
                 span(phase, rank, step, backward_start[rank], now[rank])
         for rank in range(ranks):
-            span(semconv.SPAN_STEP, rank, step, starts[rank], now[rank] + 0.2 * MS)
+            waited = {semconv.TRAINING_STEP_THREAD_CPU_WAIT: cpu_wait(rank, step)} if cpu_wait else {}
+            span(semconv.SPAN_STEP, rank, step, starts[rank], now[rank] + 0.2 * MS, **waited)
         clock = max(now.values()) + 0.3 * MS
     return spans
 
@@ -105,6 +107,20 @@ def test_a_slow_rank_is_named_with_the_phase_that_makes_it_late(rank, phase):
     assert verdict["chain"]["waiting"][str(1 - rank)] == pytest.approx(0.03, rel=0.25)
     assert report["straggler"]["rank"] == rank
     assert report["straggler"]["extra_compute_seconds"] == pytest.approx(0.03, rel=0.25)
+
+
+def test_a_rank_late_because_its_thread_waited_for_a_cpu_is_its_hosts_not_a_straggler():
+    # Rank 1's backward 30 ms longer, and its training thread waited for a CPU 45% of its ~60 ms steps (rank 0:
+    # 5%): with that extra wait taken out, what is left of the excess is under the rule's 20% of the step. The
+    # same lateness without the extra wait stays a straggler.
+    late = lambda r, _step: {"backward": 30} if r == 1 else {}  # noqa: E731
+    report = analyse(synthetic_job(16, extra=late, cpu_wait=lambda r, _step: 0.45 if r == 1 else 0.05))
+    assert report["verdict"]["layer"] == "none" and report["findings"] == [], report["verdict"]
+    [note] = report["host_load"]
+    assert (note["rank"], note["phase"]) == (1, "backward") and note["extra_wait_seconds"] > 0.6 * note["extra_seconds"]
+    assert "a busier host under rank 1, not its compute" in report["verdict"]["summary"]
+    report = analyse(synthetic_job(16, extra=late, cpu_wait=lambda r, _step: 0.05))
+    assert (report["verdict"]["layer"], report["verdict"]["rank"]) == ("straggler", 1) and report["host_load"] == []
 
 
 def test_a_single_process_stall_carries_its_rank():

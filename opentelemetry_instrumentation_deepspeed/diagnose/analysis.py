@@ -36,6 +36,7 @@ class _Step:
     start: int = 0
     end: int = 0
     seen: bool = False
+    cpu_wait: float | None = None  # the share of the step its training thread waited for a CPU
     phases: list = field(default_factory=list)  # (part, start, end)
     comm: list = field(default_factory=list)  # synchronous collectives: (start, end, group, sequence)
 
@@ -154,6 +155,7 @@ class Analysis:
                 if not step.seen or span.end > step.end:  # a retried step keeps its last attempt
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
+                    step.cpu_wait = span.attributes.get(semconv.TRAINING_STEP_THREAD_CPU_WAIT)
                     step.seen = True
                 self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
@@ -219,6 +221,7 @@ class Analysis:
         # change points): ranked with the others by the time they cost.
         model = self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)
         changes, result["host_load"] = inputs.findings(self._inputs, job, by_rank)
+        result["host_load"] += steps.host_load
         result["findings"] = findings_module.ranked(result["findings"] + model + changes)
         result["verdict"] = (result["findings"][0] if result["findings"]
                              else findings_module.none(_quiet(job_summary, result["host_load"])))
@@ -334,7 +337,8 @@ class Analysis:
         total = step.end - step.start
         parts["unaccounted"] = max(total - sum(parts.values()), 0)
         return {"step": step.number, "trace_id": step.trace_id, "seconds": total / 1e9,
-                "parts": {name: value / 1e9 for name, value in parts.items()}}
+                "parts": {name: value / 1e9 for name, value in parts.items()},
+                "cpu_wait": None if step.cpu_wait is None else min(step.cpu_wait, 1.0) * total / 1e9}
 
     def _last_arrival(self, job: str, group, sequence) -> int | None:
         """When the last rank arrived at a collective; computed once per collective, not once per rank."""

@@ -119,6 +119,8 @@ class StepFindings:
         self.step_seconds = statistics.median(medians) if medians else 0.0
         self.rng = random.Random(seed)  # the permutation tests: the same report for the same input
         self.patterns: dict[int, periodic.Pattern] = {}  # rank -> its costliest periodic pattern
+        self.host_load: list[dict] = []  # late ranks whose lateness was their wait for a CPU (_waited_for_cpu)
+        self.cpu_waits = {rank: {s["step"]: s.get("cpu_wait") for s in steps} for rank, steps in steady.items()}
 
     def all(self) -> list[dict]:
         if not self.run_seconds:
@@ -268,6 +270,8 @@ class StepFindings:
             # Late because its previous collective ended later: that is communication, judged by its share.
             if part == "exposed_comm" or (rank, part) in covered:
                 continue
+            if self._waited_for_cpu(rank, part, numbers, excess):
+                continue
             late = [step for step in numbers if self.waits.late_rank(step)[0] == rank]
             lateness = self.waits.lateness.get(rank, [])
             traces = self.traces.get(rank, {})
@@ -291,6 +295,28 @@ class StepFindings:
                 chain={"late_ranks": [rank], "phase": part,
                        "waiting": {str(r): s for r, s in sorted(waiting.items()) if s > 0}}))
         return found
+
+    def _waited_for_cpu(self, rank: int, part: str, numbers: list[int], excess: dict[int, float]) -> bool:
+        """Whether the rank is late because its training thread waited for a CPU more than the others' did: with
+        that extra wait taken out of its excess, the excess no longer reaches the rule's share of the step. Then
+        its host, not its compute, made it late: a note (``host_load``), not a finding. Unmeasured waits: False."""
+        extra = {}
+        for step in numbers:
+            waits = {other: self.cpu_waits[other].get(step) for other in self.steady}
+            if None in waits.values():
+                return False
+            extra[step] = waits[rank] - statistics.median(w for other, w in waits.items() if other != rank)
+        remaining = statistics.median(excess[step] - max(extra[step], 0.0) for step in numbers)
+        if remaining >= LATE_STEP_SHARE * self.step_seconds:
+            return False
+        waited = statistics.median(extra.values())
+        self.host_load.append({
+            "rank": rank, "phase": part, "extra_seconds": round(statistics.median(excess.values()), 6),
+            "extra_wait_seconds": round(waited, 6),
+            "summary": f"rank {rank}'s {WHAT[part]} took {_ms(statistics.median(excess.values()))} longer than the "
+                       f"other ranks' (median per step) while its training thread waited {_ms(waited)} more per step "
+                       f"for a CPU than theirs: a busier host under rank {rank}, not its compute"})
+        return True
 
     def straggler(self, findings: list[dict]) -> dict | None:
         """The former ``straggler`` block of the report, from a late-rank finding whose cause is compute."""

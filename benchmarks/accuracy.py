@@ -24,6 +24,7 @@ arguments, the launcher and the expected diagnosis, and optionally its own ``jud
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -345,9 +346,16 @@ class Neighbour:
                                                        stderr=subprocess.DEVNULL, start_new_session=True))
 
     def stop(self) -> None:
+        import psutil
+
         self.ended.set()
         with self.lock:
             for process in self.processes:
+                # torchrun starts its workers in sessions of their own: its process group alone leaves them running
+                with contextlib.suppress(psutil.Error):
+                    for child in psutil.Process(process.pid).children(recursive=True):
+                        with contextlib.suppress(psutil.Error):
+                            child.kill()
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 

@@ -139,10 +139,19 @@ def test_steps_slowed_by_a_neighbour_taking_the_cpus_are_no_finding_of_the_job(s
     assert "-> 1.1 CPUs, 0.0 idle); without that wait, the time per token " in report["verdict"]["summary"]
 
 
+# A neighbour that takes the CPUs the job leaves idle while it waits for its slower device: the host is as busy,
+# but the training threads hardly wait for a CPU (the compute slowdowns of a sitting beside the test suite).
+# A host loaded throughout, the threads waiting half of every step: the waits grow with the compute, but their
+# share does not, and the step less its waits keeps the change.
+SLOWER_DEVICE = {
+    "as a neighbour starts": lambda at, seed: neighbour_from(at, (0.03, random.Random(seed).uniform(0, 0.2))),
+    "on a host loaded throughout": lambda at, _seed: neighbour_from(at, (0.5, 0.5), cpus=(NEIGHBOUR, NEIGHBOUR)),
+}
+
+
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_slower_device_as_a_neighbour_starts_is_still_compute(seed):
-    # The neighbour takes the CPUs the job leaves idle while it waits for its slower device: the host is as busy,
-    # but the training threads hardly wait for a CPU (the compute slowdown of a sitting beside the test suite).
+@pytest.mark.parametrize("host", SLOWER_DEVICE)
+def test_a_slower_device_is_compute_whoever_else_is_busy(host, seed):
     # Seven steps or more each side (one spike among five fails the 85% separation): where a change point can
     # be found at all is the compute test's matter.
     rng = random.Random(2000 + seed)
@@ -150,22 +159,8 @@ def test_a_slower_device_as_a_neighbour_starts_is_still_compute(seed):
     at = rng.randint(9, steps - 6)
     factor = rng.uniform(2, 4)
     report = diagnose(run_spans(rng, steps, lambda step: 64, per_token=lambda step: factor if step >= at else 1.0,
-                                cpus=neighbour_from(at, (0.03, random.Random(seed).uniform(0.0, 0.2)))))
+                                cpus=SLOWER_DEVICE[host](at, seed)))
     # (Two noise spikes just before the change can draw it two steps early: the change point is not the matter here.)
-    assert report["verdict"]["layer"] == "COMPUTE" and abs(report["verdict"]["change_step"] - at) <= 2
-    assert report["host_load"] == []
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_compute_that_got_slower_on_a_host_loaded_throughout_is_still_compute(seed):
-    # The training threads wait for a CPU half of every step, before and after: the waits grow with the compute,
-    # but their share does not, and the step less its waits keeps the change.
-    rng = random.Random(2000 + seed)
-    steps = rng.randint(20, 60)
-    at = rng.randint(9, steps - 6)
-    factor = rng.uniform(2, 4)
-    report = diagnose(run_spans(rng, steps, lambda step: 64, per_token=lambda step: factor if step >= at else 1.0,
-                                cpus=neighbour_from(at, (0.5, 0.5), cpus=(NEIGHBOUR, NEIGHBOUR))))
     assert report["verdict"]["layer"] == "COMPUTE" and abs(report["verdict"]["change_step"] - at) <= 2
     assert report["host_load"] == []
 

@@ -217,8 +217,8 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
                 key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")},
                 "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None,
-                # the step less its wait for a CPU: of the rank left with the least, whose thread the others'
-                # wait for in the collectives (theirs counts as their own time, not as a wait for a CPU)
+                # the step less its wait for a CPU: of the rank left with the least, whose thread the others
+                # wait for in the collectives (their waiting there is not a wait for a CPU)
                 "unwaited": min(entry["unwaited"].values()) if len(entry["unwaited"]) == len(entry["seconds"])
                 else None})
     return ordered[1:] if len(ordered) > 3 else ordered

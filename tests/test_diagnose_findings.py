@@ -118,7 +118,7 @@ def test_a_rank_late_because_its_thread_waited_for_a_cpu_is_its_hosts_not_a_stra
     assert report["verdict"]["layer"] == "none" and report["findings"] == [], report["verdict"]
     [note] = report["host_load"]
     assert (note["rank"], note["phase"]) == (1, "backward") and note["extra_wait_seconds"] > 0.6 * note["extra_seconds"]
-    assert "a busier host under rank 1, not its compute" in report["verdict"]["summary"]
+    assert "a busier host under rank 1, not the rank's own work" in report["verdict"]["summary"]
     report = analyse(synthetic_job(16, extra=late, cpu_wait=lambda r, _step: 0.05))
     assert (report["verdict"]["layer"], report["verdict"]["rank"]) == ("straggler", 1) and report["host_load"] == []
 

@@ -12,7 +12,8 @@ least MIN_COST_SHARE of the run and holds beyond chance (a test at ALPHA, named 
   some ranks only, it is theirs, and the waits of the other ranks in those steps are its consequence;
 - **late rank**: a rank whose own part of the step is longer than the other ranks' median, step
   after step (a one-sided Wilcoxon signed-rank test on the per-step excess), costing the time the
-  others wait for it in the collectives, up to that excess;
+  others wait for it in the collectives, up to that excess; unless its training thread's extra wait
+  for a CPU accounts for the excess: then its host made it late (a ``host_load`` note);
 - **steady shares**: data wait or exposed communication above a share of the run's step time
   (a bootstrap over the steps: the share stays above the threshold in all but ALPHA of resamples).
 """
@@ -315,7 +316,7 @@ class StepFindings:
             "extra_wait_seconds": round(waited, 6),
             "summary": f"rank {rank}'s {WHAT[part]} took {_ms(statistics.median(excess.values()))} longer than the "
                        f"other ranks' (median per step) while its training thread waited {_ms(waited)} more per step "
-                       f"for a CPU than theirs: a busier host under rank {rank}, not its compute"})
+                       f"for a CPU than theirs: a busier host under rank {rank}, not the rank's own work"})
         return True
 
     def straggler(self, findings: list[dict]) -> dict | None:

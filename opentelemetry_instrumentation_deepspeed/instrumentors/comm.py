@@ -145,12 +145,7 @@ class CommObserver(Component):
         if call is None:
             return
         if not call.is_async:
-            # _finish inline for a synchronous call, most collectives: a frame costs about as much as its body.
-            if call.gpu_start is not None and call.failure is None:
-                call.gpu_end = call.timeline.event()
-            call.end = time.time_ns()  # last: the emitter takes a set end as complete
-            if not call.in_step and self._sdk_behind():
-                self._emitter.submit(call)
+            self._finish(call)
             return
         works = [work for work in (result if isinstance(result, (list, tuple)) else [result]) if work is not None]
         if not works:
@@ -187,7 +182,6 @@ class CommObserver(Component):
             self._finish(call)
 
     def _finish(self, call: Collective) -> None:
-        # completed() repeats this inline for a synchronous call: a change here goes there too.
         if call.gpu_start is not None and call.failure is None:
             # Recorded after the call (or its wait()): the current stream waits for the collective there.
             call.gpu_end = call.timeline.event()

@@ -215,12 +215,7 @@ class StepRecorder(Component):
     def _start(self, event: Event, data) -> Phase | None:
         record = self.open
         before = None if record is None else record.phase
-        # _fire inline: a phase start is the most frequent event, and a frame costs about as much as its body.
-        next_state, actions = self._transitions[self.state, event]
-        for action in actions:
-            action(event, data)
-        if next_state is not None:
-            self.state = next_state
+        self._fire(event, data)
         record = self.open
         phase = None if record is None else record.phase
         return phase if phase is not before else None  # a nested start is no phase of its own

@@ -79,6 +79,7 @@ def main(argv=None):
         if args.result:
             pathlib.Path(args.result).write_text(json.dumps({"losses": losses, "steps": engine.global_steps,
                                                              "weights": weights_digest(engine.module)}))
+    accelerator.end_training()  # destroys the process group, as such loops end
 
 
 if __name__ == "__main__":

@@ -108,6 +108,10 @@ def main(argv=None):
             pathlib.Path(args.result).write_text(json.dumps({"losses": losses,
                                                              "steps": trainer.state.global_step,
                                                              "weights": weights_digest(trainer.model)}))
+    # Gloo's threads outlive a group not destroyed and can abort the exit ("terminate called without an
+    # active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ def main(argv=None):
     if engine.global_rank == 0:
         print(f"losses {' '.join(f'{loss:.6f}' for loss in losses)}", flush=True)
         print(f"trained {engine.global_steps} steps ({engine.skipped_steps} skipped)", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # gloo's threads can abort an exit without it
 
 
 if __name__ == "__main__":

@@ -117,6 +117,8 @@ def main(argv=None):
         del batches  # its workers exit now, not alongside the next epoch's
     if engine.global_rank == 0:
         print(f"trained {engine.global_steps} steps ({engine.skipped_steps} skipped)", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # gloo's threads can abort an exit without it
 
 
 if __name__ == "__main__":

@@ -87,3 +87,80 @@ def test_a_thread_kept_from_its_cpu_shows_its_wait():
             spinner.kill()
             spinner.wait()
     assert waiting > 0.3
+
+
+class Facts:
+    """The emitter's StepFacts as the recorder reads it: the HostCpu made on the training thread."""
+
+    def __init__(self):
+        self.host_cpu = HostCpu()
+
+
+def steps_recorded(facts, work) -> list:
+    from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
+    from tests.test_state_machine import micro_batch
+    from tests.test_steps_unit import Engine
+
+    records, engine = [], Engine(1)
+    recorder = StepRecorder(engine, facts, records.append)
+    for do in work:
+        do()
+        micro_batch(recorder, engine)
+    return records
+
+
+def test_each_step_reads_the_training_threads_wait_as_it_closes():
+    # A step that spins beside two spinners per CPU waits for a CPU; the steps that sleep do not.
+    import os
+    import subprocess
+    import sys
+
+    def spin():
+        deadline = time.perf_counter() + 0.4
+        while time.perf_counter() < deadline:
+            pass
+
+    def sleep():
+        time.sleep(0.2)
+
+    facts = Facts()
+    spinners = []
+
+    def crowd_then_spin():
+        spinners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count()))
+        time.sleep(0.2)
+        spin()
+
+    def free_then_sleep():
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+        sleep()
+
+    try:
+        records = steps_recorded(facts, [sleep, crowd_then_spin, free_then_sleep, sleep])
+    finally:
+        free_then_sleep()
+    waits = [facts.host_cpu.waited(record.schedstat, record.end) for record in records]
+    assert waits[1] > 0.2, waits  # its own step's, not an average over the half second around it
+    assert waits[3] < 0.05, waits  # the spinners gone a step before, nothing of theirs left in it
+
+
+def test_the_wait_per_step_is_schedstats_second_field_over_the_time_between_reads():
+    # schedstat: ns on a CPU, ns waiting for one, timeslices.
+    assert HostCpu.waited((10 * S, b"5 100 3\n", b"900 400000100 4\n"), 11 * S) == pytest.approx(0.4)
+    assert HostCpu.waited(None, 11 * S) is None  # not read: the emitter takes the samples' figure
+    assert HostCpu.waited((10 * S, b"5\n", b"9\n"), 11 * S) is None  # an older format: off, not wrong
+
+
+def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):
+    import os
+
+    facts = Facts()
+    unreadable = os.open(tmp_path, os.O_RDONLY)  # a directory: every pread fails, as a closed file's would
+    facts.host_cpu.thread_stat = unreadable
+    try:
+        records = steps_recorded(facts, [lambda: None, lambda: None])
+    finally:
+        os.close(unreadable)
+    assert [record.schedstat for record in records] == [None, None]  # the steps go on, unread

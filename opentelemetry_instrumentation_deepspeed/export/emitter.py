@@ -324,8 +324,11 @@ class Emitter(Component):
             more[semconv.TRAINING_STEP_HOST_CPU_BUSY] = round(cpus[0], 3)
             more[semconv.TRAINING_STEP_HOST_CPU_IDLE] = round(cpus[1], 3)
             more[semconv.TRAINING_STEP_PROCESS_CPU] = round(cpus[2], 3)
-            if cpus[3] is not None:
-                more[semconv.TRAINING_STEP_THREAD_CPU_WAIT] = round(cpus[3], 3)
+            waited = facts.host_cpu.waited(record.schedstat, record.end)
+            if waited is None:
+                waited = cpus[3]  # the samples' average around the step
+            if waited is not None:
+                more[semconv.TRAINING_STEP_THREAD_CPU_WAIT] = round(waited, 3)
         if record.comm_count:
             more[semconv.COMM_COUNT] = record.comm_count
         if record.comm_dropped:

@@ -17,8 +17,11 @@ Who is busy is not yet who is slowed: a neighbour may take CPUs this job leaves 
 waits (a sleeping loader, a slower device). The training thread's own run-queue delay, the time it
 was ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second field), measures the
 cost to this job directly, as a share of the step. The thread that builds the engine is taken as
-the one that trains it, as the hang watchdog takes it. Where the file is missing (a kernel without
-``CONFIG_SCHED_INFO``) that figure alone is off.
+the one that trains it, as the hang watchdog takes it. That figure is read per step, not
+interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
+(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (~1.3 us, the
+kernel formats three numbers), keeping the bytes; the emitter parses them. Where the file is
+missing (a kernel without ``CONFIG_SCHED_INFO``) that figure alone is off.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import deque
 
 KEEP = 32  # samples kept: 16 s of drains, more than a queued record can lag behind
@@ -36,11 +40,16 @@ _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /pr
 class HostCpu:
     """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
 
-    __slots__ = ("_on", "_samples", "_thread")
+    __slots__ = ("__weakref__", "_on", "_samples", "_thread", "thread_stat")
 
     def __init__(self):
         self._on = True
         self._thread: str | None = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        try:  # for the recorder's read per step (os.pread on the training thread)
+            self.thread_stat: int | None = os.open(self._thread, os.O_RDONLY)
+            weakref.finalize(self, os.close, self.thread_stat).atexit = False
+        except OSError:
+            self.thread_stat = None
         # (time.time_ns(), host busy, host idle, process, the training thread's run-queue delay): ns; the delay is
         # NaN once unreadable, which every difference and interpolation carries through to "not measured".
         self._samples: deque = deque(maxlen=KEEP)
@@ -67,10 +76,21 @@ class HostCpu:
         if self._thread is not None:
             try:
                 with open(self._thread, "rb") as schedstat:
-                    return float(schedstat.read().split()[1])
+                    return _run_queue_delay(schedstat.read())
             except (OSError, ValueError, IndexError):
                 self._thread = None  # another kernel, or the thread has ended: this figure stays off
         return math.nan
+
+    @staticmethod
+    def waited(read: tuple[int, bytes, bytes] | None, end: int) -> float | None:
+        """The share of the time from a read to ``end`` the training thread waited for a CPU, from the recorder's
+        ``(time.time_ns() of a read, its bytes, the bytes read at end)``; None without them or when unreadable."""
+        if read is None or end <= read[0]:
+            return None
+        try:
+            return max(_run_queue_delay(read[2]) - _run_queue_delay(read[1]), 0.0) / (end - read[0])
+        except (ValueError, IndexError):
+            return None
 
     def over(self, start: int, end: int) -> tuple[float, float, float, float | None] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this
@@ -87,6 +107,11 @@ class HostCpu:
         waiting = (waited_end - waited) / seconds
         return (max(busy_end - busy, 0.0) / seconds, max(idle_end - idle, 0.0) / seconds,
                 max(process_end - process, 0.0) / seconds, None if math.isnan(waiting) else max(waiting, 0.0))
+
+
+def _run_queue_delay(schedstat: bytes) -> float:
+    """schedstat's second field: ns the thread spent ready to run, waiting for a CPU."""
+    return float(schedstat.split()[1])
 
 
 def _at(samples: deque, when: int) -> tuple:

@@ -18,12 +18,12 @@ MS = 1_000_000  # nanoseconds
 
 
 def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None, spikes: float = 0.0,
-                  transfer: float = 1.0, cpu_wait=None) -> list[Span]:
+                  transfer: float = 1.0, cpu_wait=None, attributes=None) -> list[Span]:
     """Spans of a data-parallel job: per step data wait, forward, backward ending in a synchronous
     all-reduce, optimizer step ending in a synchronous all-gather. ``extra(rank, step)`` returns
     {part: extra milliseconds}; ``spikes``: the chance of a random 20-60 ms spike in a part of a step;
     ``transfer`` scales the collectives' transfer time; ``cpu_wait(rank, step)``: the share of the step the
-    rank's training thread waited for a CPU.
+    rank's training thread waited for a CPU; ``attributes(rank, step)``: more attributes of its step span.
     Collectives end for everyone once the last rank arrives, so the others wait for a late rank."""
     rng = random.Random(seed)
     spans, clock, sequence = [], 1_700_000_000_000 * MS, 0
@@ -65,6 +65,8 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
                 span(phase, rank, step, backward_start[rank], now[rank])
         for rank in range(ranks):
             waited = {semconv.TRAINING_STEP_THREAD_CPU_WAIT: cpu_wait(rank, step)} if cpu_wait else {}
+            if attributes:
+                waited.update(attributes(rank, step))
             span(semconv.SPAN_STEP, rank, step, starts[rank], now[rank] + 0.2 * MS, **waited)
         clock = max(now.values()) + 0.3 * MS
     return spans

@@ -165,6 +165,30 @@ def test_a_slower_device_is_compute_whoever_else_is_busy(host, seed):
     assert report["host_load"] == []
 
 
+def test_waits_for_a_cpu_on_both_ranks_in_turn_are_the_hosts_not_the_compute():
+    # From step 20 a neighbour takes the CPUs: in each step one rank's thread waits 30 ms for one in its backward,
+    # the other's in its optimizer step (which, at random), and each rank waits for the other's wait in the next
+    # collective. Each rank's step less its own wait still holds the other's (x1.8 per token: what the rule
+    # without the ranks' wait for each other read as COMPUTE); less both, nothing changed but the host.
+    from tests.test_diagnose_findings import synthetic_job
+
+    def waits(rank, step):
+        first = random.Random(step).randrange(2)
+        return {("backward", "optimizer")[rank ^ first]: 30} if step >= 20 else {}
+
+    def host(_rank, step):
+        busy, idle, process = NEIGHBOUR if step >= 20 else ALONE
+        return {semconv.TRAINING_STEP_PADDED_TOKENS: 512, semconv.TRAINING_STEP_SEQUENCE_LENGTH: 64,
+                semconv.TRAINING_STEP_HOST_CPU_BUSY: busy, semconv.TRAINING_STEP_HOST_CPU_IDLE: idle,
+                semconv.TRAINING_STEP_PROCESS_CPU: process, semconv.HOST_NAME: "node-1"}
+
+    report = diagnose(synthetic_job(40, extra=waits, cpu_wait=lambda _rank, step: 0.33 if step >= 20 else 0.02,
+                                    attributes=host))
+    assert report["verdict"]["layer"] == "none", report["verdict"]
+    [load] = report["host_load"]
+    assert abs(load["change_step"] - 20) <= 1 and load["step_seconds"][1] > 2 * load["step_seconds"][0]
+
+
 def test_without_the_threads_wait_a_busier_host_is_not_claimed():
     # Files of a version (or a kernel) without training.step.thread.cpu.wait: the finding stands, as before.
     rng = random.Random(7)

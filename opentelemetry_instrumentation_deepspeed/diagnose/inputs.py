@@ -15,10 +15,11 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   sequence length, a device is more efficient on larger batches).
 - The time per token rises at step K while the tokens per step do not: the compute got slower per
   token: a hardware or model finding (COMPUTE), not the input's. (Faster is no finding.)
-- Unless the job's training threads waited for a CPU from step K: take out of each step the time
-  its training thread was ready to run but had no CPU (``training.step.thread.cpu.wait`` times the
-  step; of the ranks, the one left with the least time, whose thread the others wait for), and the
-  time per token that remains does not change by ``PER_TOKEN_FACTOR``; no CPU was idle on its host
+- Unless the job's training threads waited for a CPU from step K: take out of each rank's step the
+  time its training thread was ready to run but had no CPU (``training.step.thread.cpu.wait`` times
+  the step) and the time it waited for the other ranks in collectives (their waits, or their work);
+  of the ranks, the one left with the most time is the step without those waits. The time per
+  token that remains does not change by ``PER_TOKEN_FACTOR``; no CPU was idle on its host
   (under ``HOST_IDLE``). The steps are slower because the host is busier (a neighbour's job, more
   competing processes), not because a device or the model got slower: no finding of the job, a
   note on the host instead (``host_load``), which the verdict "none" quotes. A device or model that
@@ -206,9 +207,11 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             cpus = tuple(attributes.get(key) for key in _CPUS)
             if None not in cpus:
                 entry["cpus"][rank] = (attributes.get(semconv.HOST_NAME), *cpus)
-            waiting = attributes.get(semconv.TRAINING_STEP_THREAD_CPU_WAIT)
-            if waiting is not None:
-                entry["unwaited"][rank] = step["seconds"] * (1.0 - min(waiting, 1.0))
+            if step.get("cpu_wait") is not None:
+                # What the rank did on its own: the step less its wait for a CPU and its wait for the other
+                # ranks in collectives (theirs for a CPU, or their work).
+                entry["unwaited"][rank] = max(step["seconds"] - step["cpu_wait"]
+                                              - step.get("parts", {}).get("comm_wait", 0.0), 0.0)
     ordered = []
     for number in sorted(steps):
         entry = steps[number]
@@ -217,9 +220,9 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
                 key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")},
                 "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None,
-                # the step less its wait for a CPU: of the rank left with the least, whose thread the others
-                # wait for in the collectives (their waiting there is not a wait for a CPU)
-                "unwaited": min(entry["unwaited"].values()) if len(entry["unwaited"]) == len(entry["seconds"])
+                # the step without any wait for a CPU: the longest of the ranks' own work, which the others
+                # would wait for (ranks whose threads waited in turn each wait for the other's wait)
+                "unwaited": max(entry["unwaited"].values()) if len(entry["unwaited"]) == len(entry["seconds"])
                 else None})
     return ordered[1:] if len(ordered) > 3 else ordered
 

@@ -347,9 +347,22 @@ class StepFindings:
                                        ("exposed_comm", COMM_SHARE, "communication")):
             if part in covered or not numbers:
                 continue
-            # Per step, the mean over ranks of the part and of the step.
-            seconds = [statistics.fmean(self.parts[rank][step][part] for rank in self.parts) for step in numbers]
-            totals = [statistics.fmean(sum(self.parts[rank][step].values()) for rank in self.parts) for step in numbers]
+            ranks, what = list(self.parts), "data wait" if part == "data_wait" else "exposed communication"
+            summary = f"{{share:.0%}} of step time is {what}"
+            if part == "data_wait" and len(ranks) > 1:
+                # A loader slow on some ranks only is theirs: the others wait for them in collectives, not for
+                # data. The rank with the most is named, and tested on its own steps.
+                shares = {rank: sum(self.parts[rank][step][part] for step in numbers)
+                          / (sum(sum(self.parts[rank][step].values()) for step in numbers) or 1.0) for rank in ranks}
+                if min(shares.values()) <= threshold < max(shares.values()):
+                    rank = max(shares, key=shares.get)
+                    others = max(share for other, share in shares.items() if other != rank)
+                    ranks = [rank]
+                    summary = (f"rank {rank}: {{share:.0%}} of its step time is {what} (the other ranks' "
+                               f"{others:.0%} at most)")
+            # Per step, the mean over the ranks of the part and of the step.
+            seconds = [statistics.fmean(self.parts[rank][step][part] for rank in ranks) for step in numbers]
+            totals = [statistics.fmean(sum(self.parts[rank][step].values()) for rank in ranks) for step in numbers]
             share = sum(seconds) / (sum(totals) or 1.0)
             if share <= threshold or sum(seconds) < self.min_cost:
                 continue
@@ -362,14 +375,15 @@ class StepFindings:
             if p_value > ALPHA:
                 continue
             above = sum(value > threshold * total for value, total in zip(seconds, totals, strict=True))
+            one = len(ranks) == 1 and len(self.parts) > 1
             found.append(finding(
-                layer, f"{share:.0%} of step time is {'data wait' if part == 'data_wait' else 'exposed communication'}",
-                evidence=[f"{_ms(statistics.median(seconds))} per step (median, mean over ranks); above "
-                          f"{threshold:.0%} of the step in {above} of {len(numbers)} steps",
+                layer, summary.format(share=share),
+                evidence=[f"{_ms(statistics.median(seconds))} per step (median{'' if one else ', mean over ranks'}); "
+                          f"above {threshold:.0%} of the step in {above} of {len(numbers)} steps",
                           f"bootstrap over the steps: the share is at most {threshold:.0%} in {below} of "
                           f"{BOOTSTRAP} resamples (p = {p_value:.3f})"],
-                cost_seconds=sum(seconds), run_seconds=self.run_seconds, confidence=1 - p_value, phase=part,
-                test="bootstrap"))
+                rank=ranks[0] if one else None, cost_seconds=sum(seconds), run_seconds=self.run_seconds,
+                confidence=1 - p_value, phase=part, test="bootstrap"))
         return found
 
 

@@ -310,9 +310,12 @@ def run_once(draw: Draw, workdir: Path) -> tuple[dict | None, float, str]:
     finally:
         if neighbour is not None:
             neighbour.stop()
-    if completed.returncode:
+    if completed.returncode and not (workdir / "telemetry").is_dir():
         return None, 0.0, completed.stderr[-1500:]
-    return diagnose(workdir)
+    report, seconds, problem = diagnose(workdir)
+    if completed.returncode:  # a job that died still left its telemetry, which a user would diagnose
+        problem = f"exit code {completed.returncode}: {completed.stderr[-1500:]}"
+    return report, seconds, problem
 
 
 class Neighbour:
@@ -414,7 +417,8 @@ def run_live(command: list[str], env: dict, workdir: Path) -> tuple[dict | None,
     return report, seconds, problem
 
 
-def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, args) -> tuple[dict, float]:
+def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, args,  # noqa: PLR0917
+           problem: str = "") -> tuple[dict, float]:
     if report is None:
         score = {"layer": False, "rank": False, "pattern": False}
         verdict = {"layer": "run failed", "summary": ""}
@@ -431,6 +435,8 @@ def record(fault: FaultClass, draw: Draw, report: dict | None, seconds: float, a
         line["host_load"] = [load["summary"] for load in report.get("host_load", ())]
     if draw.neighbour is not None:
         line["neighbour"] = draw.neighbour
+    if report is not None and problem.startswith("exit code"):
+        line["job_exit"] = problem.split(":", 1)[0]  # diagnosed all the same
     if report is not None and fault.name == "comm-heavy":
         line["shares"] = {k: round(v, 3) for k, v in (report.get("job") or {}).get("shares", {}).items()}
     print(json.dumps(line), flush=True)
@@ -493,9 +499,9 @@ def main():
         draw = fault.draw(rng)
         workdir = Path(tempfile.mkdtemp(prefix=f"accuracy-{fault.name}-"))
         report, seconds, problem = run_once(draw, workdir)
-        if report is None:
+        if report is None or problem.startswith("exit code"):
             print(f"{fault.name} #{repetition}: the run failed: {problem}", flush=True)
-        table[fault.name].append(record(fault, draw, report, seconds, args))
+        table[fault.name].append(record(fault, draw, report, seconds, args, problem))
         if args.keep and (workdir / "telemetry").is_dir():
             kept = Path(args.keep) / f"{fault.name}-{repetition}"
             shutil.copytree(workdir / "telemetry", kept / "telemetry", dirs_exist_ok=True)

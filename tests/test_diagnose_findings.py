@@ -59,9 +59,11 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
             arrive = dict(now)
             done = max(arrive.values()) + base * MS
             for rank in range(ranks):
-                span(semconv.SPAN_COMM_PREFIX + op, rank, step, arrive[rank], done + rank * 0.05 * MS,
+                # extra "exposed_comm": the rank takes the result that much later (its threads waited for a CPU)
+                end = done + rank * 0.05 * MS + (extra(rank, step).get("exposed_comm", 0.0) * MS if extra else 0.0)
+                span(semconv.SPAN_COMM_PREFIX + op, rank, step, arrive[rank], end,
                      **{semconv.COMM_GROUP_NAME: "0", semconv.COMM_SEQUENCE: sequence, semconv.COMM_ASYNC: False})
-                now[rank] = done + rank * 0.05 * MS
+                now[rank] = end
                 span(phase, rank, step, backward_start[rank], now[rank])
         for rank in range(ranks):
             waited = {semconv.TRAINING_STEP_THREAD_CPU_WAIT: cpu_wait(rank, step)} if cpu_wait else {}

@@ -136,7 +136,8 @@ def test_steps_slowed_by_a_neighbour_taking_the_cpus_are_no_finding_of_the_job(s
     assert load["waited_seconds"][1] > 0.4 * load["step_seconds"][1] > 10 * load["waited_seconds"][0]
     assert f"from step {load['change_step']} the steps took x" in report["verdict"]["summary"]
     assert "ms per step for a CPU of host node-1 (other processes used 0." in report["verdict"]["summary"]
-    assert "-> 1.1 CPUs, 0.0 idle); without that wait, the time per token " in report["verdict"]["summary"]
+    assert ("-> 1.1 CPUs, 0.0 idle); without the waits for a CPU and for each other, the time per token "
+            in report["verdict"]["summary"])
 
 
 # A neighbour that takes the CPUs the job leaves idle while it waits for its slower device: the host is as busy,
@@ -176,17 +177,40 @@ def test_waits_for_a_cpu_on_both_ranks_in_turn_are_the_hosts_not_the_compute():
         first = random.Random(step).randrange(2)
         return {("backward", "optimizer")[rank ^ first]: 30} if step >= 20 else {}
 
-    def host(_rank, step):
-        busy, idle, process = NEIGHBOUR if step >= 20 else ALONE
+    report = diagnose(synthetic_job(40, extra=waits, cpu_wait=lambda _rank, step: 0.33 if step >= 20 else 0.02,
+                                    attributes=on_a_host_busy_from(20)))
+    assert report["verdict"]["layer"] == "none", report["verdict"]
+    [load] = report["host_load"]
+    assert abs(load["change_step"] - 20) <= 1 and load["step_seconds"][1] > 2 * load["step_seconds"][0]
+
+
+def on_a_host_busy_from(at: int):
+    """A step's padded tokens (the same in every step) and its host's CPUs: alone before ``at``, a neighbour's from."""
+    def attributes(_rank, step):
+        busy, idle, process = NEIGHBOUR if step >= at else ALONE
         return {semconv.TRAINING_STEP_PADDED_TOKENS: 512, semconv.TRAINING_STEP_SEQUENCE_LENGTH: 64,
                 semconv.TRAINING_STEP_HOST_CPU_BUSY: busy, semconv.TRAINING_STEP_HOST_CPU_IDLE: idle,
                 semconv.TRAINING_STEP_PROCESS_CPU: process, semconv.HOST_NAME: "node-1"}
 
-    report = diagnose(synthetic_job(40, extra=waits, cpu_wait=lambda _rank, step: 0.33 if step >= 20 else 0.02,
-                                    attributes=host))
+    return attributes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_slow_to_take_its_collectives_results_on_a_busy_host_is_the_hosts(seed):
+    # From step 20 rank 1's threads wait for a CPU: its training thread 15 ms in the backward, and it takes each
+    # collective's result 12 ms after rank 0 has (its communication threads' wait, which no figure measures).
+    # The transfer is the same on both ranks, so rank 1's exposed communication beyond rank 0's is its delay;
+    # counted as rank 1's own work, the change outlived the waits taken out: COMPUTE, time per token x1.8-1.9.
+    from tests.test_diagnose_findings import synthetic_job
+
+    def slower(rank, step):
+        return {"backward": 15, "exposed_comm": 12} if rank == 1 and step >= 20 else {}
+
+    report = diagnose(synthetic_job(40, seed=seed, extra=slower, attributes=on_a_host_busy_from(20),
+                                    cpu_wait=lambda rank, step: 0.21 if rank == 1 and step >= 20 else 0.02))
     assert report["verdict"]["layer"] == "none", report["verdict"]
     [load] = report["host_load"]
-    assert abs(load["change_step"] - 20) <= 1 and load["step_seconds"][1] > 2 * load["step_seconds"][0]
+    assert abs(load["change_step"] - 20) <= 1
 
 
 def test_without_the_threads_wait_a_busier_host_is_not_claimed():

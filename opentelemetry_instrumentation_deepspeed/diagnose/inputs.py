@@ -17,8 +17,10 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   token: a hardware or model finding (COMPUTE), not the input's. (Faster is no finding.)
 - Unless the job's training threads waited for a CPU from step K: take out of each rank's step the
   time its training thread was ready to run but had no CPU (``training.step.thread.cpu.wait`` times
-  the step) and the time it waited for the other ranks in collectives (their waits, or their work);
-  of the ranks, the one left with the most time is the step without those waits. The time per
+  the step) and the time it waited for the other ranks in collectives (their waits, or their work),
+  and its exposed communication beyond the least of any rank's in that step (a transfer takes the
+  same time on every rank: the rest is the rank's delay in taking its result, its threads' wait for
+  a CPU); of the ranks, the one left with the most time is the step without those waits. The time per
   token that remains does not change by ``PER_TOKEN_FACTOR``; no CPU was idle on its host
   (under ``HOST_IDLE``). The steps are slower because the host is busier (a neighbour's job, more
   competing processes), not because a device or the model got slower: no finding of the job, a
@@ -209,9 +211,10 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
                 entry["cpus"][rank] = (attributes.get(semconv.HOST_NAME), *cpus)
             if step.get("cpu_wait") is not None:
                 # What the rank did on its own: the step less its wait for a CPU and its wait for the other
-                # ranks in collectives (theirs for a CPU, or their work).
-                entry["unwaited"][rank] = max(step["seconds"] - step["cpu_wait"]
-                                              - step.get("parts", {}).get("comm_wait", 0.0), 0.0)
+                # ranks in collectives (theirs for a CPU, or their work); and its exposed communication.
+                parts = step.get("parts", {})
+                entry["unwaited"][rank] = (step["seconds"] - step["cpu_wait"] - parts.get("comm_wait", 0.0),
+                                           parts.get("exposed_comm", 0.0))
     ordered = []
     for number in sorted(steps):
         entry = steps[number]
@@ -220,11 +223,18 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
                 key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")},
                 "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None,
-                # the step without any wait for a CPU: the longest of the ranks' own work, which the others
-                # would wait for (ranks whose threads waited in turn each wait for the other's wait)
-                "unwaited": max(entry["unwaited"].values()) if len(entry["unwaited"]) == len(entry["seconds"])
+                "unwaited": _unwaited(entry["unwaited"]) if len(entry["unwaited"]) == len(entry["seconds"])
                 else None})
     return ordered[1:] if len(ordered) > 3 else ordered
+
+
+def _unwaited(ranks: dict[int, tuple[float, float]]) -> float:
+    """The step without its waits for a CPU: the longest of the ranks' own work, which the others would wait for
+    (ranks whose threads waited in turn each wait for the other's wait). A collective's transfer is the same on
+    every rank: the exposed communication a rank has beyond the least of any rank's is its own delay in taking
+    the result (its communication threads', or its training thread's, wait for a CPU), not the network's."""
+    least = min(exposed for _own, exposed in ranks.values())
+    return max(max(own - (exposed - least), 0.0) for own, exposed in ranks.values())
 
 
 _CPUS = (semconv.TRAINING_STEP_HOST_CPU_BUSY, semconv.TRAINING_STEP_HOST_CPU_IDLE, semconv.TRAINING_STEP_PROCESS_CPU)
@@ -305,7 +315,8 @@ def _host_load(steps: list[dict], seconds: list[float], before: range, after: ra
                        f"({time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms) while the training thread waited "
                        f"{waited[0] * 1e3:.1f} -> {waited[1] * 1e3:.1f} ms per step for a CPU of {where} (other "
                        f"processes used {others[0]:.1f} -> {others[1]:.1f} CPUs, {idle[1]:.1f} idle); without "
-                       f"that wait, the time per token {_factor(rest[1] / rest[0])}: a busier host, not this job"}
+                       f"the waits for a CPU and for each other, the time per token {_factor(rest[1] / rest[0])}: "
+                       "a busier host, not this job"}
 
 
 def _cost(seconds: list[float], before: range, after: range) -> tuple[float, float, float]:

@@ -127,16 +127,15 @@ def test_a_rank_late_because_its_thread_waited_for_a_cpu_is_its_hosts_not_a_stra
     assert (report["verdict"]["layer"], report["verdict"]["rank"]) == ("straggler", 1) and report["host_load"] == []
 
 
-@pytest.mark.parametrize("stalling", [0, 1, None])
-def test_data_wait_too_short_a_run_for_its_period_is_named_on_the_ranks_that_wait(stalling):
+@pytest.mark.parametrize("stalling", [0, 1])
+def test_data_wait_too_short_a_run_for_its_period_is_named_on_the_rank_that_waits(stalling):
     # 12 steps, a 280 ms stall every 3rd: too few for the periodicity test on one rank, but most of the stalling
     # rank's time. Only its data wait is high (the other rank waits in collectives): the finding is that rank's.
     report = analyse(synthetic_job(12, extra=every(3, 280, rank=stalling)))
     verdict = report["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["phase"]) == ("data loading", stalling, "data_wait"), verdict
-    if stalling is not None:
-        assert verdict["summary"].startswith(f"rank {stalling}: 7")
-        assert "of its step time is data wait (the other ranks' 0% at most)" in verdict["summary"]
+    assert verdict["summary"].startswith(f"rank {stalling}: 7")
+    assert "of its step time is data wait (the other ranks' 0% at most)" in verdict["summary"]
     assert verdict["confidence"] >= 0.99 and 0.3 < verdict["share_of_run"] < 0.9
 
 

@@ -248,7 +248,9 @@ class TinyLM(nn.Module):
         hang = getattr(self, "hang", None)
         if hang == "forward":
             block_forever()
-        started = time.perf_counter()
+        # A slowdown multiplies the compute's CPU time, not its wall time: a slower device multiplies the work,
+        # and a host that other processes fill later must not multiply the injected fault with it.
+        started = time.thread_time()
         hidden = self.embed(input_ids) + self.position[:, : input_ids.shape[1]]
         if hang == "backward":
             hidden.register_hook(lambda _gradient: block_forever())
@@ -256,14 +258,14 @@ class TinyLM(nn.Module):
         if self.slowdown > 1:  # the layers' backward too, timed from the loss down to here
             factor = self.slowdown
             hidden.register_hook(lambda _gradient: time.sleep(
-                (factor - 1) * (time.perf_counter() - backward_clock["started"])))
+                (factor - 1) * (time.thread_time() - backward_clock["started"])))
         mask = self.mask[: input_ids.shape[1], : input_ids.shape[1]].to(hidden.dtype)
         hidden = self.encoder(hidden, mask=mask, is_causal=True)
         logits = self.head(hidden)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
-            loss = _OnBackward.apply(loss, lambda: backward_clock.update(started=time.perf_counter()))
+            time.sleep((self.slowdown - 1) * (time.thread_time() - started))
+            loss = _OnBackward.apply(loss, lambda: backward_clock.update(started=time.thread_time()))
         if self.backward_delay:
             loss = _OnBackward.apply(loss, functools.partial(time.sleep, self.backward_delay))
         if self.exchange is not None:

@@ -12,15 +12,16 @@ z, which prefers the larger of two clean classes: period 5 over period 10). The 
   into a class do not make it slow);
 - be consistent: at least 3/4 of its steps carry at least half the median excess;
 - hold beyond chance: the same search (the best z over every period and offset) on the values
-  shuffled across the steps reaches the observed z in at most ALPHA of PERMUTATIONS shuffles.
-  The search is part of what is shuffled, so trying many periods and offsets is paid for. With
+  shuffled across the steps reaches the observed z in at most ``alpha`` of the shuffles
+  (``permutations(alpha)``); the caller divides ALPHA by the number of series it searches. The
+  search is part of what is shuffled, so trying many periods and offsets is paid for. With
   at least NORMAL_FROM steps in and out of the class, the normal approximation of z with a
   Bonferroni bound over every class tried is computed first, and when it already is at most ALPHA
   (a pattern of many occurrences in a long run), it is the p-value and no shuffle is made.
 
-With few steps the test is honestly weak: three slow steps in eighteen line up periodically by
-chance in about 2% of arrangements, so a pattern needs at least 4 occurrences in about 20 steps to
-pass at ALPHA = 0.01, and 3 in about 30.
+With few steps the test is honestly weak: three slow steps in nineteen line up periodically by
+chance in about 0.6% of arrangements and four in about 0.15%, so at ALPHA = 0.01 over a few series
+a pattern needs about 4 occurrences in 20 steps, and 3 in about 40.
 """
 
 from __future__ import annotations

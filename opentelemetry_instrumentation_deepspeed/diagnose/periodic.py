@@ -21,7 +21,7 @@ z, which prefers the larger of two clean classes: period 5 over period 10). The 
 
 With few steps the test is honestly weak: three slow steps in nineteen line up periodically by
 chance in about 0.6% of arrangements and four in about 0.15%, so at ALPHA = 0.01 over a few series
-a pattern needs about 4 occurrences in 20 steps, and 3 in about 40.
+a pattern needs about 4 occurrences in 20 steps, and 3 in 30 to 40.
 """
 
 from __future__ import annotations

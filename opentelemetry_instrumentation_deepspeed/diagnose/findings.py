@@ -122,7 +122,6 @@ class StepFindings:
         self.patterns: dict[int, periodic.Pattern] = {}  # rank -> its costliest periodic pattern
         self.host_load: list[dict] = []  # late ranks whose lateness was their wait for a CPU (_waited_for_cpu)
         self.cpu_waits = {rank: {s["step"]: s.get("cpu_wait") for s in steps} for rank, steps in steady.items()}
-        self.searches, self.periodic_alpha = 1, periodic.ALPHA  # the periodic searches made, the level of each
 
     def all(self) -> list[dict]:
         if not self.run_seconds:
@@ -136,17 +135,15 @@ class StepFindings:
 
     def periodic(self) -> list[dict]:
         by_pattern: dict[tuple, list[tuple[int, str, periodic.Pattern]]] = defaultdict(list)
-        searched = self._worth_a_search()
-        self.searches = max(len(searched), 1)
-        self.periodic_alpha = periodic.ALPHA / self.searches
         for rank, steps in sorted(self.steady.items()):
             numbers = [s["step"] for s in steps]
             found = []
             for part in OWN_PARTS:
-                if (rank, part) not in searched:
-                    continue
-                pattern = periodic.find_period(numbers, searched[rank, part], self.min_cost, self.rng,
-                                               self.periodic_alpha)
+                values = [s["parts"][part] for s in steps]
+                middle = statistics.median(values) if values else 0.0
+                if sum(max(value - middle, 0.0) for value in values) < self.min_cost:
+                    continue  # no pattern in these values could cost enough: skip the search
+                pattern = periodic.find_period(numbers, values, self.min_cost, self.rng)
                 if pattern:
                     found.append((part, pattern))
             # One cause per pattern: a stall shows in one part, the noise it stirs in others is not a second cause.
@@ -167,20 +164,6 @@ class StepFindings:
                 if rank not in self.patterns or pattern.cost > self.patterns[rank].cost:
                     self.patterns[rank] = pattern
         return [self._periodic_finding(part, members) for (part, _p, _o), members in by_pattern.items()]
-
-    def _worth_a_search(self) -> dict[tuple[int, str], list[float]]:
-        """(rank, part) -> its values per step, for the series in which a pattern could cost enough. Each
-        search is one more chance for noise to line up (3 slow steps of 19 do in ~0.6%), so each is made at
-        ALPHA divided by their number (Bonferroni, as the late-rank test): the job's false-alarm rate stays
-        at ALPHA."""
-        searched = {}
-        for rank, steps in sorted(self.steady.items()):
-            for part in OWN_PARTS:
-                values = [s["parts"][part] for s in steps]
-                middle = statistics.median(values) if values else 0.0
-                if sum(max(value - middle, 0.0) for value in values) >= self.min_cost:
-                    searched[rank, part] = values
-        return searched
 
     def _confirm(self, part: str, period: int, offset: int, members: list, taken: dict) -> None:
         """The ranks whose own search missed a pattern that another rank's found: tested for that one pattern
@@ -220,8 +203,7 @@ class StepFindings:
             evidence.append(f"{_ranks_text(ranks)} arrived last at the collectives in {late} of "
                             f"{len(pattern.steps)} of those steps")
         p_value = max(member[2].p_value for member in members)
-        evidence.append(f"permutation test: p = {p_value:.4f} ({periodic.permutations(self.periodic_alpha)} shuffles "
-                        f"of the steps), at most {periodic.ALPHA} over the {self.searches} series searched")
+        evidence.append(f"permutation test: p = {p_value:.3f} ({periodic.PERMUTATIONS} shuffles of the steps)")
         traces = self.traces.get(rank, {})
         slowest = sorted(pattern.steps, key=lambda step: -pattern.excess.get(step, 0.0))
         return finding(layer, summary, evidence=evidence, rank=None if everywhere else rank, step=pattern.steps[0],

@@ -12,16 +12,18 @@ z, which prefers the larger of two clean classes: period 5 over period 10). The 
   into a class do not make it slow);
 - be consistent: at least 3/4 of its steps carry at least half the median excess;
 - hold beyond chance: the same search (the best z over every period and offset) on the values
-  shuffled across the steps reaches the observed z in at most ``alpha`` of the shuffles
-  (``permutations(alpha)``); the caller divides ALPHA by the number of series it searches. The
-  search is part of what is shuffled, so trying many periods and offsets is paid for. With
+  shuffled across the steps reaches the observed z in at most ``alpha`` (ALPHA) of the shuffles
+  (``permutations(alpha)``). The search is part of what is shuffled, so trying many periods and
+  offsets is paid for. With
   at least NORMAL_FROM steps in and out of the class, the normal approximation of z with a
   Bonferroni bound over every class tried is computed first, and when it already is at most ALPHA
   (a pattern of many occurrences in a long run), it is the p-value and no shuffle is made.
 
-With few steps the test is honestly weak: three slow steps in nineteen line up periodically by
-chance in about 0.6% of arrangements and four in about 0.15%, so at ALPHA = 0.01 over a few series
-a pattern needs about 4 occurrences in 20 steps, and 3 in 30 to 40.
+With few steps the test is honestly weak. A pattern needs MIN_OCCURRENCES = 4 steps: three slow
+steps of nineteen line up on some period by chance in about 0.6% of arrangements, and a job's
+search runs over several series (each part of each rank), so noise made "every 6th step" of three
+spikes in 1 of 104 healthy runs; four line up in about 0.15%. Four occurrences pass at ALPHA =
+0.01 from about 15 steps on.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import statistics
 from dataclasses import dataclass, field
 
 MAX_PERIOD = 64
-MIN_OCCURRENCES = 3
+MIN_OCCURRENCES = 4  # a period, its phase, and two more occurrences of it: three line up by chance too often
 PERMUTATIONS = 499
 CONFIRM_PERMUTATIONS = 4999  # periodic.confirms: one fixed class
 MAX_PERMUTATIONS = 9999
@@ -79,7 +81,8 @@ class _Classes:
         self.n = n = len(numbers)
         self.mean = (n + 1) / 2
         self.classes = []  # (period, start, count, standard deviation of the class's mean rank)
-        for period in range(2, min(MAX_PERIOD, n // MIN_OCCURRENCES) + 1):
+        # Up to the longest period whose first class can still hold MIN_OCCURRENCES steps of the span.
+        for period in range(2, min(MAX_PERIOD, (self.length - 1) // (MIN_OCCURRENCES - 1)) + 1):
             for start in range(period):
                 count = sum(present[start::period])
                 if MIN_OCCURRENCES <= count <= n - MIN_OCCURRENCES:

@@ -19,7 +19,7 @@ was ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second fie
 cost to this job directly, as a share of the step. The thread that builds the engine is taken as
 the one that trains it, as the hang watchdog takes it. That figure is read per step, not
 interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
-(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (~1.3 us, the
+(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a warm loop, the
 kernel formats three numbers), keeping the bytes; the emitter parses them. Where the file is
 missing (a kernel without ``CONFIG_SCHED_INFO``) that figure alone is off.
 """

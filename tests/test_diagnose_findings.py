@@ -151,13 +151,13 @@ def test_healthy_jobs_with_noise_spikes_raise_no_finding(seed):
     assert report["findings"] == [] and report["verdict"]["layer"] == "none", report["verdict"]
 
 
-def test_three_stalls_in_eighteen_steps_are_not_beyond_chance_but_four_in_twenty_are():
-    # Exchangeability bounds any test: 3 slow steps of 18 fall on one period by chance in ~1%.
+def test_three_stalls_are_no_pattern_but_four_in_twenty_are():
+    # 3 slow steps of 18 fall on one period by chance in ~1%, and a job searches several series: a pattern
+    # needs four occurrences, however clean three are.
     rng = random.Random(3)
     numbers = list(range(2, 20))
     values = [1.0 + rng.random() * 0.01 + (5.0 if n % 6 == 0 else 0.0) for n in numbers]
-    found = periodic.find_period(numbers, values, 0.0, random.Random(1))
-    assert found is None or found.p_value > 0.005
+    assert periodic.find_period(numbers, values, 0.0, random.Random(1)) is None
     numbers = list(range(2, 21))
     values = [1.0 + rng.random() * 0.01 + (5.0 if n % 5 == 0 else 0.0) for n in numbers]
     found = periodic.find_period(numbers, values, 0.0, random.Random(1))

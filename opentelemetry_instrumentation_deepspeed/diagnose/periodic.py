@@ -12,9 +12,8 @@ z, which prefers the larger of two clean classes: period 5 over period 10). The 
   into a class do not make it slow);
 - be consistent: at least 3/4 of its steps carry at least half the median excess;
 - hold beyond chance: the same search (the best z over every period and offset) on the values
-  shuffled across the steps reaches the observed z in at most ``alpha`` (ALPHA) of the shuffles
-  (``permutations(alpha)``). The search is part of what is shuffled, so trying many periods and
-  offsets is paid for. With
+  shuffled across the steps reaches the observed z in at most ALPHA of PERMUTATIONS shuffles.
+  The search is part of what is shuffled, so trying many periods and offsets is paid for. With
   at least NORMAL_FROM steps in and out of the class, the normal approximation of z with a
   Bonferroni bound over every class tried is computed first, and when it already is at most ALPHA
   (a pattern of many occurrences in a long run), it is the p-value and no shuffle is made.
@@ -37,7 +36,6 @@ MAX_PERIOD = 64
 MIN_OCCURRENCES = 4  # a period, its phase, and two more occurrences of it: three line up by chance too often
 PERMUTATIONS = 499
 CONFIRM_PERMUTATIONS = 4999  # periodic.confirms: one fixed class
-MAX_PERMUTATIONS = 9999
 ALPHA = 0.01
 NORMAL_FROM = 10  # steps in and out of the class from which the normal bound is tried first
 
@@ -108,10 +106,8 @@ class _Classes:
         return best
 
 
-def find_period(numbers: list[int], values: list[float], min_cost: float, rng: random.Random,
-                alpha: float = ALPHA) -> Pattern | None:
-    """The periodic pattern of ``values`` (one per step of ``numbers``), or None; ``alpha``: the level of this one
-    search (ALPHA divided by the number of series searched, where several are)."""
+def find_period(numbers: list[int], values: list[float], min_cost: float, rng: random.Random) -> Pattern | None:
+    """The periodic pattern of ``values`` (one per step of ``numbers``), or None."""
     if len(numbers) < 2 * MIN_OCCURRENCES or len(set(numbers)) != len(numbers):
         return None
     classes = _Classes(numbers)
@@ -127,8 +123,8 @@ def find_period(numbers: list[int], values: list[float], min_cost: float, rng: r
     if (effect <= 0 or sum(max(value, 0.0) for value in excess.values()) < min_cost
             or sum(value >= effect / 2 for value in excess.values()) < 0.75 * len(on)):
         return None
-    p_value = _p_value(classes, ranks, observed, len(on), rng, alpha)
-    if p_value > alpha:
+    p_value = _p_value(classes, ranks, observed, len(on), rng)
+    if p_value > ALPHA:
         return None
     return Pattern(period, (classes.first + start) % period, [number for number, _v in on], effect,
                    sum(max(value, 0.0) for value in excess.values()), p_value, excess)
@@ -154,42 +150,33 @@ def confirms(numbers: list[int], values: list[float], period: int, offset: int, 
     observed = sum(ranks[index] for index in inside)
     # One class's rank sum per shuffle is cheap: enough shuffles that a p-value near ALPHA is decided by the
     # data, not by the draw (499 passed a pattern of true p ~0.007 in 16 of 20 seeds).
-    shuffles = CONFIRM_PERMUTATIONS
-    allowed = int(ALPHA * (shuffles + 1)) - 1
+    allowed = int(ALPHA * (CONFIRM_PERMUTATIONS + 1)) - 1
     shuffled, exceeded = list(ranks), 0
-    for _ in range(shuffles):
+    for _ in range(CONFIRM_PERMUTATIONS):
         rng.shuffle(shuffled)
         if sum(shuffled[index] for index in inside) >= observed:
             exceeded += 1
             if exceeded > allowed:
                 return None
     return Pattern(period, offset, sorted(excess), statistics.median(excess.values()),
-                   sum(max(value, 0.0) for value in excess.values()), (exceeded + 1) / (shuffles + 1), excess)
+                   sum(max(value, 0.0) for value in excess.values()), (exceeded + 1) / (CONFIRM_PERMUTATIONS + 1),
+                   excess)
 
 
-def permutations(alpha: float) -> int:
-    """Shuffles for a test at ``alpha``: PERMUTATIONS, or enough for a pattern no shuffle reaches to have
-    p <= alpha / 4, up to MAX_PERMUTATIONS (a true pattern takes all of them: below alpha ~ 4e-4, as in a job
-    of hundreds of ranks, only the normal bound of a long run can pass)."""
-    return min(max(PERMUTATIONS, math.ceil(4 / alpha) - 1), MAX_PERMUTATIONS)
-
-
-def _p_value(classes: _Classes, ranks: list[float], observed: tuple, count: int, rng: random.Random,  # noqa: PLR0917
-             alpha: float) -> float:
-    """How often the search scores at least ``observed`` by chance; above ``alpha`` it may stop early."""
+def _p_value(classes: _Classes, ranks: list[float], observed: tuple, count: int, rng: random.Random) -> float:
+    """How often the search scores at least ``observed`` by chance; above ALPHA it may stop early."""
     if min(count, classes.n - count) >= NORMAL_FROM:
         # Long runs: the rank-sum z is close to normal, and a Bonferroni bound over every class tried
         # is a valid p-value; a real pattern of many occurrences passes it without shuffles.
         bound = min(1.0, len(classes.classes) * 0.5 * math.erfc(observed[1] / math.sqrt(2)))
-        if bound <= alpha:
+        if bound <= ALPHA:
             return bound
-    shuffles = permutations(alpha)
-    allowed = int(alpha * (shuffles + 1)) - 1  # exceedances that still leave p <= alpha
+    allowed = int(ALPHA * (PERMUTATIONS + 1)) - 1  # exceedances that still leave p <= ALPHA
     shuffled, exceeded = list(ranks), 0
-    for _ in range(shuffles):
+    for _ in range(PERMUTATIONS):
         rng.shuffle(shuffled)
         if classes.best(shuffled)[0] >= observed:
             exceeded += 1
             if exceeded > allowed:
                 break
-    return (exceeded + 1) / (shuffles + 1)
+    return (exceeded + 1) / (PERMUTATIONS + 1)

@@ -512,11 +512,15 @@ def main(argv=None):
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         if args.loss_file:
             pathlib.Path(args.loss_file).write_text(json.dumps(losses))
-    # Gloo's threads outlive a group not destroyed and can abort the exit ("terminate called without an
-    # active exception").
+
+
+def end_process_group() -> None:
+    """What a training script does last: gloo's threads outlive a group not destroyed and can abort the
+    exit ("terminate called without an active exception"). Not in main(), which tests call in-process."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    end_process_group()

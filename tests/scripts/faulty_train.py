@@ -44,3 +44,4 @@ if __name__ == "__main__":
     for fault in filter(None, os.environ.get("RELIABILITY_FAULT", "").split(",")):
         plant(fault)
     example.main(sys.argv[1:])
+    example.end_process_group()

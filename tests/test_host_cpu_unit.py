@@ -148,9 +148,12 @@ def test_each_step_reads_the_training_threads_wait_as_it_closes():
 
 def test_the_wait_per_step_is_schedstats_second_field_over_the_time_between_reads():
     # schedstat: ns on a CPU, ns waiting for one, timeslices.
-    assert HostCpu.waited((10 * S, b"5 100 3\n", b"900 400000100 4\n"), 11 * S) == pytest.approx(0.4)
-    assert HostCpu.waited(None, 11 * S) is None  # not read: the emitter takes the samples' figure
-    assert HostCpu.waited((10 * S, b"5\n", b"9\n"), 11 * S) is None  # an older format: off, not wrong
+    cpu = HostCpu()
+    cpu._last_read = (10 * S, b"5 100 3\n")
+    assert cpu.waited(b"900 400000100 4\n", 11 * S) == pytest.approx(0.4)
+    assert cpu.waited(None, 12 * S) is None  # not read: the emitter takes the samples' figure
+    cpu._last_read = (10 * S, b"5\n")
+    assert cpu.waited(b"9\n", 11 * S) is None  # an older format: off, not wrong
 
 
 def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):

@@ -19,9 +19,10 @@ was ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second fie
 cost to this job directly, as a share of the step. The thread that builds the engine is taken as
 the one that trains it, as the hang watchdog takes it. That figure is read per step, not
 interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
-(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a warm loop, the
-kernel formats three numbers), keeping the bytes; the emitter parses them. Where the file is
-missing (a kernel without ``CONFIG_SCHED_INFO``) that figure alone is off.
+(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a
+warm loop, the kernel formats three numbers), keeping the bytes; the emitter parses them against
+the read before (``waited``). Where the file is missing (a kernel without ``CONFIG_SCHED_INFO``)
+that figure alone is off.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /pr
 class HostCpu:
     """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
 
-    __slots__ = ("__weakref__", "_on", "_samples", "_thread", "thread_stat")
+    __slots__ = ("__weakref__", "_last_read", "_on", "_samples", "_thread", "thread_stat")
 
     def __init__(self):
         self._on = True
         self._thread: str | None = f"/proc/self/task/{threading.get_native_id()}/schedstat"
-        try:  # for the recorder's read per step (os.pread on the training thread)
+        # For the recorder's read as each step closes (os.pread on the training thread); the read before the
+        # step the emitter writes next is kept here, on the emitter's side: (time.time_ns(), bytes).
+        self._last_read: tuple[int, bytes] | None = None
+        try:
             self.thread_stat: int | None = os.open(self._thread, os.O_RDONLY)
             weakref.finalize(self, os.close, self.thread_stat).atexit = False
+            self._last_read = (time.time_ns(), os.pread(self.thread_stat, 64, 0))
         except OSError:
             self.thread_stat = None
         # (time.time_ns(), host busy, host idle, process, the training thread's run-queue delay): ns; the delay is
@@ -81,14 +86,17 @@ class HostCpu:
                 self._thread = None  # another kernel, or the thread has ended: this figure stays off
         return math.nan
 
-    @staticmethod
-    def waited(read: tuple[int, bytes, bytes] | None, end: int) -> float | None:
-        """The share of the time from a read to ``end`` the training thread waited for a CPU, from the recorder's
-        ``(time.time_ns() of a read, its bytes, the bytes read at end)``; None without them or when unreadable."""
-        if read is None or end <= read[0]:
+    def waited(self, read: bytes | None, end: int) -> float | None:
+        """The share of the time since the last read the training thread waited for a CPU, from ``read``, the
+        bytes the recorder read at ``end`` (records come in the order their steps closed; a step that failed
+        has no read, and the next one's share spans both); None without a read before or now, or unreadable."""
+        if read is None:
+            return None
+        last, self._last_read = self._last_read, (end, read)
+        if last is None or end <= last[0]:
             return None
         try:
-            return max(_run_queue_delay(read[2]) - _run_queue_delay(read[1]), 0.0) / (end - read[0])
+            return max(_run_queue_delay(read) - _run_queue_delay(last[1]), 0.0) / (end - last[0])
         except (ValueError, IndexError):
             return None
 

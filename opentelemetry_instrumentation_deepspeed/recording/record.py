@@ -135,9 +135,8 @@ class StepRecord:
     losses: list = field(default_factory=list)
     grad_norm: object = None
     scalars_copied: object = None
-    # The training thread's schedstat read at the previous close and at this one, raw (recording/host_cpu.py):
-    # (time.time_ns() of the previous read, its bytes, this close's bytes); None where it cannot be read.
-    schedstat: tuple | None = None
+    # The training thread's schedstat as the step closed, raw (recording/host_cpu.py); None where unreadable.
+    schedstat: bytes | None = None
 
     @property
     def closed(self) -> bool:

@@ -56,14 +56,7 @@ class StepRecorder(Component):
         self.pad_token_id = input_batches.pad_token_id(engine, env.pad_token_id())
         self._skipped_before = 0
         # The training thread's schedstat, read as each step closes: its wait for a CPU, step by step.
-        host_cpu = getattr(facts, "host_cpu", None)
-        self._thread_stat = None if host_cpu is None else host_cpu.thread_stat
-        self._stat_read: tuple[int, bytes] | None = None  # (time.time_ns(), bytes) of the last read
-        if self._thread_stat is not None:
-            try:
-                self._stat_read = (time.time_ns(), os.pread(self._thread_stat, 64, 0))
-            except OSError:
-                self._thread_stat = None
+        self._thread_stat = getattr(getattr(facts, "host_cpu", None), "thread_stat", None)
         self.state = State.IDLE
         self.open: StepRecord | None = None
         self._actions = {name: getattr(self, "_" + name) for name in (
@@ -346,15 +339,11 @@ class StepRecorder(Component):
         if self._device_scalars is not None and (type(record.grad_norm) is scalars.Pending or record.losses):
             record.scalars_copied = self._device_scalars.event()
         record.end = end = time.time_ns()
-        if self._thread_stat is not None:  # read inline, not in a helper: a frame fewer per step
+        if self._thread_stat is not None:  # the bytes only: the emitter parses them against the read before
             try:
-                read = os.pread(self._thread_stat, 64, 0)
-            except OSError:  # closed: the emitter falls back to its samples
-                self._thread_stat = self._stat_read = None
-            else:
-                if self._stat_read is not None:
-                    record.schedstat = (*self._stat_read, read)
-                self._stat_read = (end, read)
+                record.schedstat = os.pread(self._thread_stat, 64, 0)
+            except OSError:  # unreadable: the emitter falls back to its samples
+                self._thread_stat = None
         if self.profiler is not None:
             record.profile = self.profiler.step_closed((end - record.start) / 1e9)
         self._submit(record)

@@ -22,8 +22,9 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
     """Spans of a data-parallel job: per step data wait, forward, backward ending in a synchronous
     all-reduce, optimizer step ending in a synchronous all-gather. ``extra(rank, step)`` returns
     {part: extra milliseconds}; ``spikes``: the chance of a random 20-60 ms spike in a part of a step;
-    ``transfer`` scales the collectives' transfer time; ``cpu_wait(rank, step)``: the share of the step the
-    rank's training thread waited for a CPU; ``attributes(rank, step)``: more attributes of its step span.
+    ``transfer`` scales the collectives' transfer time (or ``transfer(step)`` does); ``cpu_wait(rank, step)``:
+    the share of the step the rank's training thread waited for a CPU; ``attributes(rank, step)``: more
+    attributes of its step span.
     Collectives end for everyone once the last rank arrives, so the others wait for a late rank."""
     rng = random.Random(seed)
     spans, clock, sequence = [], 1_700_000_000_000 * MS, 0
@@ -39,6 +40,7 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
         return value * MS
 
     for step in range(1, steps + 1):
+        factor = transfer(step) if callable(transfer) else transfer
         now = dict.fromkeys(range(ranks), clock)
         starts = dict(now)
         for rank in range(ranks):
@@ -49,8 +51,8 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
         backward_start = dict(now)
         for rank in range(ranks):
             now[rank] += part(rank, step, "backward", 15)
-        for op, phase, base in (("all_reduce", semconv.SPAN_BACKWARD, 4 * transfer),
-                                ("all_gather", semconv.SPAN_OPTIMIZER_STEP, 2 * transfer)):
+        for op, phase, base in (("all_reduce", semconv.SPAN_BACKWARD, 4 * factor),
+                                ("all_gather", semconv.SPAN_OPTIMIZER_STEP, 2 * factor)):
             sequence += 1
             if phase == semconv.SPAN_OPTIMIZER_STEP:
                 backward_start = dict(now)

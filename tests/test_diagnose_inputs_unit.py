@@ -213,6 +213,30 @@ def test_a_rank_slow_to_take_its_collectives_results_on_a_busy_host_is_the_hosts
     assert abs(load["change_step"] - 20) <= 1
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("native", [0.6, 0.02])
+def test_transfers_slowed_on_every_rank_are_the_hosts_where_the_native_threads_waited(seed, native):
+    # From step 20 a neighbour takes the CPUs: both training threads wait for one in their backward, and every
+    # transfer takes x8 on both ranks alike. Where gloo's threads waited for a CPU meanwhile (the native threads'
+    # summed wait, 60% of the step), that is the host's doing; where they did not, the transfers themselves got
+    # slower (a network's doing), which stays a finding of the job however busy the host.
+    from tests.test_diagnose_findings import synthetic_job
+
+    def attributes(rank, step):
+        return {**on_a_host_busy_from(20)(rank, step),
+                semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT: native if step >= 20 else 0.02}
+
+    report = diagnose(synthetic_job(40, seed=seed, extra=lambda _rank, step: {"backward": 10} if step >= 20 else {},
+                                    transfer=lambda step: 8.0 if step >= 20 else 1.0, attributes=attributes,
+                                    cpu_wait=lambda _rank, step: 0.15 if step >= 20 else 0.02))
+    if native > 0.1:
+        assert report["verdict"]["layer"] == "none", report["verdict"]
+        [load] = report["host_load"]
+        assert abs(load["change_step"] - 20) <= 1
+    else:
+        assert report["verdict"]["layer"] == "COMPUTE" and report["host_load"] == [], report["verdict"]
+
+
 def test_without_the_threads_wait_a_busier_host_is_not_claimed():
     # Files of a version (or a kernel) without training.step.thread.cpu.wait: the finding stands, as before.
     rng = random.Random(7)

@@ -21,13 +21,13 @@ def with_samples(*samples) -> HostCpu:
 
 def test_a_step_gets_the_rates_of_the_samples_around_it():
     # Busy 1.5 CPUs and this process 0.5 in the first second, then 2.0 and 0.25 (a neighbour came), and the
-    # training thread waited 0.1 s, then 0.6 s, for a CPU.
-    cpu = with_samples((10 * S, 0, 0, 0, 0), (11 * S, 1.5 * S, 0.5 * S, 0.5 * S, 0.1 * S),
-                       (12 * S, 3.5 * S, 0.5 * S, 0.75 * S, 0.7 * S))
-    assert cpu.over(10 * S + S // 4, 10 * S + S // 2) == pytest.approx((1.5, 0.5, 0.5, 0.1))
-    assert cpu.over(11 * S + S // 10, 11 * S + S // 5) == pytest.approx((2.0, 0.0, 0.25, 0.6))
+    # training thread waited 0.1 s, then 0.6 s, for a CPU, and the native threads 0.2 s, then 1.2 s.
+    cpu = with_samples((10 * S, 0, 0, 0, 0, 0), (11 * S, 1.5 * S, 0.5 * S, 0.5 * S, 0.1 * S, 0.2 * S),
+                       (12 * S, 3.5 * S, 0.5 * S, 0.75 * S, 0.7 * S, 1.4 * S))
+    assert cpu.over(10 * S + S // 4, 10 * S + S // 2) == pytest.approx((1.5, 0.5, 0.5, 0.1, 0.2))
+    assert cpu.over(11 * S + S // 10, 11 * S + S // 5) == pytest.approx((2.0, 0.0, 0.25, 0.6, 1.2))
     # Across a sample, the two rates weighted by the time on each side.
-    assert cpu.over(10 * S + S // 2, 11 * S + S // 2) == pytest.approx((1.75, 0.25, 0.375, 0.35))
+    assert cpu.over(10 * S + S // 2, 11 * S + S // 2) == pytest.approx((1.75, 0.25, 0.375, 0.35, 0.7))
 
 
 def test_a_step_ending_after_the_last_sample_takes_a_new_one():
@@ -36,12 +36,12 @@ def test_a_step_ending_after_the_last_sample_takes_a_new_one():
     sum(range(200_000))  # this process uses some CPU
     figures = cpu.over(start, time.time_ns())
     assert figures is not None and len(cpu._samples) == 2
-    busy, idle, process, waiting = figures
-    assert busy >= 0 and idle >= 0 and process >= 0 and 0 <= waiting <= 1
+    busy, idle, process, waiting, natives = figures
+    assert busy >= 0 and idle >= 0 and process >= 0 and 0 <= waiting <= 1 and natives >= 0
 
 
 def test_no_figures_before_the_first_sample_or_without_proc_stat(monkeypatch):
-    cpu = with_samples((10 * S, 0, 0, 0, 0), (11 * S, S, 0, 0, 0))
+    cpu = with_samples((10 * S, 0, 0, 0, 0, 0), (11 * S, S, 0, 0, 0, 0))
     assert cpu.over(9 * S, 10 * S + 1) is None  # the samples do not reach back to its start
     assert cpu.over(10 * S + 5, 10 * S + 5) is None  # an empty interval
 
@@ -61,8 +61,8 @@ def test_without_the_threads_schedstat_only_the_wait_is_off(monkeypatch):
     start = time.time_ns()
     cpu.sample()
     sum(range(100_000))
-    busy, _idle, process, waiting = cpu.over(start, time.time_ns())
-    assert waiting is None and busy >= 0 and process >= 0
+    busy, _idle, process, waiting, natives = cpu.over(start, time.time_ns())
+    assert waiting is None and busy >= 0 and process >= 0 and natives is not None
     assert cpu._thread is None  # not read again
 
 
@@ -87,6 +87,58 @@ def test_a_thread_kept_from_its_cpu_shows_its_wait():
             spinner.kill()
             spinner.wait()
     assert waiting > 0.3
+
+
+def test_native_threads_kept_from_a_cpu_show_their_waits():
+    # torch's intra-op threads are native: Python does not run them. Beside two spinners per CPU they wait.
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    matrix = torch.randn(384, 384)
+    cpu = HostCpu()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
+    try:
+        time.sleep(0.2)
+        start = time.time_ns()
+        cpu.sample()
+        deadline = time.perf_counter() + 0.5
+        while time.perf_counter() < deadline:
+            matrix @ matrix
+        natives = cpu.over(start, time.time_ns())[4]
+    finally:
+        torch.set_num_threads(threads)
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert natives > 0.1
+
+
+def test_the_native_threads_waits_leave_out_pythons_and_keep_those_of_ended_threads(tmp_path, monkeypatch):
+    import threading
+
+    def thread(tid, waited_ns):
+        (tmp_path / str(tid)).mkdir(exist_ok=True)
+        (tmp_path / str(tid) / "schedstat").write_text(f"1000 {waited_ns} 7\n")
+
+    monkeypatch.setattr(host_cpu, "TASKS", str(tmp_path))
+    thread(threading.get_native_id(), 9 * S)  # an interpreted thread: the training thread's is read on its own
+    thread(101, 100)
+    thread(102, 50)
+    cpu = HostCpu()
+    assert cpu._native_waited() == 150
+    thread(101, 400)
+    (tmp_path / "102" / "schedstat").unlink()  # ended: its 50 ns stay counted
+    (tmp_path / "102").rmdir()
+    thread(103, 20)  # new since
+    assert cpu._native_waited() == 470
+    monkeypatch.setattr(host_cpu, "TASKS", str(tmp_path / "gone"))
+    assert cpu._native_waited() != cpu._native_waited()  # NaN: off, and stays off
+    assert cpu._native is None
 
 
 class Facts:

@@ -50,6 +50,8 @@ def test_a_sequence_length_shift_is_counted_and_diagnosed_as_input(workdir):
             assert 0 < cpus["training.step.process.cpu"] <= HOST_CPUS
             # ... and the share of the step its training thread waited, ready, for one of them
             assert 0 <= cpus["training.step.thread.cpu.wait"] <= 1
+            # ... and its native threads (gloo's) waited, summed over them
+            assert cpus["training.step.native_threads.cpu.wait"] >= 0
         (metrics_file,) = workdir.glob(f"telemetry/*/metrics-rank{rank}.jsonl")
         points = {p.metric: p for p in read_last_points(metrics_file)}
         lengths = points["training.batch.sequence_length"]

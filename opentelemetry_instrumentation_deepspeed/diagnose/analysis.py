@@ -37,6 +37,7 @@ class _Step:
     end: int = 0
     seen: bool = False
     cpu_wait: float | None = None  # the share of the step its training thread waited for a CPU
+    native_wait: float | None = None  # ... and its native threads (gloo's), summed
     phases: list = field(default_factory=list)  # (part, start, end)
     comm: list = field(default_factory=list)  # synchronous collectives: (start, end, group, sequence)
 
@@ -156,6 +157,7 @@ class Analysis:
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
                                                                         span.trace_id, span.start, span.end)
                     step.cpu_wait = span.attributes.get(semconv.TRAINING_STEP_THREAD_CPU_WAIT)
+                    step.native_wait = span.attributes.get(semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT)
                     step.seen = True
                 self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
@@ -338,7 +340,8 @@ class Analysis:
         parts["unaccounted"] = max(total - sum(parts.values()), 0)
         return {"step": step.number, "trace_id": step.trace_id, "seconds": total / 1e9,
                 "parts": {name: value / 1e9 for name, value in parts.items()},
-                "cpu_wait": None if step.cpu_wait is None else min(step.cpu_wait, 1.0) * total / 1e9}
+                "cpu_wait": None if step.cpu_wait is None else min(step.cpu_wait, 1.0) * total / 1e9,
+                "native_wait": None if step.native_wait is None else step.native_wait * total / 1e9}
 
     def _last_arrival(self, job: str, group, sequence) -> int | None:
         """When the last rank arrived at a collective; computed once per collective, not once per rank."""

@@ -20,7 +20,9 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   the step) and the time it waited for the other ranks in collectives (their waits, or their work),
   and its exposed communication beyond the least of any rank's in that step (a transfer takes the
   same time on every rank: the rest is the rank's delay in taking its result, its threads' wait for
-  a CPU); of the ranks, the one left with the most time is the step without those waits. The time per
+  a CPU), and of that least, the time the native threads that carry the transfer (gloo's) waited for
+  a CPU on the rank whose waited most (``training.step.native_threads.cpu.wait``); of the ranks,
+  the one left with the most time is the step without those waits. The time per
   token that remains does not change by ``PER_TOKEN_FACTOR``; no CPU was idle on its host
   (under ``HOST_IDLE``). The steps are slower because the host is busier (a neighbour's job, more
   competing processes), not because a device or the model got slower: no finding of the job, a
@@ -214,7 +216,7 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
                 # ranks in collectives (theirs for a CPU, or their work); and its exposed communication.
                 parts = step.get("parts", {})
                 entry["unwaited"][rank] = (step["seconds"] - step["cpu_wait"] - parts.get("comm_wait", 0.0),
-                                           parts.get("exposed_comm", 0.0))
+                                           parts.get("exposed_comm", 0.0), step.get("native_wait") or 0.0)
     ordered = []
     for number in sorted(steps):
         entry = steps[number]
@@ -228,13 +230,16 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
     return ordered[1:] if len(ordered) > 3 else ordered
 
 
-def _unwaited(ranks: dict[int, tuple[float, float]]) -> float:
+def _unwaited(ranks: dict[int, tuple[float, float, float]]) -> float:
     """The step without its waits for a CPU: the longest of the ranks' own work, which the others would wait for
     (ranks whose threads waited in turn each wait for the other's wait). A collective's transfer is the same on
     every rank: the exposed communication a rank has beyond the least of any rank's is its own delay in taking
-    the result (its communication threads', or its training thread's, wait for a CPU), not the network's."""
-    least = min(exposed for _own, exposed in ranks.values())
-    return max(max(own - (exposed - least), 0.0) for own, exposed in ranks.values())
+    the result (its communication threads', or its training thread's, wait for a CPU), not the network's. The
+    least is the transfer, less what the native threads of the rank that waited most for a CPU waited (gloo's
+    threads carry the transfer: every rank's waits for the slowest's), down to none."""
+    least = min(exposed for _own, exposed, _native in ranks.values())
+    transfer = max(least - max(native for _own, _exposed, native in ranks.values()), 0.0)
+    return max(max(own - (exposed - transfer), 0.0) for own, exposed, _native in ranks.values())
 
 
 _CPUS = (semconv.TRAINING_STEP_HOST_CPU_BUSY, semconv.TRAINING_STEP_HOST_CPU_IDLE, semconv.TRAINING_STEP_PROCESS_CPU)

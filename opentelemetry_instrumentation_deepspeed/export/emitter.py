@@ -329,6 +329,8 @@ class Emitter(Component):
                 waited = cpus[3]  # the samples' average around the step
             if waited is not None:
                 more[semconv.TRAINING_STEP_THREAD_CPU_WAIT] = round(waited, 3)
+            if cpus[4] is not None:
+                more[semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT] = round(cpus[4], 3)
         if record.comm_count:
             more[semconv.COMM_COUNT] = record.comm_count
         if record.comm_dropped:

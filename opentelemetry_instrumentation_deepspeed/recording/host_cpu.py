@@ -23,6 +23,14 @@ interpolated: a neighbour's burst of a few steps is what it must place. The file
 warm loop, the kernel formats three numbers), keeping the bytes; the emitter parses them against
 the read before (``waited``). Where the file is missing (a kernel without ``CONFIG_SCHED_INFO``)
 that figure alone is off.
+
+The training thread is not the only one a busy host delays: a collective on CPU runs on the
+communication library's own threads (gloo's), which wake for each transfer and may then wait for
+a CPU too, on every rank alike, so the transfer itself looks slower. The emitter's samples also
+sum the run-queue delays of the process's native threads, those Python does not run (gloo's,
+NCCL's, intra-op workers; the interpreter's threads, ours among them, are left out), over every
+``/proc/self/task`` entry, keeping the last figure of a thread that ended. Summed, threads waiting
+at once each count: an upper bound of the delay they caused, interpolated to the step.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import time
 import weakref
 from collections import deque
 
+TASKS = "/proc/self/task"
 KEEP = 32  # samples kept: 16 s of drains, more than a queued record can lag behind
 _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /proc/stat's unit, in ns
 
@@ -41,7 +50,7 @@ _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /pr
 class HostCpu:
     """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
 
-    __slots__ = ("__weakref__", "_last_read", "_on", "_samples", "_thread", "thread_stat")
+    __slots__ = ("__weakref__", "_ended", "_last_read", "_native", "_on", "_samples", "_thread", "thread_stat")
 
     def __init__(self):
         self._on = True
@@ -55,8 +64,12 @@ class HostCpu:
             self._last_read = (time.time_ns(), os.pread(self.thread_stat, 64, 0))
         except OSError:
             self.thread_stat = None
-        # (time.time_ns(), host busy, host idle, process, the training thread's run-queue delay): ns; the delay is
-        # NaN once unreadable, which every difference and interpolation carries through to "not measured".
+        # The native threads' run-queue delays at the last sample (tid -> ns), and those of threads that ended since.
+        self._native: dict[str, float] | None = {}
+        self._ended = 0.0
+        # (time.time_ns(), host busy, host idle, process, the training thread's run-queue delay, the native
+        # threads'): ns; a delay is NaN once unreadable, which every difference and interpolation carries through
+        # to "not measured".
         self._samples: deque = deque(maxlen=KEEP)
         self.sample()
 
@@ -75,7 +88,7 @@ class HostCpu:
         user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
         busy = (user + nice + system + irq + softirq + steal) * _TICK
         self._samples.append((time.time_ns(), busy, (idle + iowait) * _TICK,
-                              (times.user + times.system) * 1e9, self._waited()))
+                              (times.user + times.system) * 1e9, self._waited(), self._native_waited()))
 
     def _waited(self) -> float:
         if self._thread is not None:
@@ -85,6 +98,32 @@ class HostCpu:
             except (OSError, ValueError, IndexError):
                 self._thread = None  # another kernel, or the thread has ended: this figure stays off
         return math.nan
+
+    def _native_waited(self) -> float:
+        """The run-queue delays of the native threads, summed: each one's so far, and the last seen of those that
+        ended (NaN where ``/proc/self/task`` cannot be listed)."""
+        if self._native is None:
+            return math.nan
+        try:
+            tids = os.listdir(TASKS)
+        except OSError:
+            self._native = None
+            return math.nan
+        interpreted = {str(thread.native_id) for thread in threading.enumerate()}
+        now: dict[str, float] = {}
+        for tid in tids:
+            if tid in interpreted:
+                continue
+            try:
+                with open(f"{TASKS}/{tid}/schedstat", "rb") as schedstat:
+                    now[tid] = _run_queue_delay(schedstat.read())
+            except (OSError, ValueError, IndexError):
+                continue  # ended since the listing, or no schedstat: its last figure stays counted below
+        for tid, delay in self._native.items():
+            if tid not in now:
+                self._ended += delay
+        self._native = now
+        return self._ended + sum(now.values())
 
     def waited(self, read: bytes | None, end: int) -> float | None:
         """The share of the time since the last read the training thread waited for a CPU, from ``read``, the
@@ -100,21 +139,24 @@ class HostCpu:
         except (ValueError, IndexError):
             return None
 
-    def over(self, start: int, end: int) -> tuple[float, float, float, float | None] | None:
+    def over(self, start: int, end: int) -> tuple[float, float, float, float | None, float | None] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this
-        process, and the share of the interval the training thread waited for a CPU, or None where unmeasured);
-        None when the samples do not reach back to ``start`` or the interval is empty."""
+        process, the share of the interval the training thread waited for a CPU, and the native threads' waits
+        summed as a share of it, each None where unmeasured); None when the samples do not reach back to
+        ``start`` or the interval is empty."""
         samples = self._samples
         if samples and samples[-1][0] < end:
             self.sample()
         if len(samples) < 2 or start < samples[0][0] or end <= start:
             return None
-        _t, busy, idle, process, waited = _at(samples, start)
-        _t, busy_end, idle_end, process_end, waited_end = _at(samples, end)
+        _t, busy, idle, process, waited, native = _at(samples, start)
+        _t, busy_end, idle_end, process_end, waited_end, native_end = _at(samples, end)
         seconds = end - start
         waiting = (waited_end - waited) / seconds
+        natives = (native_end - native) / seconds
         return (max(busy_end - busy, 0.0) / seconds, max(idle_end - idle, 0.0) / seconds,
-                max(process_end - process, 0.0) / seconds, None if math.isnan(waiting) else max(waiting, 0.0))
+                max(process_end - process, 0.0) / seconds, None if math.isnan(waiting) else max(waiting, 0.0),
+                None if math.isnan(natives) else max(natives, 0.0))
 
 
 def _run_queue_delay(schedstat: bytes) -> float:
@@ -132,7 +174,9 @@ def _at(samples: deque, when: int) -> tuple:
     index = len(samples) - 1
     while index > 0 and samples[index - 1][0] > when:
         index -= 1
-    (t0, busy0, idle0, process0, waited0), (t1, busy1, idle1, process1, waited1) = samples[index - 1], samples[index]
+    (t0, busy0, idle0, process0, waited0, native0) = samples[index - 1]
+    (t1, busy1, idle1, process1, waited1, native1) = samples[index]
     share = (when - t0) / (t1 - t0) if t1 > t0 else 1.0
     return (when, busy0 + (busy1 - busy0) * share, idle0 + (idle1 - idle0) * share,
-            process0 + (process1 - process0) * share, waited0 + (waited1 - waited0) * share)
+            process0 + (process1 - process0) * share, waited0 + (waited1 - waited0) * share,
+            native0 + (native1 - native0) * share)

@@ -22,7 +22,8 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   same time on every rank: the rest is the rank's delay in taking its result, its threads' wait for
   a CPU), and of that least, the time the native threads that carry the transfer (gloo's) waited for
   a CPU on the rank whose waited most (``training.step.native_threads.cpu.wait``); of the ranks,
-  the one left with the most time is the step without those waits. The time per
+  the one left with the most time (the median of its steps on each side of the change: the longest
+  rank of each step would grow with the noise) is the step without those waits. The time per
   token that remains does not change by ``PER_TOKEN_FACTOR``; no CPU was idle on its host
   (under ``HOST_IDLE``). The steps are slower because the host is busier (a neighbour's job, more
   competing processes), not because a device or the model got slower: no finding of the job, a
@@ -230,16 +231,15 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
     return ordered[1:] if len(ordered) > 3 else ordered
 
 
-def _unwaited(ranks: dict[int, tuple[float, float, float]]) -> float:
-    """The step without its waits for a CPU: the longest of the ranks' own work, which the others would wait for
-    (ranks whose threads waited in turn each wait for the other's wait). A collective's transfer is the same on
-    every rank: the exposed communication a rank has beyond the least of any rank's is its own delay in taking
-    the result (its communication threads', or its training thread's, wait for a CPU), not the network's. The
-    least is the transfer, less what the native threads of the rank that waited most for a CPU waited (gloo's
-    threads carry the transfer: every rank's waits for the slowest's), down to none."""
+def _unwaited(ranks: dict[int, tuple[float, float, float]]) -> dict[int, float]:
+    """Each rank's own work in the step, without its waits for a CPU and for the other ranks. A collective's
+    transfer is the same on every rank: the exposed communication a rank has beyond the least of any rank's is
+    its own delay in taking the result (its communication threads', or its training thread's, wait for a CPU),
+    not the network's. The least is the transfer, less what the native threads of the rank that waited most for
+    a CPU waited (gloo's threads carry the transfer: every rank's waits for the slowest's), down to none."""
     least = min(exposed for _own, exposed, _native in ranks.values())
     transfer = max(least - max(native for _own, _exposed, native in ranks.values()), 0.0)
-    return max(max(own - (exposed - transfer), 0.0) for own, exposed, _native in ranks.values())
+    return {rank: max(own - (exposed - transfer), 0.0) for rank, (own, exposed, _native) in ranks.items()}
 
 
 _CPUS = (semconv.TRAINING_STEP_HOST_CPU_BUSY, semconv.TRAINING_STEP_HOST_CPU_IDLE, semconv.TRAINING_STEP_PROCESS_CPU)
@@ -300,8 +300,14 @@ def _host_load(steps: list[dict], seconds: list[float], before: range, after: ra
     if len(first) < MIN_SEGMENT or len(second) < MIN_SEGMENT or None in unwaited[0] + unwaited[1]:
         return None  # not measured (an older version's files, not Linux): the finding stands
     idle = statistics.median(h[2] for h in first), statistics.median(h[2] for h in second)
-    rest = [statistics.median(unwaited[side][k] / steps[i]["padded"] for k, i in enumerate(indices))
-            for side, indices in enumerate((before, after))]
+    # The step without the waits is the longest of the ranks' own work, which the others wait for (ranks whose
+    # threads waited in turn each wait for the other's wait): per side, the rank whose median is the longest. (The
+    # longest rank of each step would be biased up by the noise of the estimates, more so where they wait more.)
+    ranks = set.intersection(*(set(own) for own in unwaited[0] + unwaited[1]))
+    if not ranks:
+        return None
+    rest = [max(statistics.median(unwaited[side][k][rank] / steps[i]["padded"] for k, i in enumerate(indices))
+                for rank in ranks) for side, indices in enumerate((before, after))]
     if idle[1] >= HOST_IDLE or rest[1] >= PER_TOKEN_FACTOR * rest[0]:
         return None  # with the wait taken out the change remains: the job's own steps got slower
     others = (max(statistics.median(h[1] for h in first), 0.0),  # the ranks' own readings may exceed the host's
@@ -309,7 +315,8 @@ def _host_load(steps: list[dict], seconds: list[float], before: range, after: ra
     hosts = [h[0] for h in second if h[0] is not None]
     host = max(set(hosts), key=hosts.count) if hosts else None
     time_before, time_after, cost = _cost(seconds, before, after)
-    waited = [statistics.median(seconds[i] - steps[i]["unwaited"] for i in side) for side in (before, after)]
+    waited = [statistics.median(seconds[i] - max(steps[i]["unwaited"].values()) for i in side)
+              for side in (before, after)]
     change_step = steps[after[0]]["step"]
     where = f"host {host}" if host else "the host"
     return {"change_step": change_step, "host": host, "other_cpus": [round(others[0], 2), round(others[1], 2)],

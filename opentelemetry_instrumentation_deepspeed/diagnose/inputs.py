@@ -21,7 +21,7 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   and its exposed communication beyond the least of any rank's in that step (a transfer takes the
   same time on every rank: the rest is the rank's delay in taking its result, its threads' wait for
   a CPU), and of that least, the time the native threads that carry the transfer (gloo's) waited for
-  a CPU on the rank whose waited most (``training.step.native_threads.cpu.wait``); of the ranks,
+  a CPU on the rank where they waited most (``training.step.native_threads.cpu.wait``); of the ranks,
   the one left with the most time (the median of its steps on each side of the change: the longest
   rank of each step would grow with the noise) is the step without those waits. The time per
   token that remains does not change by ``PER_TOKEN_FACTOR``; no CPU was idle on its host

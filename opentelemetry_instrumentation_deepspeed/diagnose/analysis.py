@@ -194,7 +194,8 @@ class Analysis:
         for (step_job, rank, _trace), step in self._steps.items():
             if step_job == job and step.seen:
                 comm[rank][step.number] = step.comm
-        steps = findings_module.StepFindings({rank: _steady(s) for rank, s in by_rank.items()}, waits.follow(comm))
+        steps = findings_module.StepFindings({rank: _steady(s) for rank, s in by_rank.items()}, waits.follow(comm),
+                                             stages=self.pipeline.ran(job))
         found = steps.all()
         straggler = steps.straggler(found)
         found += findings_module.hardware_findings(gpu, found)

@@ -109,8 +109,10 @@ class StepFindings:
     """The findings of the step breakdowns: ``steady`` is rank -> the steps of the pattern search
     (warm-up left out), each ``{"step", "trace_id", "seconds", "parts"}``."""
 
-    def __init__(self, steady: dict[int, list[dict]], waits: Waits, seed: int = 0):
+    def __init__(self, steady: dict[int, list[dict]], waits: Waits, seed: int = 0, *, stages: bool = False):
         self.steady, self.waits = steady, waits
+        # A pipeline's stages wait for each other in transfers, which the waits here do not follow.
+        self.stages = stages
         self.parts = {rank: {s["step"]: s["parts"] for s in steps} for rank, steps in steady.items()}
         self.traces = {rank: {s["step"]: s["trace_id"] for s in steps} for rank, steps in steady.items()}
         totals = [sum(s["seconds"] for s in steps) for steps in steady.values() if steps]
@@ -163,7 +165,8 @@ class StepFindings:
             for rank, _part, pattern in members:
                 if rank not in self.patterns or pattern.cost > self.patterns[rank].cost:
                     self.patterns[rank] = pattern
-        return [self._periodic_finding(part, members) for (part, _p, _o), members in by_pattern.items()]
+        found = [self._periodic_finding(part, members) for (part, _p, _o), members in by_pattern.items()]
+        return [finding for finding in found if finding is not None]
 
     def _confirm(self, part: str, period: int, offset: int, members: list, taken: dict) -> None:
         """The ranks whose own search missed a pattern that another rank's found: tested for that one pattern
@@ -179,11 +182,18 @@ class StepFindings:
             if pattern is not None:
                 members.append((rank, part, pattern))
 
-    def _periodic_finding(self, part: str, members: list[tuple[int, str, periodic.Pattern]]) -> dict:
+    def _periodic_finding(self, part: str, members: list[tuple[int, str, periodic.Pattern]]) -> dict | None:
         ranks = sorted(rank for rank, _part, _pattern in members)
         everywhere = len(ranks) == len(self.steady) and len(ranks) > 1
         rank, _part, pattern = max(members, key=lambda member: member[2].cost)
         waiting = {} if everywhere else self._waiting_in(pattern.steps, exclude=set(ranks))
+        cost = max(member[2].cost for member in members)
+        if not everywhere and self.waits.joined and not self.stages:
+            # What some ranks' stall costs a data-parallel job is the others' wait for it, up to the stall (as a
+            # late rank's does): a stall the others do not wait for fell into their own lateness, and cost nothing.
+            cost = min(cost, max(waiting.values(), default=0.0) * len(pattern.steps))
+            if cost < self.min_cost:
+                return None
         layer = LAYER_OF_PART[part]
         if layer == "compute" and waiting:
             layer = "straggler"
@@ -207,7 +217,7 @@ class StepFindings:
         traces = self.traces.get(rank, {})
         slowest = sorted(pattern.steps, key=lambda step: -pattern.excess.get(step, 0.0))
         return finding(layer, summary, evidence=evidence, rank=None if everywhere else rank, step=pattern.steps[0],
-                       cost_seconds=max(member[2].cost for member in members), run_seconds=self.run_seconds,
+                       cost_seconds=cost, run_seconds=self.run_seconds,
                        confidence=1 - p_value, trace_ids=[traces[s] for s in slowest[:5] if s in traces],
                        period=pattern.period, offset=pattern.offset, phase=part, steps=pattern.steps,
                        extra_seconds=pattern.effect, ranks=ranks, test="permutation",

@@ -108,6 +108,10 @@ class PipelineAnalysis:
             if peer is not None:
                 self._steps.setdefault(key, _Step()).recv[peer] += span.end - span.start
 
+    def ran(self, job: str) -> bool:
+        """Whether ``job`` ran a pipeline: some step of it carried a stage."""
+        return any(key[0] == job and step.stage is not None for key, step in self._steps.items())
+
     def result(self, job: str) -> dict:
         """{} unless ``job`` ran a pipeline; else its stages and findings."""
         by_rank: dict[int, list[_Step]] = defaultdict(list)

@@ -9,7 +9,8 @@ least MIN_COST_SHARE of the run and holds beyond chance (a test at ALPHA, named 
   earlier collective, host work), a part that grows every k-th step (``periodic.find_period``); a
   pattern one rank's search found is then tested on the other ranks as one fixed hypothesis
   (``periodic.confirms``). When the same pattern is on every rank it is one job-wide finding; on
-  some ranks only, it is theirs, and the waits of the other ranks in those steps are its consequence;
+  some ranks only, it is theirs, and the waits of the other ranks in those steps are its consequence
+  and, in a data-parallel job, its cost: a stall the others do not wait for costs nothing;
 - **late rank**: a rank whose own part of the step is longer than the other ranks' median, step
   after step (a one-sided Wilcoxon signed-rank test on the per-step excess), costing the time the
   others wait for it in the collectives, up to that excess; unless its training thread's extra wait

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +21,27 @@ def with_samples(*samples) -> HostCpu:
     cpu._samples.clear()
     cpu._samples.extend(samples)
     return cpu
+
+
+def spinners() -> list[subprocess.Popen]:
+    """Two spinning processes per CPU: whatever the machine's other load, every thread here waits for a CPU."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def crowded():
+    processes = spinners()
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        stop(processes)
 
 
 def test_a_step_gets_the_rates_of_the_samples_around_it():
@@ -67,54 +92,35 @@ def test_without_the_threads_schedstat_only_the_wait_is_off(monkeypatch):
 
 
 def test_a_thread_kept_from_its_cpu_shows_its_wait():
-    # Two spinning processes per CPU: whatever the machine's other load, the training thread waits.
-    import os
-    import subprocess
-    import sys
-
     cpu = HostCpu()
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
-    try:
-        time.sleep(0.2)
+    with crowded():
         start = time.time_ns()
         cpu.sample()
         deadline = time.perf_counter() + 0.5
         while time.perf_counter() < deadline:
             pass
         waiting = cpu.over(start, time.time_ns())[3]
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     assert waiting > 0.3
 
 
 def test_native_threads_kept_from_a_cpu_show_their_waits():
     # torch's intra-op threads are native: Python does not run them. Beside two spinners per CPU they wait.
-    import os
-    import subprocess
-    import sys
-
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     matrix = torch.randn(384, 384)
     cpu = HostCpu()
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
     try:
-        time.sleep(0.2)
-        start = time.time_ns()
-        cpu.sample()
-        deadline = time.perf_counter() + 0.5
-        while time.perf_counter() < deadline:
-            matrix @ matrix
-        natives = cpu.over(start, time.time_ns())[4]
+        with crowded():
+            start = time.time_ns()
+            cpu.sample()
+            deadline = time.perf_counter() + 0.5
+            while time.perf_counter() < deadline:
+                matrix @ matrix
+            natives = cpu.over(start, time.time_ns())[4]
     finally:
         torch.set_num_threads(threads)
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     assert natives > 0.1
 
 
@@ -163,10 +169,6 @@ def steps_recorded(facts, work) -> list:
 
 def test_each_step_reads_the_training_threads_wait_as_it_closes():
     # A step that spins beside two spinners per CPU waits for a CPU; the steps that sleep do not.
-    import os
-    import subprocess
-    import sys
-
     def spin():
         deadline = time.perf_counter() + 0.4
         while time.perf_counter() < deadline:
@@ -176,23 +178,22 @@ def test_each_step_reads_the_training_threads_wait_as_it_closes():
         time.sleep(0.2)
 
     facts = Facts()
-    spinners = []
+    crowd: list = []
 
     def crowd_then_spin():
-        spinners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count()))
+        crowd.extend(spinners())
         time.sleep(0.2)
         spin()
 
     def free_then_sleep():
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
+        stop(crowd)
+        crowd.clear()
         sleep()
 
     try:
         records = steps_recorded(facts, [sleep, crowd_then_spin, free_then_sleep, sleep])
     finally:
-        free_then_sleep()
+        stop(crowd)
     waits = [facts.host_cpu.waited(record.schedstat, record.end) for record in records]
     assert waits[1] > 0.2, waits  # its own step's, not an average over the half second around it
     assert waits[3] < 0.05, waits  # the spinners gone a step before, nothing of theirs left in it
@@ -209,8 +210,6 @@ def test_the_wait_per_step_is_schedstats_second_field_over_the_time_between_read
 
 
 def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):
-    import os
-
     facts = Facts()
     unreadable = os.open(tmp_path, os.O_RDONLY)  # a directory: every pread fails, as a closed file's would
     facts.host_cpu.thread_stat = unreadable

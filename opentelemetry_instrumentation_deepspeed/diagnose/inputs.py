@@ -12,7 +12,10 @@ padded tokens per step, which are exact counts, and the time per padded token, w
   dropped) than one before with probability ``FOLLOWS`` or more (Mann-Whitney's statistic).
   The finding says by how much each changed, and whether the time per token stayed the same
   (the step got slower because it holds more tokens) or changed too (attention grows with the
-  sequence length, a device is more efficient on larger batches).
+  sequence length, a device is more efficient on larger batches). Where the step time does not
+  follow, the step without its waits for a CPU and for each other (below; its longest rank's, per
+  step) is tested the same way: a neighbour's job that left as the sequences grew makes the shorter
+  steps as long as the longer ones, and hides the change from the step time, not from the work.
 - The time per token rises at step K while the tokens per step do not: the compute got slower per
   token: a hardware or model finding (COMPUTE), not the input's. (Faster is no finding.)
 - Unless the job's training threads waited for a CPU from step K: take out of each rank's step the
@@ -339,18 +342,44 @@ def _cost(seconds: list[float], before: range, after: range) -> tuple[float, flo
     return first, second, sum(max(seconds[i] - baseline, 0.0) for i in slower)
 
 
+def _followed(values: list[float], before: range, after: range, tokens_factor: float) -> tuple | None:
+    """(median before, median after, cost, probability that a step after is slower, or faster, than one before)
+    where ``values`` changed the way the tokens did; else None."""
+    time_before, time_after, cost = _cost(values, before, after)
+    time_factor = time_after / time_before
+    follows = _follows([values[i] for i in before], [values[i] for i in after], tokens_factor > 1)
+    same_way = (time_factor >= TIME_FACTOR and tokens_factor > 1) or (time_factor <= 1 / TIME_FACTOR and
+                                                                      tokens_factor < 1)
+    return (time_before, time_after, cost, follows) if same_way and follows >= FOLLOWS else None
+
+
+def _own_seconds(steps: list[dict], before: range, after: range) -> list[float] | None:
+    """Per step, the step without its waits for a CPU and for each other (its longest rank's own work: the
+    others wait for it), where every step of both sides measured them; else None."""
+    indices = [*before, *after]
+    if any(steps[i]["unwaited"] is None for i in indices):
+        return None
+    return [max(step["unwaited"].values()) if step["unwaited"] else 0.0 for step in steps]
+
+
 def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: float) -> dict | None:
     before, after = _segments(len(steps), points, at)
     seconds = [s["seconds"] for s in steps]
-    time_before, time_after, cost = _cost(seconds, before, after)
-    time_factor = time_after / time_before
     tokens_factor = (statistics.median(steps[i]["padded"] for i in after) /
                      statistics.median(steps[i]["padded"] for i in before))
-    follows = _follows([seconds[i] for i in before], [seconds[i] for i in after], tokens_factor > 1)
-    same_way = (time_factor >= TIME_FACTOR and tokens_factor > 1) or (time_factor <= 1 / TIME_FACTOR and
-                                                                      tokens_factor < 1)
-    if not same_way or follows < FOLLOWS:
+    measured, raw = "step time", None
+    followed = _followed(seconds, before, after, tokens_factor)
+    if followed is None:
+        raw = _cost(seconds, before, after)
+        # The host's load may have changed across the split too (a neighbour's job ended as the sequences grew):
+        # the step without the waits for a CPU and for each other follows the tokens, though the step does not.
+        own = _own_seconds(steps, before, after)
+        followed = None if own is None else _followed(own, before, after, tokens_factor)
+        measured = "step time without the waits for a CPU and for each other"
+    if followed is None:
         return None  # the input changed, the step time did not follow: it holds nothing back
+    time_before, time_after, cost, follows = followed
+    time_factor = time_after / time_before
     change_step = steps[at]["step"]
     length_before = statistics.median(steps[i]["length"] for i in before)
     length_after = statistics.median(steps[i]["length"] for i in after)
@@ -358,7 +387,7 @@ def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: f
     per_token_text = ("time per token unchanged" if 1 / UNCHANGED <= per_token <= UNCHANGED
                       else f"time per token {_factor(per_token)}")
     summary = (f"from step {change_step}, tokens per step {_factor(tokens_factor)} (sequence length "
-               f"{length_before:.0f} -> {length_after:.0f}), step time {_factor(time_factor)}, {per_token_text}")
+               f"{length_before:.0f} -> {length_after:.0f}), {measured} {_factor(time_factor)}, {per_token_text}")
     ranks_before = statistics.median(len(steps[i]["ranks"]) for i in before)
     changed = sorted(rank for rank in steps[at]["ranks"]
                      if _rank_changed(steps, rank, before, after, tokens_factor))
@@ -369,10 +398,13 @@ def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: f
                 f"in steps {steps[before[0]]['step']}-{steps[before[-1]]['step']}, "
                 f"{_median_padded(steps, after):.0f} in steps "
                 f"{steps[after[0]]['step']}-{steps[after[-1]]['step']}",
-                f"step time: median {time_before * 1e3:.1f} ms before, {time_after * 1e3:.1f} ms after; a step "
+                f"{measured}: median {time_before * 1e3:.1f} ms before, {time_after * 1e3:.1f} ms after; a step "
                 f"after is {'slower' if tokens_factor > 1 else 'faster'} than one before in {follows:.0%} of pairs",
                 f"time per padded token: {_duration(time_before / _median_padded(steps, before))} before, "
                 f"{_duration(time_after / _median_padded(steps, after))} after"]
+    if raw is not None:
+        evidence.append(f"step time: median {raw[0] * 1e3:.1f} ms before, {raw[1] * 1e3:.1f} ms after: the waits for "
+                        "a CPU and for each other changed too (the host's load), and hid the input's change")
     real = _real_share(steps, before, after)
     if real:
         evidence.append(real)

@@ -68,8 +68,9 @@ class Draw:
     ranks: int = 2
     env: dict = field(default_factory=dict)
     live: bool = False  # diagnosed while the job runs (a hang)
-    # Other processes that take the host's CPUs from a moment of the run on: (kind, count, seconds after the
-    # run's first telemetry file): "job", another 2-rank training job; "spin", ``count`` processes that spin.
+    # Other processes that take the host's CPUs for part of the run: (kind, count, start[, leave]): "job", another
+    # 2-rank training job; "spin", ``count`` processes that spin; from ``start`` seconds after the run's first
+    # telemetry file (None: from the launch) to ``leave`` seconds after it (absent or None: to the run's end).
     neighbour: tuple | None = None
 
 
@@ -154,6 +155,17 @@ def draw_input_shift(rng: random.Random) -> Draw:
     if rng.random() < 0.5:
         args.append("--padding")
     return Draw(args, Expected("INPUT", step=at))
+
+
+def draw_input_shift_busy(rng: random.Random) -> Draw:
+    # The input shift on a host whose load changes during the steps (which begin about 1 s before the first
+    # telemetry file and last 1-3 s): 1-3 spinning processes arrive, or run from the launch and leave (sitting
+    # 12's miss: a neighbour's load that fell two steps before the sequences doubled hid the change from the
+    # step time).
+    draw = draw_input_shift(rng)
+    moment = round(rng.uniform(0.0, 1.5), 1)
+    draw.neighbour = ("spin", rng.randint(1, 3), *((moment, None) if rng.random() < 0.5 else (None, moment)))
+    return draw
 
 
 def draw_compute_slowdown(rng: random.Random) -> Draw:
@@ -264,6 +276,8 @@ CLASSES = [
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),
     FaultClass("comm-heavy", draw_comm_heavy, notes="each backward all-reduces a 32-64 MiB buffer too, ZeRO 0-2"),
     FaultClass("input-shift", draw_input_shift, judge_change, notes="sequence length x2, x4 or /2 at a random step"),
+    FaultClass("input-shift-busy", draw_input_shift_busy, judge_change,
+               notes="the input shift while 1-3 spinning processes arrive, or leave, during the steps"),
     FaultClass("compute-slowdown", draw_compute_slowdown, judge_change,
                notes="every rank's forward and backward 4-6x slower from a random step, same input"),
     FaultClass("hang", draw_hang, judge_hang, notes="rank 0-1 blocks in forward/backward of step 2-10, diagnosed live"),
@@ -319,23 +333,35 @@ def run_once(draw: Draw, workdir: Path) -> tuple[dict | None, float, str]:
 
 
 class Neighbour:
-    """Other processes on the host, started once the run has written its first telemetry (its steps have
-    begun) and ``delay`` seconds more, and killed when it ends."""
+    """Other processes on the host (``Draw.neighbour``): started at the launch or a moment after the run has
+    written its first telemetry (its steps have begun), killed a moment after that or when the run ends."""
 
     def __init__(self, neighbour: tuple, env: dict, workdir: Path):
-        self.kind, self.count, self.delay = neighbour
+        self.kind, self.count, self.start, *leave = neighbour
+        self.leave = leave[0] if leave else None
         self.env = {key: value for key, value in env.items() if not key.startswith("OTEL_")}  # not instrumented
         self.workdir = workdir
         self.processes: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.ended = threading.Event()
-        threading.Thread(target=self._start, daemon=True).start()
+        threading.Thread(target=self._run, daemon=True).start()
 
-    def _start(self) -> None:
+    def _run(self) -> None:
+        if self.start is None:
+            self._spawn()
+        self._wait_for_telemetry()
+        if self.start is not None:
+            if self.ended.wait(self.start):
+                return
+            self._spawn()
+        if self.leave is not None and not self.ended.wait(self.leave - (self.start or 0.0)):
+            self._kill()  # it leaves while the run goes on
+
+    def _wait_for_telemetry(self) -> None:
         while not self.ended.is_set() and not list(self.workdir.glob("telemetry/*/traces-rank*.jsonl")):
             time.sleep(0.1)
-        if self.ended.wait(self.delay):
-            return
+
+    def _spawn(self) -> None:
         home = self.workdir / "neighbour"
         home.mkdir(exist_ok=True)
         commands = ([[str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),
@@ -349,11 +375,15 @@ class Neighbour:
                                                        stderr=subprocess.DEVNULL, start_new_session=True))
 
     def stop(self) -> None:
+        self.ended.set()
+        self._kill()
+
+    def _kill(self) -> None:
         import psutil
 
-        self.ended.set()
         with self.lock:
-            for process in self.processes:
+            processes, self.processes = self.processes, []
+            for process in processes:
                 # torchrun starts its workers in sessions of their own: its process group alone leaves them running
                 with contextlib.suppress(psutil.Error):
                     for child in psutil.Process(process.pid).children(recursive=True):

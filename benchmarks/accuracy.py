@@ -101,6 +101,21 @@ def draw_healthy_neighbour(rng: random.Random) -> Draw:
                                                       round(rng.uniform(1.0, 4.0), 1)))
 
 
+def draw_healthy_busy(rng: random.Random) -> Draw:
+    # A short healthy run whose host's load changes during its steps (the host rule's case, which the long runs
+    # above reach in few of their draws).
+    args = ["--steps", str(rng.randint(20, 40)), *_zero(rng), "--micro-batch-size", str(rng.choice((8, 16))),
+            "--seq-len", str(rng.choice((32, 64)))]
+    return Draw(args, Expected("none"), 2, neighbour=_arriving_or_leaving(rng))
+
+
+def _arriving_or_leaving(rng: random.Random) -> tuple:
+    """1-3 spinning processes that arrive 0-1.5 s after the first telemetry file, or run from the launch and leave
+    then: the steps begin about 1 s before that file, and a short run's last 1-3 s."""
+    moment = round(rng.uniform(0.0, 1.5), 1)
+    return "spin", rng.randint(1, 3), *((moment, None) if rng.random() < 0.5 else (None, moment))
+
+
 # The periodicity test's bound (docs/diagnose.md, "Findings and the verdict"): four stalls every 3rd step in
 # the 11-13 steps counted of a 12-14 step run are at alpha even when each is the slowest step (p = 0.010,
 # 0.008, 0.006 from the arrangements alone, estimated by 499 shuffles +- 0.004), so the stall classes run 16
@@ -158,13 +173,10 @@ def draw_input_shift(rng: random.Random) -> Draw:
 
 
 def draw_input_shift_busy(rng: random.Random) -> Draw:
-    # The input shift on a host whose load changes during the steps (which begin about 1 s before the first
-    # telemetry file and last 1-3 s): 1-3 spinning processes arrive, or run from the launch and leave (sitting
-    # 12's miss: a neighbour's load that fell two steps before the sequences doubled hid the change from the
-    # step time).
+    # The input shift on a host whose load changes during the steps (sitting 12's miss: a neighbour's load that
+    # fell two steps before the sequences doubled hid the change from the step time).
     draw = draw_input_shift(rng)
-    moment = round(rng.uniform(0.0, 1.5), 1)
-    draw.neighbour = ("spin", rng.randint(1, 3), *((moment, None) if rng.random() < 0.5 else (None, moment)))
+    draw.neighbour = _arriving_or_leaving(rng)
     return draw
 
 
@@ -267,6 +279,8 @@ CLASSES = [
     FaultClass("healthy-neighbour", draw_healthy_neighbour,
                notes="2 ranks, 300-600 steps; from 1-4 s into the run another 2-rank job or 1-3 spinning processes "
                "take the host's CPUs"),
+    FaultClass("healthy-busy", draw_healthy_busy,
+               notes="2 ranks, 20-40 steps; 1-3 spinning processes arrive, or leave, during the steps"),
     FaultClass("loader-stall-rank", draw_loader_stall_rank,
                notes="one rank's loader stalls 80-300 ms every 3rd-6th step, 4-5 times, 16 steps or more"),
     FaultClass("loader-stall-all", draw_loader_stall_all,

@@ -84,6 +84,8 @@ TRAINING_STEP_PROCESS_CPU = "training.step.process.cpu"
 TRAINING_STEP_THREAD_CPU_WAIT = "training.step.thread.cpu.wait"
 # ... and the run-queue delays of the process's native threads (communication, intra-op), summed, as a share of it
 TRAINING_STEP_NATIVE_THREADS_CPU_WAIT = "training.step.native_threads.cpu.wait"
+# On forward, backward and optimizer_step spans: the share of the phase the training thread waited for a CPU
+TRAINING_PHASE_THREAD_CPU_WAIT = "training.phase.thread.cpu.wait"
 # A plain PyTorch loop's data parallelism, on training.step: "ddp", "fsdp", or "none" (trace_training())
 TRAINING_PARALLELISM = "training.parallelism"
 # Pipeline parallelism (PipelineEngine): on training.step, and on the resource of the rank

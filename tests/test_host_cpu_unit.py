@@ -218,3 +218,41 @@ def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):
     finally:
         os.close(unreadable)
     assert [record.schedstat for record in records] == [None, None]  # the steps go on, unread
+
+
+def test_each_phase_reads_the_training_threads_wait_at_its_start_and_end():
+    # The forward spins beside two spinners per CPU: it waits for a CPU. The backward sleeps as long beside
+    # them (a device's wait, a straggler's sleep): it does not, though the step as a whole did.
+    from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
+    from tests.test_state_machine import Input
+    from tests.test_steps_unit import Engine
+
+    def spin():
+        deadline = time.perf_counter() + 0.3
+        while time.perf_counter() < deadline:
+            pass
+
+    facts, records, engine = Facts(), [], Engine(1)
+    recorder = StepRecorder(engine, facts, records.append)
+    with crowded():
+        phase = recorder.forward_started(engine, (Input(),), {})
+        spin()
+        recorder.phase_ended(phase)
+        phase = recorder.backward_started(engine)
+        time.sleep(0.3)
+        recorder.phase_ended(phase)
+        engine.step(recorder)
+    [record] = records
+    forward, backward, optimizer = record.phases
+    waits = [host_cpu.wait_share(*phase.schedstat, phase.end - phase.start) for phase in record.phases]
+    assert waits[0] > 0.2 and waits[1] < 0.05, waits
+    assert waits[2] is not None
+    assert record.schedstat is optimizer.schedstat[1]  # the step's close takes the optimizer step's end read
+    assert (forward.name, backward.name) == ("forward", "backward")
+
+
+def test_a_phase_wait_needs_both_reads():
+    assert host_cpu.wait_share(b"5 100 3\n", b"9 200000100 4\n", 10**9) == pytest.approx(0.2)
+    assert host_cpu.wait_share(None, b"9 200 4\n", 10**9) is None
+    assert host_cpu.wait_share(b"5 100 3\n", b"9 200 4\n", 0) is None
+    assert host_cpu.wait_share(b"5\n", b"9\n", 10**9) is None  # an older format: off, not wrong

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from opentelemetry.context import Context
@@ -258,3 +259,14 @@ def test_no_sdk_means_no_spans_and_no_errors(rank, caplog):
         train_step(recorder, engine)
         emitter().drain()
     assert not caplog.records
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="schedstat is Linux's")
+def test_each_phase_span_says_how_much_of_it_the_training_thread_waited_for_a_cpu():
+    recorder, engine, spans = recorder_on(0)
+    for _ in range(2):
+        train_step(recorder, engine)
+    phases = [s for s in spans.get_finished_spans()
+              if s.name in ("training.forward", "training.backward", "training.optimizer.step")]
+    assert len(phases) == 6
+    assert all(0 <= s.attributes["training.phase.thread.cpu.wait"] <= 1 for s in phases)

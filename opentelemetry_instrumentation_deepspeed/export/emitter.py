@@ -38,7 +38,7 @@ from opentelemetry_instrumentation_deepspeed.export import batches, clock, hangs
 from opentelemetry_instrumentation_deepspeed.export.spans import remote_parent
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
-from opentelemetry_instrumentation_deepspeed.recording.host_cpu import HostCpu
+from opentelemetry_instrumentation_deepspeed.recording.host_cpu import HostCpu, wait_share
 from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, HangReport, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 
@@ -402,6 +402,10 @@ class Emitter(Component):
             more[semconv.COMM_COUNT] = phase.comm_count
         if phase.comm_dropped:
             more[semconv.COMM_SPANS_DROPPED] = phase.comm_dropped
+        if phase.schedstat is not None:
+            waited = wait_share(*phase.schedstat, end - phase.start)
+            if waited is not None:
+                more[semconv.TRAINING_PHASE_THREAD_CPU_WAIT] = round(min(waited, 1.0), 3)
         memory = phase.memory
         if memory is not None:
             more[semconv.TRAINING_MEMORY_ALLOCATED] = memory.allocated

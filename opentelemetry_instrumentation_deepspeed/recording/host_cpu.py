@@ -21,8 +21,10 @@ the one that trains it, as the hang watchdog takes it. That figure is read per s
 interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
 (``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a
 warm loop, the kernel formats three numbers), keeping the bytes; the emitter parses them against
-the read before (``waited``). Where the file is missing (a kernel without ``CONFIG_SCHED_INFO``)
-that figure alone is off.
+the read before (``waited``). It reads it too as each phase starts and ends (``wait_share``): where
+in the step the thread waited, which tells a rank that sleeps in its forward (a slower device) from
+one whose forward waited for a CPU. Where the file is missing (a kernel without
+``CONFIG_SCHED_INFO``) those figures alone are off.
 
 The training thread is not the only one a busy host delays: a collective on CPU runs on the
 communication library's own threads (gloo's), which wake for each transfer and may then wait for
@@ -132,12 +134,7 @@ class HostCpu:
         if read is None:
             return None
         last, self._last_read = self._last_read, (end, read)
-        if last is None or end <= last[0]:
-            return None
-        try:
-            return max(_run_queue_delay(read) - _run_queue_delay(last[1]), 0.0) / (end - last[0])
-        except (ValueError, IndexError):
-            return None
+        return None if last is None else wait_share(last[1], read, end - last[0])
 
     def over(self, start: int, end: int) -> tuple[float, float, float, float | None, float | None] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this
@@ -157,6 +154,17 @@ class HostCpu:
         return (max(busy_end - busy, 0.0) / seconds, max(idle_end - idle, 0.0) / seconds,
                 max(process_end - process, 0.0) / seconds, None if math.isnan(waiting) else max(waiting, 0.0),
                 None if math.isnan(natives) else max(natives, 0.0))
+
+
+def wait_share(first: bytes | None, last: bytes | None, nanoseconds: int) -> float | None:
+    """The share of ``nanoseconds`` a thread waited for a CPU between two reads of its schedstat; None where a
+    read is missing or unreadable, or the interval empty."""
+    if first is None or last is None or nanoseconds <= 0:
+        return None
+    try:
+        return max(_run_queue_delay(last) - _run_queue_delay(first), 0.0) / nanoseconds
+    except (ValueError, IndexError):
+        return None
 
 
 def _run_queue_delay(schedstat: bytes) -> float:

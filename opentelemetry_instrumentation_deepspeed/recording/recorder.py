@@ -307,6 +307,8 @@ class StepRecorder(Component):
             self._memory.phase_started()
         phase = Phase(_PHASE_NAMES[event], micro_step, now, None if self._gpu is None else self._gpu.event(),
                       event == Event.DIRECT_BACKWARD)
+        if self._thread_stat is not None:
+            phase.schedstat = (self._schedstat(), None)
         if event == Event.FORWARD and self.inputs:
             phase.inputs = self.inputs.popleft()
         record.phases.append(phase)
@@ -316,6 +318,8 @@ class StepRecorder(Component):
         record = self.open
         phase, record.phase = record.phase, None
         phase.end = time.time_ns()
+        if phase.schedstat is not None and self._thread_stat is not None:
+            phase.schedstat = (phase.schedstat[0], self._schedstat())
         if phase.gpu_start is not None:
             phase.gpu_end = self._gpu.event()
         if self._memory is not None:
@@ -332,7 +336,7 @@ class StepRecorder(Component):
             self.open.phase.failure = Interrupted(reason)
             self._end_phase(None, None)
 
-    def _close_step(self, _event, engine) -> None:
+    def _close_step(self, event, engine) -> None:
         record, self.open = self.open, None
         record.skipped = engine.skipped_steps > self._skipped_before
         record.grad_norm = scalars.take(engine.get_global_grad_norm(), self._device_scalars)
@@ -340,13 +344,21 @@ class StepRecorder(Component):
             record.scalars_copied = self._device_scalars.event()
         record.end = end = time.time_ns()
         if self._thread_stat is not None:  # the bytes only: the emitter parses them against the read before
-            try:
-                record.schedstat = os.pread(self._thread_stat, 64, 0)
-            except OSError:  # unreadable: the emitter falls back to its samples
-                self._thread_stat = None
+            last = record.phases[-1].schedstat if event == Event.OPTIMIZER_END and record.phases else None
+            # The optimizer step's end was read a moment ago: one read serves both.
+            record.schedstat = last[1] if last is not None and last[1] is not None else self._schedstat()
         if self.profiler is not None:
             record.profile = self.profiler.step_closed((end - record.start) / 1e9)
         self._submit(record)
+
+    def _schedstat(self) -> bytes | None:
+        """The training thread's schedstat, unparsed (its run-queue delay, for the emitter); None, and no more
+        reads, once it is unreadable (the emitter falls back to its samples)."""
+        try:
+            return os.pread(self._thread_stat, 64, 0)
+        except OSError:
+            self._thread_stat = None
+            return None
 
     def _fail_step(self, event: Event, failure) -> None:
         record, self.open = self.open, None

@@ -17,19 +17,25 @@ from opentelemetry_instrumentation_deepspeed.diagnose.reader import Sample, Span
 MS = 1_000_000  # nanoseconds
 
 
+PHASE_PARTS = {semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
+               semconv.SPAN_OPTIMIZER_STEP: "optimizer"}
+
+
 def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None, spikes: float = 0.0,
-                  transfer: float = 1.0, cpu_wait=None, attributes=None) -> list[Span]:
+                  transfer: float = 1.0, cpu_wait=None, attributes=None, phase_wait=None) -> list[Span]:
     """Spans of a data-parallel job: per step data wait, forward, backward ending in a synchronous
     all-reduce, optimizer step ending in a synchronous all-gather. ``extra(rank, step)`` returns
     {part: extra milliseconds}; ``spikes``: the chance of a random 20-60 ms spike in a part of a step;
     ``transfer`` scales the collectives' transfer time (or ``transfer(step)`` does); ``cpu_wait(rank, step)``:
-    the share of the step the rank's training thread waited for a CPU; ``attributes(rank, step)``: more
-    attributes of its step span.
+    the share of the step the rank's training thread waited for a CPU, and ``phase_wait(rank, step)`` of each
+    phase ({"forward": share, ...}, none: 0); ``attributes(rank, step)``: more attributes of its step span.
     Collectives end for everyone once the last rank arrives, so the others wait for a late rank."""
     rng = random.Random(seed)
     spans, clock, sequence = [], 1_700_000_000_000 * MS, 0
 
     def span(name, rank, step, start, end, **attributes):
+        if phase_wait is not None and name in PHASE_PARTS:
+            attributes[semconv.TRAINING_PHASE_THREAD_CPU_WAIT] = phase_wait(rank, step).get(PHASE_PARTS[name], 0.0)
         spans.append(Span(name, f"{step:032x}", f"{rank:04x}{len(spans):012x}", "", int(start), int(end), "job", rank,
                           {semconv.TRAINING_STEP: step, **attributes}))
 
@@ -149,6 +155,31 @@ def test_a_rank_late_because_its_thread_waited_for_a_cpu_is_its_hosts_not_a_stra
     assert "a busier host under rank 1, not the rank's own work" in report["verdict"]["summary"]
     report = analyse(synthetic_job(16, extra=late, cpu_wait=lambda r, _step: 0.05))
     assert (report["verdict"]["layer"], report["verdict"]["rank"]) == ("straggler", 1) and report["host_load"] == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_that_sleeps_in_its_forward_and_waits_for_a_cpu_elsewhere_is_a_straggler(seed):
+    # Rank 1 sleeps 25 ms in each forward (a straggler's device, or its sleep) and takes each collective's result
+    # 6 ms late, its training thread waiting for a CPU meanwhile (the other ranks' threads filled the CPUs while it
+    # slept): 30% of its step, 40% of its backward, none of its forward (fresh sitting 14's miss, which read the whole
+    # step's wait against its forward: "a busier host under rank 1"). Its phases say where it waited.
+    late = lambda r, _step: {"forward": 25, "exposed_comm": 6} if r == 1 else {}  # noqa: E731
+    step_wait = lambda r, _step: 0.3 if r == 1 else 0.01  # noqa: E731
+    report = analyse(synthetic_job(16, seed=seed, extra=late, cpu_wait=step_wait,
+                                   phase_wait=lambda r, _step: {"backward": 0.4} if r == 1 else {}))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"]) == ("straggler", 1, "forward"), verdict
+    assert report["host_load"] == []
+    # Files without the phases' waits (an older version's): the whole step's wait is counted against the forward.
+    report = analyse(synthetic_job(16, seed=seed, extra=late, cpu_wait=step_wait))
+    assert report["verdict"]["layer"] == "none" and report["host_load"][0]["phase"] == "forward"
+    # Where the wait was in the late phase itself, the phases say so too: its host's.
+    slow = lambda r, _step: {"backward": 30} if r == 1 else {}  # noqa: E731
+    report = analyse(synthetic_job(16, seed=seed, extra=slow, cpu_wait=lambda r, _step: 0.45 if r == 1 else 0.05,
+                                   phase_wait=lambda r, _step: {"backward": 0.6 if r == 1 else 0.05}))
+    assert report["verdict"]["layer"] == "none", report["verdict"]
+    [note] = report["host_load"]
+    assert (note["rank"], note["phase"]) == (1, "backward")
 
 
 @pytest.mark.parametrize("stalling", [0, 1])

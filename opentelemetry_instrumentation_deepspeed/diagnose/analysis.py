@@ -38,7 +38,7 @@ class _Step:
     seen: bool = False
     cpu_wait: float | None = None  # the share of the step its training thread waited for a CPU
     native_wait: float | None = None  # ... and its native threads (gloo's), summed
-    phases: list = field(default_factory=list)  # (part, start, end)
+    phases: list = field(default_factory=list)  # (part, start, end, share of it the training thread waited for a CPU)
     comm: list = field(default_factory=list)  # synchronous collectives: (start, end, group, sequence)
 
 
@@ -161,7 +161,8 @@ class Analysis:
                     step.seen = True
                 self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
-                self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end))
+                waited = span.attributes.get(semconv.TRAINING_PHASE_THREAD_CPU_WAIT)
+                self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end, waited))
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX) and not pipeline.is_transfer(span):  # pipeline: bubble
                 attributes = span.attributes
                 group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
@@ -279,8 +280,8 @@ class Analysis:
                 if step is None or not step.seen:
                     continue
                 lanes[rank] = {"start": step.start, "end": step.end,
-                               "phases": [[part, start, end] for part, start, end in sorted(step.phases,
-                                                                                            key=lambda p: p[1])],
+                               "phases": [[part, start, end] for part, start, end, _waited in sorted(
+                                   step.phases, key=lambda p: p[1])],
                                "comm": [[start, end] for start, end, _group, _sequence in step.comm]}
             number = next((s["step"] for steps_ in by_rank.values() for s in steps_ if s["trace_id"] == trace_id), 0)
             timelines[label] = {"trace_id": trace_id, "step": number, "ranks": lanes}
@@ -333,8 +334,14 @@ class Analysis:
                 waits.append((start, last))
             transfers.append((max(last, start), end))
         comm = _Coverage((start, end) for start, end, _group, _sequence in step.comm)
-        for part, start, end in step.phases:
+        phase_waits: dict | None = {}
+        for part, start, end, waited in step.phases:
             parts[part] += (end - start) - (comm.overlap(start, end) if part != "data_wait" else 0)
+            if part != "data_wait" and phase_waits is not None:
+                # Where the training thread waited for a CPU, phase by phase: all of the step's, or none.
+                phase_waits = None if waited is None else phase_waits
+                if phase_waits is not None:
+                    phase_waits[part] = phase_waits.get(part, 0.0) + min(waited, 1.0) * (end - start) / 1e9
         parts["exposed_comm"] = _union_overlap(transfers, step.start, step.end)
         parts["comm_wait"] = _union_overlap(waits, step.start, step.end)
         total = step.end - step.start
@@ -342,7 +349,8 @@ class Analysis:
         return {"step": step.number, "trace_id": step.trace_id, "seconds": total / 1e9,
                 "parts": {name: value / 1e9 for name, value in parts.items()},
                 "cpu_wait": None if step.cpu_wait is None else min(step.cpu_wait, 1.0) * total / 1e9,
-                "native_wait": None if step.native_wait is None else step.native_wait * total / 1e9}
+                "native_wait": None if step.native_wait is None else step.native_wait * total / 1e9,
+                "phase_waits": phase_waits or None}
 
     def _last_arrival(self, job: str, group, sequence) -> int | None:
         """When the last rank arrived at a collective; computed once per collective, not once per rank."""

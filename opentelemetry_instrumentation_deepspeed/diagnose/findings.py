@@ -125,6 +125,7 @@ class StepFindings:
         self.patterns: dict[int, periodic.Pattern] = {}  # rank -> its costliest periodic pattern
         self.host_load: list[dict] = []  # late ranks whose lateness was their wait for a CPU (_waited_for_cpu)
         self.cpu_waits = {rank: {s["step"]: s.get("cpu_wait") for s in steps} for rank, steps in steady.items()}
+        self.phase_waits = {rank: {s["step"]: s.get("phase_waits") for s in steps} for rank, steps in steady.items()}
 
     def all(self) -> list[dict]:
         if not self.run_seconds:
@@ -311,10 +312,17 @@ class StepFindings:
     def _waited_for_cpu(self, rank: int, part: str, numbers: list[int], excess: dict[int, float]) -> bool:
         """Whether the rank is late because its training thread waited for a CPU more than the others' did: with
         that extra wait taken out of its excess, the excess no longer reaches the rule's share of the step. Then
-        its host, not its compute, made it late: a note (``host_load``), not a finding. Unmeasured waits: False."""
+        its host, not its compute, made it late: a note (``host_load``), not a finding. Unmeasured waits: False.
+
+        The wait is the part's own where the phases carry theirs (``training.phase.thread.cpu.wait``): a rank
+        that sleeps in its forward (a device's wait) and waits for a CPU in its collectives keeps its forward.
+        Else it is the whole step's, all of it counted against the part."""
         extra = {}
         for step in numbers:
-            waits = {other: self.cpu_waits[other].get(step) for other in self.steady}
+            # The parts' own waits where every rank's phases measured them; else the steps'.
+            phased = part in (*COMPUTE, "compute") and all(self.phase_waits[other].get(step) for other in self.steady)
+            waits = {other: self._phase_wait(other, step, part) if phased else self.cpu_waits[other].get(step)
+                     for other in self.steady}
             if None in waits.values():
                 return False
             extra[step] = waits[rank] - statistics.median(w for other, w in waits.items() if other != rank)
@@ -329,6 +337,12 @@ class StepFindings:
                        f"other ranks' (median per step) while its training thread waited {_ms(waited)} more per step "
                        f"for a CPU than theirs: a busier host under rank {rank}, not the rank's own work"})
         return True
+
+    def _phase_wait(self, rank: int, step: int, part: str) -> float:
+        """Seconds the rank's training thread waited for a CPU in ``part`` of a step: a compute phase, or all of
+        them ("compute")."""
+        phases = self.phase_waits[rank][step]
+        return sum(phases.get(name, 0.0) for name in COMPUTE) if part == "compute" else phases.get(part, 0.0)
 
     def straggler(self, findings: list[dict]) -> dict | None:
         """The former ``straggler`` block of the report, from a late-rank finding whose cause is compute."""

@@ -37,7 +37,8 @@ _INPUT_TYPES = {semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_
                 # the host's CPUs during the step, and the resource's host.name, copied onto training.step
                 semconv.TRAINING_STEP_HOST_CPU_BUSY: (int, float), semconv.TRAINING_STEP_HOST_CPU_IDLE: (int, float),
                 semconv.TRAINING_STEP_PROCESS_CPU: (int, float), semconv.TRAINING_STEP_THREAD_CPU_WAIT: (int, float),
-                semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT: (int, float), semconv.HOST_NAME: str}
+                semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT: (int, float), semconv.HOST_NAME: str,
+                semconv.TRAINING_PHASE_THREAD_CPU_WAIT: (int, float)}
 _KEPT += tuple(_MODEL_TYPES) + tuple(_INPUT_TYPES)
 
 

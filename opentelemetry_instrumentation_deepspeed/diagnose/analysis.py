@@ -337,11 +337,12 @@ class Analysis:
         phase_waits: dict | None = {}
         for part, start, end, waited in step.phases:
             parts[part] += (end - start) - (comm.overlap(start, end) if part != "data_wait" else 0)
-            if part != "data_wait" and phase_waits is not None:
-                # Where the training thread waited for a CPU, phase by phase: all of the step's, or none.
-                phase_waits = None if waited is None else phase_waits
-                if phase_waits is not None:
-                    phase_waits[part] = phase_waits.get(part, 0.0) + min(waited, 1.0) * (end - start) / 1e9
+            if part == "data_wait" or phase_waits is None:
+                continue
+            if waited is None:
+                phase_waits = None  # where the training thread waited for a CPU: in all of the step's phases, or none
+            else:
+                phase_waits[part] = phase_waits.get(part, 0.0) + min(waited, 1.0) * (end - start) / 1e9
         parts["exposed_comm"] = _union_overlap(transfers, step.start, step.end)
         parts["comm_wait"] = _union_overlap(waits, step.start, step.end)
         total = step.end - step.start

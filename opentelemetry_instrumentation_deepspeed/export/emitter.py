@@ -402,8 +402,8 @@ class Emitter(Component):
             more[semconv.COMM_COUNT] = phase.comm_count
         if phase.comm_dropped:
             more[semconv.COMM_SPANS_DROPPED] = phase.comm_dropped
-        if phase.schedstat is not None:
-            waited = wait_share(*phase.schedstat, end - phase.start)
+        if phase.schedstat_end is not None:
+            waited = wait_share(phase.schedstat_start, phase.schedstat_end, end - phase.start)
             if waited is not None:
                 more[semconv.TRAINING_PHASE_THREAD_CPU_WAIT] = round(min(waited, 1.0), 3)
         memory = phase.memory

@@ -61,7 +61,7 @@ class Phase:
     """One forward, backward or optimizer step of the open step."""
 
     __slots__ = ("comm_count", "comm_dropped", "direct", "end", "failure", "gpu_end", "gpu_start", "inputs",
-                 "memory", "micro_step", "name", "schedstat", "start")
+                 "memory", "micro_step", "name", "schedstat_end", "schedstat_start", "start")
 
     def __init__(self, name: str, micro_step: int | None, start: int, gpu_start=None, direct: bool = False):
         self.name = name  # semconv.PHASE_*
@@ -76,8 +76,9 @@ class Phase:
         self.gpu_end = None
         self.memory = None  # the caching allocator at its end (recording.allocator.Memory), on CUDA
         self.inputs: tuple | None = None  # a forward's batch: (samples, padded length, real tokens or None)
-        # The training thread's schedstat bytes at its start and end, for the emitter to parse: (start, end)
-        self.schedstat: tuple[bytes | None, bytes | None] | None = None
+        # The training thread's schedstat bytes at its start and end, for the emitter to parse
+        self.schedstat_start: bytes | None = None
+        self.schedstat_end: bytes | None = None
 
 
 class Collective:

@@ -308,7 +308,7 @@ class StepRecorder(Component):
         phase = Phase(_PHASE_NAMES[event], micro_step, now, None if self._gpu is None else self._gpu.event(),
                       event == Event.DIRECT_BACKWARD)
         if self._thread_stat is not None:
-            phase.schedstat = (self._schedstat(), None)
+            phase.schedstat_start = self._schedstat()
         if event == Event.FORWARD and self.inputs:
             phase.inputs = self.inputs.popleft()
         record.phases.append(phase)
@@ -318,8 +318,8 @@ class StepRecorder(Component):
         record = self.open
         phase, record.phase = record.phase, None
         phase.end = time.time_ns()
-        if phase.schedstat is not None and self._thread_stat is not None:
-            phase.schedstat = (phase.schedstat[0], self._schedstat())
+        if phase.schedstat_start is not None and self._thread_stat is not None:
+            phase.schedstat_end = self._schedstat()
         if phase.gpu_start is not None:
             phase.gpu_end = self._gpu.event()
         if self._memory is not None:
@@ -344,9 +344,9 @@ class StepRecorder(Component):
             record.scalars_copied = self._device_scalars.event()
         record.end = end = time.time_ns()
         if self._thread_stat is not None:  # the bytes only: the emitter parses them against the read before
-            last = record.phases[-1].schedstat if event == Event.OPTIMIZER_END and record.phases else None
             # The optimizer step's end was read a moment ago: one read serves both.
-            record.schedstat = last[1] if last is not None and last[1] is not None else self._schedstat()
+            last = record.phases[-1].schedstat_end if event == Event.OPTIMIZER_END and record.phases else None
+            record.schedstat = last if last is not None else self._schedstat()
         if self.profiler is not None:
             record.profile = self.profiler.step_closed((end - record.start) / 1e9)
         self._submit(record)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.metrics._internal import _ProxyMeterProvider
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, ObservableCounter, UpDownCounter
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader, MetricsData
+from opentelemetry.sdk.metrics.view import View
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -22,6 +24,7 @@ from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider
 
 import opentelemetry_instrumentation_deepspeed as package
 from opentelemetry_instrumentation_deepspeed.export import delivery, sdk
+from opentelemetry_instrumentation_deepspeed.export.spans import EMPTY_CONTEXT, in_context
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
 PACKAGE = Path(package.__file__).parent
@@ -230,3 +233,80 @@ def test_the_otlp_preferences_read_without_internals_as_with_them(monkeypatch, t
     assert found[0][0][UpDownCounter] == "theirs" and Counter in found[0][0] and ObservableCounter in found[0][0]
     assert Histogram in found[0][1]
 
+
+
+# -- histogram points recorded after the fact ---------------------------------------------------------
+
+
+def _histogram_points(reader) -> list[tuple]:
+    """Every histogram point ``reader`` collects now: what a backend would see of it, exemplars included."""
+    found = []
+    for resource in (reader.get_metrics_data() or MetricsData([])).resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    exemplars = sorted((e.value, e.time_unix_nano, e.trace_id, e.span_id, tuple(sorted(
+                        (e.filtered_attributes or {}).items()))) for e in point.exemplars)
+                    found.append((metric.name, tuple(sorted(point.attributes.items())), point.count, point.sum,
+                                  point.min, point.max, tuple(point.bucket_counts), tuple(exemplars)))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("temporality", [AggregationTemporality.CUMULATIVE, AggregationTemporality.DELTA],
+                         ids=["cumulative", "delta"])
+def test_points_after_the_first_go_where_the_sdk_would_put_them(temporality):
+    """The door's recorder against the SDK's own path, point for point: the same buckets, sums and
+    exemplars (their times are the points' own), through collections, a reader added midway, a reader
+    that keeps some attribute keys only, and an attribute set past the cardinality limit."""
+    from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+    span = TracerProvider().get_tracer("test").start_span("step")
+    contexts = (in_context(span.get_span_context()), EMPTY_CONTEXT)
+    phase = {"training.phase": "forward", "deepspeed.zero.stage": 2}
+    attribute_sets = (phase, {"training.phase": "backward"}, None)
+    arms = []
+    for door in (True, False):
+        preferred = {Histogram: temporality}
+        readers = [InMemoryMetricReader(preferred_temporality=preferred)]
+        provider = MeterProvider(metric_readers=readers, views=[
+            View(instrument_name="kept"), View(instrument_name="kept", name="kept.phase",
+                                               attribute_keys={"training.phase"})])
+        meter = provider.get_meter("test")
+        histograms = [meter.create_histogram("duration", unit="s"), meter.create_histogram("kept", unit="s")]
+        if door:
+            records = [sdk.measurement_recorder(histogram) for histogram in histograms]
+        else:
+            records = [functools.partial(lambda h, value, taken, context, attributes: h._measurement_consumer
+                                         .consume_measurement(Measurement(value, taken, h, context, attributes)),
+                                         histogram) for histogram in histograms]
+        collected = []
+        for index in range(120):
+            if index == 40:
+                late = InMemoryMetricReader(preferred_temporality=preferred)
+                provider.add_metric_reader(late)
+                readers.append(late)
+            for record in records:
+                attributes = attribute_sets[index % 3]
+                record(0.001 * (index % 17) + 1e-4, 1_000_000 + index, contexts[index % 2], attributes)
+            if index % 25 == 24:
+                collected.append([_histogram_points(reader) for reader in readers])
+        arms.append(collected)
+    assert arms[0] == arms[1]
+    assert any(point[-1] for readers in arms[0] for points in readers for point in points), "exemplars compared"
+
+
+@pytest.mark.skipif("aggregation_cardinality_limit" not in inspect.signature(View).parameters,
+                    reason="an SDK without cardinality limits (1.45.1)")
+def test_the_door_keeps_taking_points_past_the_cardinality_limit():
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader],
+                             views=[View(instrument_name="h", aggregation_cardinality_limit=2)])
+    record = sdk.measurement_recorder(provider.get_meter("test").create_histogram("h"))
+    sets = [{"n": n} for n in range(4)]
+    for _ in range(3):
+        for attributes in sets:
+            record(1.0, 1, EMPTY_CONTEXT, attributes)
+    counts = {tuple(point.attributes.items()): point.count for point in reader.get_metrics_data().resource_metrics[0]
+              .scope_metrics[0].metrics[0].data.data_points}
+    assert sum(counts.values()) == 12
+    assert counts[(("otel.metric.overflow", True),)] == 6

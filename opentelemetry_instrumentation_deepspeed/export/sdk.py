@@ -10,6 +10,7 @@ the rest of the package on the public API.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -445,7 +446,12 @@ def decides_by_parent(sampler) -> bool:
 
 def measurement_recorder(histogram):
     """``record(value, time_unix_nano, context, attributes)`` for an SDK histogram, keeping the time the
-    value was taken (the public ``record`` stamps the time it is called); None: use the public API."""
+    value was taken (the public ``record`` stamps the time it is called); None: use the public API.
+
+    ``attributes`` is one of a few dicts the caller keeps and never changes (a phase's, a collective
+    route's): the first point of each goes the SDK's whole way, which cleans and hashes the attributes
+    and finds each reader's aggregation; the next ones go straight to those aggregations (a third of
+    the cost), while the readers are the same and none of them drops its aggregations at collection."""
     if not _internals():
         return None
     real = getattr(histogram, "_real_instrument", histogram)  # made before the SDK was set up: a proxy
@@ -456,12 +462,73 @@ def measurement_recorder(histogram):
     from opentelemetry.sdk.metrics._internal.measurement import Measurement
 
     consume = consumer.consume_measurement
+    routes: dict[int, tuple] = {}  # id(attributes) -> (attributes, reader storages, _Route) or no route: None
 
     def record(value, taken: int, context, attributes) -> None:
-        if enabled():
-            consume(Measurement(value, taken, real, context, attributes))
+        if not enabled():
+            return
+        found = routes.get(id(attributes))
+        if found is not None and found[0] is attributes and found[1] is consumer._reader_storages:
+            route = found[2]
+            if route is not None:
+                measurement = route.measurement(value, taken, real, context, route.attributes)
+                sample = route.should_sample(value, taken, route.attributes, context)
+                for aggregation in route.aggregations:
+                    aggregation.aggregate(measurement, sample)
+                return
+        else:
+            found = None
+        measurement = Measurement(value, taken, real, context, attributes)
+        consume(measurement)
+        if found is None:
+            routes[id(attributes)] = (attributes, consumer._reader_storages, _route(consumer, real, measurement))
 
     return record
+
+
+class _Route:
+    """Where the points of one attribute set of one instrument go: each reader's aggregation of it."""
+
+    __slots__ = ("aggregations", "attributes", "measurement", "should_sample")
+
+    def __init__(self, aggregations, attributes, should_sample, measurement):
+        self.aggregations = aggregations
+        self.attributes = attributes  # as the SDK cleaned them for the first point
+        self.should_sample = should_sample
+        self.measurement = measurement
+
+
+@functools.cache
+def _cleaned_measurement():
+    """A ``Measurement`` whose attributes are taken as they are: cleaned once, for the first point of their set."""
+    from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+    class Cleaned(Measurement):
+        def __post_init__(self) -> None:
+            pass
+
+    return Cleaned
+
+
+def _route(consumer, instrument, measurement) -> _Route | None:
+    """The aggregations ``measurement`` (just consumed) went to, or None where a later point must take the
+    SDK's whole way: a reader that drops its aggregations at each collection (delta temporality), a view
+    that keeps some attribute keys only, an attribute set past the cardinality limit."""
+    from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
+
+    attributes = dict(measurement.attributes) if measurement.attributes else {}
+    key = _hash_attributes(attributes)
+    aggregations = []
+    for storage in consumer._reader_storages.values():
+        for match in storage._get_or_init_view_instrument_match(instrument):
+            if getattr(match, "_reset_on_collect", False) or match._view._attribute_keys is not None:
+                return None
+            aggregation = match._attributes_aggregation.get(key)
+            if aggregation is None:
+                return None
+            aggregations.append(aggregation)
+    return _Route(tuple(aggregations), measurement.attributes, consumer._sdk_config.exemplar_filter.should_sample,
+                  _cleaned_measurement())
 
 
 def instrument_is_unset(histogram) -> bool:

@@ -28,14 +28,16 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
     {part: extra milliseconds}; ``spikes``: the chance of a random 20-60 ms spike in a part of a step;
     ``transfer`` scales the collectives' transfer time (or ``transfer(step)`` does); ``cpu_wait(rank, step)``:
     the share of the step the rank's training thread waited for a CPU, and ``phase_wait(rank, step)`` of each
-    phase ({"forward": share, ...}, none: 0); ``attributes(rank, step)``: more attributes of its step span.
+    phase ({"forward": share, ...}, none: 0; None: the phases unread); ``attributes(rank, step)``: more
+    attributes of its step span.
     Collectives end for everyone once the last rank arrives, so the others wait for a late rank."""
     rng = random.Random(seed)
     spans, clock, sequence = [], 1_700_000_000_000 * MS, 0
 
     def span(name, rank, step, start, end, **attributes):
-        if phase_wait is not None and name in PHASE_PARTS:
-            attributes[semconv.TRAINING_PHASE_THREAD_CPU_WAIT] = phase_wait(rank, step).get(PHASE_PARTS[name], 0.0)
+        waits = None if phase_wait is None or name not in PHASE_PARTS else phase_wait(rank, step)
+        if waits is not None:
+            attributes[semconv.TRAINING_PHASE_THREAD_CPU_WAIT] = waits.get(PHASE_PARTS[name], 0.0)
         spans.append(Span(name, f"{step:032x}", f"{rank:04x}{len(spans):012x}", "", int(start), int(end), "job", rank,
                           {semconv.TRAINING_STEP: step, **attributes}))
 
@@ -170,6 +172,11 @@ def test_a_rank_that_sleeps_in_its_forward_and_waits_for_a_cpu_elsewhere_is_a_st
     verdict = report["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["phase"]) == ("straggler", 1, "forward"), verdict
     assert report["host_load"] == []
+    # The other rank's thread hardly waited, so its recorder stopped reading its phases: its step's wait stands for
+    # theirs, and rank 1's own phases still tell where rank 1 waited.
+    report = analyse(synthetic_job(16, seed=seed, extra=late, cpu_wait=step_wait,
+                                   phase_wait=lambda r, _step: {"backward": 0.4} if r == 1 else None))
+    assert (report["verdict"]["layer"], report["verdict"]["rank"]) == ("straggler", 1), report["verdict"]
     # Files without the phases' waits (an older version's): the whole step's wait is counted against the forward.
     report = analyse(synthetic_job(16, seed=seed, extra=late, cpu_wait=step_wait))
     assert report["verdict"]["layer"] == "none" and report["host_load"][0]["phase"] == "forward"

@@ -258,3 +258,36 @@ def test_a_phase_wait_needs_both_reads():
     assert host_cpu.wait_share(None, b"9 200 4\n", 10**9) is None
     assert host_cpu.wait_share(b"5 100 3\n", b"9 200 4\n", 0) is None
     assert host_cpu.wait_share(b"5\n", b"9\n", 10**9) is None  # an older format: off, not wrong
+
+
+def test_the_phases_are_read_while_the_training_thread_waits_for_a_cpu():
+    cpu = HostCpu()
+    cpu._last_read, waited, now = (0, b"0 0 0\n"), 0, 0
+
+    def step(share: float, seconds: float = 0.02) -> bool:
+        nonlocal waited, now
+        now += int(seconds * S)
+        waited += int(share * seconds * S)
+        assert cpu.waited(f"0 {waited} 0\n".encode(), now) == pytest.approx(share, abs=1e-6)
+        return cpu.phase_reads
+
+    assert cpu.phase_reads  # from the start, before any step says the host is quiet
+    # A quiet host: the phases stop being read once PHASE_READS_HOLD steps in a row waited under the share.
+    assert all(step(0.01) for _ in range(host_cpu.PHASE_READS_HOLD - 1))
+    assert not step(0.01)
+    assert not any(step(0.049) for _ in range(100))
+    # A neighbour arrives: read from the first step that waited, for PHASE_READS_HOLD steps after the last one.
+    assert step(0.3)
+    assert all(step(0.0) for _ in range(host_cpu.PHASE_READS_HOLD - 1))
+    assert not step(0.0)
+    assert cpu.waited(None, now + S) is None and not cpu.phase_reads  # an unread step changes nothing
+    cpu._last_read = (now, b"5\n")
+    assert cpu.waited(b"9\n", now + S) is None and cpu.phase_reads  # unreadable: read, rather than miss a wait
+
+
+def test_unread_phases_leave_the_step_its_own_read():
+    facts = Facts()
+    facts.host_cpu.phase_reads = False
+    [record] = steps_recorded(facts, [lambda: None])
+    assert all(phase.schedstat_start is None and phase.schedstat_end is None for phase in record.phases)
+    assert record.schedstat is not None and facts.host_cpu.waited(record.schedstat, record.end) is not None

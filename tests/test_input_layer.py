@@ -36,7 +36,7 @@ def test_a_sequence_length_shift_is_counted_and_diagnosed_as_input(workdir):
             assert MICRO_BATCH * length // 2 <= batch["training.batch.tokens"] < MICRO_BATCH * length
             backward = backwards[forward.trace_id, batch["training.micro_step"]].attributes
             assert all(backward[key] == value for key, value in batch.items() if key.startswith("training.batch."))
-            # The share of each phase its training thread waited for a CPU
+            # The share of each phase its training thread waited for a CPU (read, whatever the host, for 50 steps)
             assert 0 <= batch["training.phase.thread.cpu.wait"] <= 1
             assert 0 <= backward["training.phase.thread.cpu.wait"] <= 1
         for trace_id, step in steps.items():

@@ -314,15 +314,15 @@ class StepFindings:
         that extra wait taken out of its excess, the excess no longer reaches the rule's share of the step. Then
         its host, not its compute, made it late: a note (``host_load``), not a finding. Unmeasured waits: False.
 
-        The wait is the part's own where the phases carry theirs (``training.phase.thread.cpu.wait``): a rank
-        that sleeps in its forward (a device's wait) and waits for a CPU in its collectives keeps its forward.
-        Else it is the whole step's, all of it counted against the part."""
+        The wait is the part's own where the rank's phases carry theirs (``training.phase.thread.cpu.wait``): a
+        rank that sleeps in its forward (a device's wait) and waits for a CPU in its collectives keeps its forward.
+        Else it is the whole step's, all of it counted against the part: the recorder reads the phases only
+        while its thread waits for a CPU, so a quiet rank's step wait, small, stands for its phases'."""
         extra = {}
+        compute = part in (*COMPUTE, "compute")
         for step in numbers:
-            # The parts' own waits where every rank's phases measured them; else the steps'.
-            phased = part in (*COMPUTE, "compute") and all(self.phase_waits[other].get(step) for other in self.steady)
-            waits = {other: self._phase_wait(other, step, part) if phased else self.cpu_waits[other].get(step)
-                     for other in self.steady}
+            waits = {other: self._phase_wait(other, step, part) if compute and self.phase_waits[other].get(step)
+                     else self.cpu_waits[other].get(step) for other in self.steady}
             if None in waits.values():
                 return False
             extra[step] = waits[rank] - statistics.median(w for other, w in waits.items() if other != rank)

@@ -21,9 +21,12 @@ the one that trains it, as the hang watchdog takes it. That figure is read per s
 interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
 (``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a
 warm loop, the kernel formats three numbers), keeping the bytes; the emitter parses them against
-the read before (``waited``). It reads it too as each phase starts and ends (``wait_share``): where
-in the step the thread waited, which tells a rank that sleeps in its forward (a slower device) from
-one whose forward waited for a CPU. Where the file is missing (a kernel without
+the read before (``waited``). While the thread waits for a CPU (``phase_reads``), the recorder
+reads it too as each phase starts and ends (``wait_share``): where in the step the thread waited,
+which tells a rank that sleeps in its forward (a slower device) from one whose forward waited for a
+CPU. On a quiet host those reads would say 0 at a cost of several microseconds a step, and no phase
+waits more than its step, so they stop once ``PHASE_READS_HOLD`` steps in a row waited less than
+``PHASE_READS_FROM`` of their time. Where the file is missing (a kernel without
 ``CONFIG_SCHED_INFO``) those figures alone are off.
 
 The training thread is not the only one a busy host delays: a collective on CPU runs on the
@@ -47,15 +50,24 @@ from collections import deque
 TASKS = "/proc/self/task"
 KEEP = 32  # samples kept: 16 s of drains, more than a queued record can lag behind
 _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /proc/stat's unit, in ns
+# A step whose thread waited for a CPU this share of it or more has its phases read, and the next PHASE_READS_HOLD
+# steps too. A quarter of the share by which diagnose's late-rank rule weighs a phase: the step's wait, which it takes
+# for an unread phase's, then moves no verdict.
+PHASE_READS_FROM = 0.05
+PHASE_READS_HOLD = 50
 
 
 class HostCpu:
     """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
 
-    __slots__ = ("__weakref__", "_ended", "_last_read", "_native", "_on", "_samples", "_thread", "thread_stat")
+    __slots__ = ("__weakref__", "_ended", "_last_read", "_native", "_on", "_phase_reads_left", "_samples", "_thread",
+                 "phase_reads", "thread_stat")
 
     def __init__(self):
         self._on = True
+        # Whether the recorder reads the schedstat at each phase too: from the start, until the steps show a quiet host.
+        self.phase_reads = True
+        self._phase_reads_left = PHASE_READS_HOLD
         self._thread: str | None = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         # For the recorder's read as each step closes (os.pread on the training thread); the read before the
         # step the emitter writes next is kept here, on the emitter's side: (time.time_ns(), bytes).
@@ -130,11 +142,18 @@ class HostCpu:
     def waited(self, read: bytes | None, end: int) -> float | None:
         """The share of the time since the last read the training thread waited for a CPU, from ``read``, the
         bytes the recorder read at ``end`` (records come in the order their steps closed; a step that failed
-        has no read, and the next one's share spans both); None without a read before or now, or unreadable."""
+        has no read, and the next one's share spans both); None without a read before or now, or unreadable.
+        It also decides whether the next steps' phases are read (``phase_reads``)."""
         if read is None:
             return None
         last, self._last_read = self._last_read, (end, read)
-        return None if last is None else wait_share(last[1], read, end - last[0])
+        share = None if last is None else wait_share(last[1], read, end - last[0])
+        if share is None or share >= PHASE_READS_FROM:
+            self._phase_reads_left = PHASE_READS_HOLD
+        elif self._phase_reads_left:
+            self._phase_reads_left -= 1
+        self.phase_reads = self._phase_reads_left > 0
+        return share
 
     def over(self, start: int, end: int) -> tuple[float, float, float, float | None, float | None] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this

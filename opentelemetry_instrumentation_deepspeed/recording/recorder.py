@@ -55,8 +55,10 @@ class StepRecorder(Component):
         self.inputs: deque = deque(maxlen=self._max_waits + 1)
         self.pad_token_id = input_batches.pad_token_id(engine, env.pad_token_id())
         self._skipped_before = 0
-        # The training thread's schedstat, read as each step closes: its wait for a CPU, step by step.
-        self._thread_stat = getattr(getattr(facts, "host_cpu", None), "thread_stat", None)
+        # The training thread's schedstat, read as each step closes: its wait for a CPU, step by step; and as each
+        # phase starts and ends while the emitter's figures say it waits (host_cpu.phase_reads).
+        self._host_cpu = getattr(facts, "host_cpu", None)
+        self._thread_stat = getattr(self._host_cpu, "thread_stat", None)
         self.state = State.IDLE
         self.open: StepRecord | None = None
         self._actions = {name: getattr(self, "_" + name) for name in (
@@ -307,7 +309,7 @@ class StepRecorder(Component):
             self._memory.phase_started()
         phase = Phase(_PHASE_NAMES[event], micro_step, now, None if self._gpu is None else self._gpu.event(),
                       event == Event.DIRECT_BACKWARD)
-        if self._thread_stat is not None:
+        if self._thread_stat is not None and self._host_cpu.phase_reads:
             phase.schedstat_start = self._schedstat()
         if event == Event.FORWARD and self.inputs:
             phase.inputs = self.inputs.popleft()

@@ -67,30 +67,33 @@ _keys: dict[str, str] = {}
 _CACHE_LIMIT = 4096
 
 
-def _attribute(key: str, value) -> str:
-    """``{"key":...,"value":...}`` as JSON text. String pairs repeat from span to span (op, backend,
-    dtype), so they are cached; numbers are cheap to format."""
-    if type(value) is str:
-        fragment = _strings.get((key, value))
-        if fragment is None:
-            if len(_strings) >= _CACHE_LIMIT:
-                _strings.clear()
-            fragment = _strings[key, value] = _dumps({"key": key, "value": {"stringValue": value}})
-        return fragment
-    key_text = _keys.get(key)
-    if key_text is None:
-        key_text = _keys[key] = _dumps(key)
-    if type(value) is bool:
-        return f'{{"key":{key_text},"value":{{"boolValue":{"true" if value else "false"}}}}}'
-    if type(value) is int:
-        return f'{{"key":{key_text},"value":{{"intValue":"{value}"}}}}'
-    if type(value) is float and math.isfinite(value):  # as json writes it: repr
-        return f'{{"key":{key_text},"value":{{"doubleValue":{value!r}}}}}'
-    return f'{{"key":{key_text},"value":{_dumps(any_value(value))}}}'
-
-
 def _attributes_text(items: Mapping) -> str:
-    return "[" + ",".join([_attribute(key, value) for key, value in items.items()]) + "]"
+    """``[{"key":...,"value":...},...]`` as JSON text, in one loop: a span has about seven attributes, and a
+    call for each costs as much as formatting it. String pairs repeat from span to span (op, backend, dtype),
+    so they are cached; numbers are cheap to format."""
+    parts = []
+    for key, value in items.items():
+        kind = type(value)
+        if kind is str:
+            fragment = _strings.get((key, value))
+            if fragment is None:
+                if len(_strings) >= _CACHE_LIMIT:
+                    _strings.clear()
+                fragment = _strings[key, value] = _dumps({"key": key, "value": {"stringValue": value}})
+            parts.append(fragment)
+            continue
+        key_text = _keys.get(key)
+        if key_text is None:
+            key_text = _keys[key] = _dumps(key)
+        if kind is int:
+            parts.append(f'{{"key":{key_text},"value":{{"intValue":"{value}"}}}}')
+        elif kind is float and math.isfinite(value):  # as json writes it: repr
+            parts.append(f'{{"key":{key_text},"value":{{"doubleValue":{value!r}}}}}')
+        elif kind is bool:
+            parts.append(f'{{"key":{key_text},"value":{{"boolValue":{"true" if value else "false"}}}}}')
+        else:
+            parts.append(f'{{"key":{key_text},"value":{_dumps(any_value(value))}}}')
+    return "[" + ",".join(parts) + "]"
 
 
 def _span(span) -> str:

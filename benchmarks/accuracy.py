@@ -153,6 +153,15 @@ def draw_slow_rank(rng: random.Random) -> Draw:
                  "--slow-phase", phase, *_zero(rng)], Expected("straggler", rank, phase=phase))
 
 
+def draw_slow_rank_long(rng: random.Random) -> Draw:
+    # Long enough that a quiet host stops the phases' reads of the CPU wait (50 steps under 5%: recording/host_cpu.py),
+    # and, in half the draws, a neighbour then makes the ranks wait for CPUs again.
+    rank, slow, phase = rng.randint(0, 1), rng.randint(20, 60), rng.choice(("forward", "backward", "optimizer"))
+    neighbour = ("spin", rng.randint(1, 3), round(rng.uniform(4.0, 8.0), 1)) if rng.random() < 0.5 else None
+    return Draw(["--steps", str(rng.randint(150, 250)), "--slow-rank", str(rank), "--slow-ms", str(slow),
+                 "--slow-phase", phase, *_zero(rng)], Expected("straggler", rank, phase=phase), neighbour=neighbour)
+
+
 def draw_comm_heavy(rng: random.Random) -> Draw:
     # --comm-heavy: each backward all-reduces a preallocated 32-64 MiB buffer on top of the model's
     # own gradients (any ZeRO stage): exposed communication 59-80% of the step on this machine.
@@ -288,6 +297,9 @@ CLASSES = [
     FaultClass("loader-stall-short", draw_loader_stall_short,
                notes="at the test's bound: 4 stalls every 3rd step in 12-14 steps, one rank or every rank"),
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),
+    FaultClass("slow-rank-long", draw_slow_rank_long,
+               notes="one rank 20-60 ms slower in a phase for 150-250 steps; in half the draws 1-3 spinning processes "
+               "arrive 4-8 s after the first telemetry file"),
     FaultClass("comm-heavy", draw_comm_heavy, notes="each backward all-reduces a 32-64 MiB buffer too, ZeRO 0-2"),
     FaultClass("input-shift", draw_input_shift, judge_change, notes="sequence length x2, x4 or /2 at a random step"),
     FaultClass("input-shift-busy", draw_input_shift_busy, judge_change,

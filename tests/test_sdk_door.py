@@ -314,3 +314,15 @@ def test_the_door_keeps_taking_points_past_the_cardinality_limit():
               .scope_metrics[0].metrics[0].data.data_points}
     assert sum(counts.values()) == 12
     assert counts[(("otel.metric.overflow", True),)] == 6
+
+
+def test_a_new_attribute_dict_per_point_is_counted_and_does_not_grow_the_door():
+    reader = InMemoryMetricReader()
+    histogram = MeterProvider(metric_readers=[reader]).get_meter("test").create_histogram("h")
+    record = sdk.measurement_recorder(histogram)
+    for index in range(3000):
+        record(1.0, 1, EMPTY_CONTEXT, {"phase": ("forward", "backward")[index % 2]})
+    [forward, backward] = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
+    assert forward.count + backward.count == 3000
+    kept = [cell.cell_contents for cell in record.__closure__ if isinstance(cell.cell_contents, dict)]
+    assert kept and all(len(routes) <= sdk._ROUTES_KEPT for routes in kept)

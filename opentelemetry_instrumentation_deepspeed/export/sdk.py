@@ -481,9 +481,14 @@ def measurement_recorder(histogram):
         measurement = Measurement(value, taken, real, context, attributes)
         consume(measurement)
         if found is None:
+            if len(routes) >= _ROUTES_KEPT:  # a caller that makes a new dict per point: no route helps it
+                routes.clear()
             routes[id(attributes)] = (attributes, consumer._reader_storages, _route(consumer, real, measurement))
 
     return record
+
+
+_ROUTES_KEPT = 256  # attribute sets per histogram
 
 
 class _Route:

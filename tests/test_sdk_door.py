@@ -234,7 +234,6 @@ def test_the_otlp_preferences_read_without_internals_as_with_them(monkeypatch, t
     assert Histogram in found[0][1]
 
 
-
 # -- histogram points recorded after the fact ---------------------------------------------------------
 
 
@@ -322,7 +321,8 @@ def test_a_new_attribute_dict_per_point_is_counted_and_does_not_grow_the_door():
     record = sdk.measurement_recorder(histogram)
     for index in range(3000):
         record(1.0, 1, EMPTY_CONTEXT, {"phase": ("forward", "backward")[index % 2]})
-    [forward, backward] = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
-    assert forward.count + backward.count == 3000
+    points = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
+    assert sorted(point.attributes["phase"] for point in points) == ["backward", "forward"]
+    assert sum(point.count for point in points) == 3000
     kept = [cell.cell_contents for cell in record.__closure__ if isinstance(cell.cell_contents, dict)]
     assert kept and all(len(routes) <= sdk._ROUTES_KEPT for routes in kept)

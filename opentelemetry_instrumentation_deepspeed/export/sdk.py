@@ -462,18 +462,22 @@ def measurement_recorder(histogram):
     from opentelemetry.sdk.metrics._internal.measurement import Measurement
 
     consume = consumer.consume_measurement
-    routes: dict[int, tuple] = {}  # id(attributes) -> (attributes, reader storages, _Route) or no route: None
+    should_sample = consumer._sdk_config.exemplar_filter.should_sample  # fixed with the meter provider
+    cleaned = _cleaned_measurement()
+    # id(attributes) -> (attributes, the reader storages, their aggregations of the set or None, the attributes
+    # as the SDK cleaned them for the first point)
+    routes: dict[int, tuple] = {}
 
     def record(value, taken: int, context, attributes) -> None:
         if not enabled():
             return
         found = routes.get(id(attributes))
         if found is not None and found[0] is attributes and found[1] is consumer._reader_storages:
-            route = found[2]
-            if route is not None:
-                measurement = route.measurement(value, taken, real, context, route.attributes)
-                sample = route.should_sample(value, taken, route.attributes, context)
-                for aggregation in route.aggregations:
+            if found[2] is not None:
+                kept = found[3]
+                measurement = cleaned(value, taken, real, context, kept)
+                sample = should_sample(value, taken, kept, context)
+                for aggregation in found[2]:
                     aggregation.aggregate(measurement, sample)
                 return
         else:
@@ -483,24 +487,13 @@ def measurement_recorder(histogram):
         if found is None:
             if len(routes) >= _ROUTES_KEPT:  # a caller that makes a new dict per point: no route helps it
                 routes.clear()
-            routes[id(attributes)] = (attributes, consumer._reader_storages, _route(consumer, real, measurement))
+            routes[id(attributes)] = (attributes, consumer._reader_storages,
+                                      _aggregations(consumer, real, measurement), measurement.attributes)
 
     return record
 
 
 _ROUTES_KEPT = 256  # attribute sets per histogram
-
-
-class _Route:
-    """Where the points of one attribute set of one instrument go: each reader's aggregation of it."""
-
-    __slots__ = ("aggregations", "attributes", "measurement", "should_sample")
-
-    def __init__(self, aggregations, attributes, should_sample, measurement):
-        self.aggregations = aggregations
-        self.attributes = attributes  # as the SDK cleaned them for the first point
-        self.should_sample = should_sample
-        self.measurement = measurement
 
 
 @functools.cache
@@ -515,14 +508,13 @@ def _cleaned_measurement():
     return Cleaned
 
 
-def _route(consumer, instrument, measurement) -> _Route | None:
-    """The aggregations ``measurement`` (just consumed) went to, or None where a later point must take the
-    SDK's whole way: a reader that drops its aggregations at each collection (delta temporality), a view
-    that keeps some attribute keys only, an attribute set past the cardinality limit."""
+def _aggregations(consumer, instrument, measurement) -> tuple | None:
+    """Each reader's aggregation that ``measurement`` (just consumed) went to, or None where a later point of its
+    attribute set must take the SDK's whole way: a reader that drops its aggregations at each collection (delta
+    temporality), a view that keeps some attribute keys only, an attribute set past the cardinality limit."""
     from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
 
-    attributes = dict(measurement.attributes) if measurement.attributes else {}
-    key = _hash_attributes(attributes)
+    key = _hash_attributes(dict(measurement.attributes) if measurement.attributes else {})
     aggregations = []
     for storage in consumer._reader_storages.values():
         for match in storage._get_or_init_view_instrument_match(instrument):
@@ -532,8 +524,7 @@ def _route(consumer, instrument, measurement) -> _Route | None:
             if aggregation is None:
                 return None
             aggregations.append(aggregation)
-    return _Route(tuple(aggregations), measurement.attributes, consumer._sdk_config.exemplar_filter.should_sample,
-                  _cleaned_measurement())
+    return tuple(aggregations)
 
 
 def instrument_is_unset(histogram) -> bool:

@@ -34,7 +34,7 @@ ENTRY_POINTS = {
     "instrumentors.engine": ("_forward_started", "_forward_ended", "_backward_started", "_phase_ended",
                              "_optimizer_step_started", "_optimizer_step_ended"),
     "instrumentors.dataloader": ("_data_waited",),
-    "instrumentors.comm": ("_issue", "_complete"),
+    "instrumentors.comm": ("_issue", "_complete", "_finish"),
     "recording.inputs": ("left_loader",),
 }
 INNER = {

@@ -9,13 +9,15 @@ from opentelemetry_instrumentation_deepspeed.recording import state
 from opentelemetry_instrumentation_deepspeed.recording.record import Failure, Interrupted
 from opentelemetry_instrumentation_deepspeed.recording.recorder import TRACING_FAILED, StepRecorder
 from opentelemetry_instrumentation_deepspeed.recording.state import State
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component
 from tests.test_steps_unit import Engine
 
 
-class Profiler:
+class Profiler(Component):
     """recording.profiler.StepProfiler as the recorder drives it: profiles the steps it is told to."""
 
     def __init__(self, profile=()):
+        super().__init__("kernel profiling")
         self.profile = set(profile)
         self.running = None
         self.abandoned = 0
@@ -182,6 +184,34 @@ def test_the_profiler_runs_over_the_steps_it_chose_and_stops_whatever_happens(pr
     assert profiler.running == 4
     rec.phase_failed(phase, ValueError("x"))
     assert profiler.running is None and profiler.abandoned == 1 and records[-1].profile is None
+
+
+@pytest.mark.parametrize("where", ["step_opened", "step_closed"])
+def test_a_failing_profiler_turns_itself_off_and_the_steps_go_on(where, monkeypatch, caplog):
+    profiler = Profiler({1, 2, 3})
+    rec, engine, records = recorder(profiler=profiler)
+
+    def broken(*_args):
+        raise RuntimeError("kineto")
+
+    monkeypatch.setattr(profiler, where, broken)
+    for _ in range(3):
+        micro_batch(rec, engine)
+    assert profiler.broken and not rec.broken
+    assert [r.number for r in records] == [1, 2, 3] and all(r.failure is None for r in records)
+    assert [r.profile for r in records] == [None, None, None]
+    assert caplog.text.count(f"kernel profiling failed in StepProfiler.{where}") == 1
+
+
+def test_a_start_event_starts_a_phase_or_does_nothing():
+    # StepRecorder._start returns the open phase after any transition with actions: every start event's row is
+    # either empty or ends by starting the phase its next state names.
+    phase_of = {state.Event.FORWARD: State.FORWARD, state.Event.BACKWARD: State.BACKWARD,
+                state.Event.DIRECT_BACKWARD: State.DIRECT_BACKWARD, state.Event.OPTIMIZER: State.OPTIMIZER}
+    for (_state, event), (next_state, actions) in state.TRANSITIONS.items():
+        if event in phase_of:
+            assert (actions == () and next_state is None) or (
+                actions[-1] == state.START_PHASE and next_state == phase_of[event]), (_state, event)
 
 
 def test_collectives_join_the_running_phase_up_to_the_span_limit():

@@ -27,6 +27,10 @@ _PHASE_NAMES = {Event.FORWARD: semconv.PHASE_FORWARD, Event.BACKWARD: semconv.PH
                 Event.DIRECT_BACKWARD: semconv.PHASE_BACKWARD, Event.OPTIMIZER: semconv.PHASE_OPTIMIZER_STEP}
 _BACKWARD_NOT_COMPLETED = "backward did not complete"
 TRACING_FAILED = "step tracing failed; see the log"
+# The profiler's per-step calls are guarded here, where the recorder calls them, not by fail_open: a frame fewer at
+# each step's opening and close. What the log names on a failure:
+_STEP_OPENED = "StepProfiler.step_opened"
+_STEP_CLOSED = "StepProfiler.step_closed"
 
 
 class StepRecorder(Component):
@@ -218,12 +222,17 @@ class StepRecorder(Component):
         return None if record is None else record.phase
 
     def _start(self, event: Event, data) -> Phase | None:
-        record = self.open
-        before = None if record is None else record.phase
-        self._fire(event, data)
-        record = self.open
-        phase = None if record is None else record.phase
-        return phase if phase is not before else None  # a nested start is no phase of its own
+        """``_fire`` for a phase's start event, which the table answers with a new phase (its last action,
+        START_PHASE) or with nothing (a start nested in a running phase, no phase of its own): that phase, or None.
+        The dispatch is ``_fire``'s, written out: starts are three of a step's seven events, and a frame costs
+        about what the dispatch does."""
+        next_state, actions = self._transitions[self.state, event]
+        if not actions:
+            return None
+        for action in actions:
+            action(event, data)
+        self.state = next_state
+        return self.open.phase
 
     # Waits count fetches, not forwards: the i-th fetch of a step is its micro-batch i, whenever the
     # loop made it. A step holds G fetches at most; a further one, made while it is open, fetched
@@ -273,8 +282,12 @@ class StepRecorder(Component):
         if self._gpu is not None:
             self._gpu.anchor_if_idle()
             record.gpu = self._gpu
-        if self.profiler is not None and self.profiler.step_opened(record.number):
-            record.profiled = True
+        profiler = self.profiler
+        if profiler is not None and not profiler.broken:
+            try:
+                record.profiled = profiler.step_opened(record.number)
+            except Exception:  # noqa: BLE001 - the profiler's own failure turns the profiler off, not the step
+                profiler.fail(_STEP_OPENED)
         self.open = record
 
     def _start_phase(self, event: Event, data) -> None:
@@ -349,8 +362,12 @@ class StepRecorder(Component):
             # The optimizer step's end was read a moment ago: one read serves both.
             last = record.phases[-1].schedstat_end if event == Event.OPTIMIZER_END and record.phases else None
             record.schedstat = last if last is not None else self._schedstat()
-        if self.profiler is not None:
-            record.profile = self.profiler.step_closed((end - record.start) / 1e9)
+        profiler = self.profiler
+        if profiler is not None and not profiler.broken:
+            try:
+                record.profile = profiler.step_closed((end - record.start) / 1e9)
+            except Exception:  # noqa: BLE001 - as at the step's opening
+                profiler.fail(_STEP_CLOSED)
         self._submit(record)
 
     def _schedstat(self) -> bytes | None:

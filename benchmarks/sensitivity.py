@@ -8,7 +8,8 @@ change that doubles them (a span per operator, an attribute loop, a lost cache) 
 
     python benchmarks/sensitivity.py --zero-stage 2
 
-Prints one JSON object: calls, spans and records per step.
+Prints one JSON object: calls, spans and records per step, and the bytecode instructions the training
+thread executes in this package and OpenTelemetry per step.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main():
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
     engine = example_engine(args.zero_stage)
-    batches = example_batches(engine, args.warmup + args.steps)
+    batches = example_batches(engine, args.warmup + 2 * args.steps)
 
     roots = tuple(str(Path(module.__path__[0])) for module in (package, opentelemetry))
     calls = 0
@@ -78,11 +79,44 @@ def main():
     tracer_provider.force_flush()
     sys.setprofile(None)
     spans = counted.spans - spans_before
+    opcodes = training_thread_opcodes(engine, batches, example_step, args.steps, roots)
     meter_provider.shutdown()
     records = histogram_records(directory)
     print(json.dumps({"calls_per_step": round(calls / args.steps, 1),
                       "recording_calls_per_step": round(recording / args.steps, 1),
-                      "spans_per_step": spans / args.steps, "records_per_step": records / (args.warmup + args.steps)}))
+                      "recording_opcodes_per_step": round(opcodes / args.steps, 1),
+                      "spans_per_step": spans / args.steps,
+                      "records_per_step": records / (args.warmup + 2 * args.steps)}))
+
+
+def training_thread_opcodes(engine, batches, example_step, steps: int, roots: tuple) -> int:
+    """Bytecode instructions this package and OpenTelemetry execute on the training thread over ``steps`` steps.
+
+    Calls count frames, each about as costly as a short body; instructions also count the bodies, so a change
+    that moves work from one frame into another, or lengthens a frame, shows here, exactly, where timings on
+    this machine cannot resolve it (a step's added time swings by +-40 us between sittings).
+    """
+    executed = 0
+
+    def count(frame, _event, _arg):
+        nonlocal executed
+        executed += 1
+        return count
+
+    def enter(frame, _event, _arg):
+        if not frame.f_code.co_filename.startswith(roots):
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return count
+
+    sys.settrace(enter)
+    try:
+        for _ in range(steps):
+            example_step(engine, batches)
+    finally:
+        sys.settrace(None)
+    return executed
 
 
 if __name__ == "__main__":

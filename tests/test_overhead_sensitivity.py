@@ -22,7 +22,8 @@ def test_recorded_figures_name_the_command_that_measures_them():
     program, script, *args = RECORDED["command"].split()
     assert (program, script) == ("python", "benchmarks/sensitivity.py") and (REPO / script).is_file()
     assert args == ["--zero-stage", "2"]
-    for key in ("calls_per_step", "recording_calls_per_step", "spans_per_step", "records_per_step"):
+    for key in ("calls_per_step", "recording_calls_per_step", "recording_opcodes_per_step", "spans_per_step",
+                "records_per_step"):
         assert RECORDED[key] > 0, key
 
 
@@ -38,5 +39,7 @@ def test_work_per_step_stays_within_twice_the_recorded_figures():
     assert figures["records_per_step"] <= 2 * RECORDED["records_per_step"], figures
     assert figures["calls_per_step"] <= 2 * RECORDED["calls_per_step"], figures
     assert figures["recording_calls_per_step"] <= 2 * RECORDED["recording_calls_per_step"], figures
+    assert figures["recording_opcodes_per_step"] <= 2 * RECORDED["recording_opcodes_per_step"], figures
     # A guard that cannot fail is no guard: the count must be of the instrumentation's real work.
     assert figures["calls_per_step"] >= RECORDED["calls_per_step"] / 2, figures
+    assert figures["recording_opcodes_per_step"] >= RECORDED["recording_opcodes_per_step"] / 2, figures

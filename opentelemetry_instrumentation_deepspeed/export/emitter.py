@@ -58,7 +58,8 @@ _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKW
 class StepFacts:
     """What never changes for one engine's steps, and where their telemetry goes."""
 
-    def __init__(self, writer, metrics, identity, engine, profile_top: int = 0):
+    def __init__(self, writer, metrics, identity, engine, profile_top: int = 0,  # noqa: PLR0917
+                 comm_span_limit: int = 64):
         self.writer = writer
         _flush_first(writer.provider)
         self.metrics = metrics
@@ -72,6 +73,7 @@ class StepFacts:
             semconv.TRAINING_MICRO_BATCH_SIZE: engine.train_micro_batch_size_per_gpu(),
         }
         self.profile_top = profile_top
+        self.comm_span_limit = comm_span_limit  # collective spans per step; the others are counted
         self.host_cpu = HostCpu()
         self.peer_stages: dict | None = None  # a pipeline stage's {global rank: stage} of its pipeline
         # The root of a step that raised, kept open for its retry (same number) until the next step.
@@ -109,6 +111,34 @@ def span_attributes(collective: Collective, seconds: float, on_gpu: bool) -> dic
         attributes[semconv.COMM_PEER_RANK] = collective.peer
         if collective.peer_stage is not None:
             attributes[semconv.COMM_PEER_STAGE] = collective.peer_stage
+    return attributes
+
+
+def _comm_counts(collectives: list, span_limit: int) -> dict:
+    """Parent (a phase, or None: the step between phases) -> [collectives issued there, of which past the step's span
+    limit]. Spans go to the first ``span_limit`` collectives that ask for one, in the order they were issued; the
+    others lose theirs (``spanned``) and are counted: the training thread only lists them."""
+    counts: dict = {}
+    spans = 0
+    for collective in collectives:
+        parent = collective.parent
+        kept = counts.get(parent)
+        if kept is None:
+            kept = counts[parent] = [0, 0]
+        kept[0] += 1
+        if collective.spanned:
+            if spans < span_limit:
+                spans += 1
+            else:
+                collective.spanned = False
+                kept[1] += 1
+    return counts
+
+
+def _comm_attributes(issued: int, dropped: int) -> dict:
+    attributes = {semconv.COMM_COUNT: issued} if issued else {}
+    if dropped:
+        attributes[semconv.COMM_SPANS_DROPPED] = dropped
     return attributes
 
 
@@ -296,9 +326,11 @@ class Emitter(Component):
         facts.last_written, facts.last_end = record.number, record.end
         intervals: list | None = [] if record.profile is not None and step.recording else None
         by_micro_step, batch_sums, counted = batches.summarize(list(record.phases))
-        phases = self._phases(record, step, intervals, writers, by_micro_step)
+        collectives = list(record.collectives)
+        comm = _comm_counts(collectives, facts.comm_span_limit)
+        phases = self._phases(record, step, intervals, writers, by_micro_step, comm)
         peer_stages = facts.peer_stages
-        for collective in list(record.collectives):
+        for collective in collectives:
             if peer_stages is not None and collective.peer is not None:
                 collective.peer_stage = peer_stages.get(collective.peer)
             spanned = step.recording and collective.spanned
@@ -331,10 +363,7 @@ class Emitter(Component):
                 more[semconv.TRAINING_STEP_THREAD_CPU_WAIT] = round(waited, 3)
             if cpus[4] is not None:
                 more[semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT] = round(cpus[4], 3)
-        if record.comm_count:
-            more[semconv.COMM_COUNT] = record.comm_count
-        if record.comm_dropped:
-            more[semconv.COMM_SPANS_DROPPED] = record.comm_dropped
+        more.update(_comm_attributes(len(collectives), sum(kept[1] for kept in comm.values())))
         if intervals is not None and not self._kernels.broken:
             try:
                 more.update(kernels.emit(writer, record.profile, intervals, step.context, facts.profile_top))
@@ -363,9 +392,10 @@ class Emitter(Component):
             sampled = trace_ids.sampled(writer.provider, trace_id, semconv.SPAN_GLOBAL_STEP)
         return None, None, remote_parent(trace_id, root_span_id, sampled)
 
-    def _phases(self, record: StepRecord, step, intervals: list | None, writers: set,
-                by_micro_step: dict) -> dict:
-        """Data wait and phase spans and durations; each phase's span context (the step's, when not sampled)."""
+    def _phases(self, record: StepRecord, step, intervals: list | None, writers: set,  # noqa: PLR0917
+                by_micro_step: dict, comm: dict) -> dict:
+        """Data wait and phase spans and durations; each phase's span context (the step's, when not sampled).
+        ``comm``: ``_comm_counts``'s, by phase."""
         writer, metrics, recording = record.facts.writer, record.facts.metrics, step.recording
         for wait_start, wait_end, micro_step in record.waits:
             wait_context = step.context
@@ -380,7 +410,7 @@ class Emitter(Component):
             context, end = step.context, phase.end or record.end
             if recording:
                 context = self._phase_span(record, phase, step.context, end, intervals, writers,
-                                           by_micro_step.get(phase.micro_step))
+                                           by_micro_step.get(phase.micro_step), comm.get(phase))
                 contexts[phase] = context
             metrics.phase(phase.name, phase.start, end, context)
             if phase.memory is not None:
@@ -388,8 +418,9 @@ class Emitter(Component):
         return contexts
 
     def _phase_span(self, record: StepRecord, phase: Phase, parent, end: int,  # noqa: PLR0917
-                    intervals: list | None, writers: set, batch: dict | None = None):
-        """``batch``: what the phase's micro-batch held (forward and backward)."""
+                    intervals: list | None, writers: set, batch: dict | None = None, comm: list | None = None):
+        """``batch``: what the phase's micro-batch held (forward and backward); ``comm``: [collectives issued in
+        it, of which past the span limit]."""
         writer = record.facts.writer
         attributes = {} if phase.micro_step is None else {semconv.TRAINING_MICRO_STEP: phase.micro_step}
         if batch:
@@ -398,10 +429,8 @@ class Emitter(Component):
             attributes[semconv.TRAINING_BACKWARD_DIRECT] = True
         started = writer.child(_PHASE_SPANS[phase.name], parent, attributes, phase.start)
         more = {}
-        if phase.comm_count:
-            more[semconv.COMM_COUNT] = phase.comm_count
-        if phase.comm_dropped:
-            more[semconv.COMM_SPANS_DROPPED] = phase.comm_dropped
+        if comm is not None:
+            more.update(_comm_attributes(*comm))
         if phase.schedstat_end is not None:
             waited = wait_share(phase.schedstat_start, phase.schedstat_end, end - phase.start)
             if waited is not None:

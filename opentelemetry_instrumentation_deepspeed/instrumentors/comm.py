@@ -125,14 +125,14 @@ class CommObserver(Component):
         group = self._groups.get(id(group)) or self._group(group)
         route = group.routes.get(id(spec)) or self._route(spec, group)
         dtype = "" if tensor is None else self._dtypes.get(tensor.dtype) or self._dtype(tensor)
-        call = Collective(route, group.sequence, data_bytes, dtype, is_async, time.time_ns())
+        call = Collective(route, group.sequence, data_bytes, dtype, is_async, time.time_ns(), self._spans)
         group.sequence += 1
         if spec.peer_name is not None:
             call.peer = spec.peer(args, kwargs)
         # registry.active() inline for one engine: a frame fewer per collective.
         recorder = registry.active() if registry._several else registry._active
         if recorder is not None:
-            recorder.comm_issued(call, self._spans)
+            recorder.comm_issued(call)
         if not call.in_step:
             self.between_steps = call  # a rank blocked in it with no step open waits for a peer here
         if tensor is not None and getattr(tensor, "is_cuda", False):

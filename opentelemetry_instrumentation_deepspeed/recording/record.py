@@ -60,8 +60,8 @@ class Interrupted:
 class Phase:
     """One forward, backward or optimizer step of the open step."""
 
-    __slots__ = ("comm_count", "comm_dropped", "direct", "end", "failure", "gpu_end", "gpu_start", "inputs",
-                 "memory", "micro_step", "name", "schedstat_end", "schedstat_start", "start")
+    __slots__ = ("direct", "end", "failure", "gpu_end", "gpu_start", "inputs", "memory", "micro_step", "name",
+                 "schedstat_end", "schedstat_start", "start")
 
     def __init__(self, name: str, micro_step: int | None, start: int, gpu_start=None, direct: bool = False):
         self.name = name  # semconv.PHASE_*
@@ -70,8 +70,6 @@ class Phase:
         self.end: int | None = None
         self.direct = direct  # a backward the user started with loss.backward()
         self.failure: Failure | Interrupted | None = None
-        self.comm_count = 0
-        self.comm_dropped = 0
         self.gpu_start = gpu_start  # CUDA events bracketing the phase's GPU work, or None
         self.gpu_end = None
         self.memory = None  # the caching allocator at its end (recording.allocator.Memory), on CUDA
@@ -89,7 +87,7 @@ class Collective:
                  "peer_stage", "remaining", "route", "sequence", "spanned", "start", "timeline")
 
     def __init__(self, route, sequence: int, data_bytes: int, dtype: str, is_async: bool,  # noqa: PLR0917
-                 start: int):
+                 start: int, spanned: bool = False):
         self.route = route  # what never changes for its (op, group): names, attributes, factors, instruments
         self.sequence = sequence
         self.bytes = data_bytes
@@ -100,7 +98,8 @@ class Collective:
         self.failure: Failure | None = None
         self.in_step = False  # issued in an open step, whose record holds it (no reference back: no cycle)
         self.parent: Phase | None = None  # the phase it was issued in; None: the step (or no step)
-        self.spanned = False  # it gets a span (within the step's span limit)
+        # It asks for a span (OTEL_PYTHON_DEEPSPEED_COMM=spans); the emitter clears it past the step's span limit
+        self.spanned = spanned
         self.gpu_start = None
         self.gpu_end = None
         self.timeline = None  # the GpuTimeline of its events
@@ -126,9 +125,6 @@ class StepRecord:
     skipped: bool = False
     end: int | None = None
     failure: Failure | Interrupted | None = None
-    comm_count: int = 0
-    comm_spans: int = 0
-    comm_dropped: int = 0
     phase: Phase | None = None  # the phase running now
     profile: object = None  # the stopped torch.profiler of a profiled step, for the emitter to read
     profiled: bool = False

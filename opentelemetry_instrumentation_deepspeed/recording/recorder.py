@@ -36,14 +36,13 @@ _STEP_CLOSED = "StepProfiler.step_closed"
 class StepRecorder(Component):
     """Records one DeepSpeed engine's steps. Holds no reference to the engine or its tensors."""
 
-    def __init__(self, engine, facts, submit, profiler=None, gpu=None, comm_span_limit: int = 64,  # noqa: PLR0917
-                 memory=None, device_scalars=None):
+    def __init__(self, engine, facts, submit, profiler=None, gpu=None, memory=None,  # noqa: PLR0917
+                 device_scalars=None):
         super().__init__("step tracing")
         self.facts = facts  # carried by every record, for the emitter: static attributes, where spans go
         self._submit = submit
         self.profiler = profiler
         self._gpu = gpu  # a GpuTimeline on CUDA: each phase also gets its GPU-side interval
-        self._comm_span_limit = comm_span_limit
         self._memory = memory  # an AllocatorMemory on CUDA: each phase ends with the allocator's figures
         self._device_scalars = device_scalars  # a DeviceScalars on CUDA: losses are copied, not read
         self._forward_output = None  # a weak reference to the last forward's scalar output (a direct backward's loss)
@@ -174,25 +173,13 @@ class StepRecorder(Component):
         record = self.open
         return None if record is None else record.number
 
-    def comm_issued(self, collective, want_span: bool) -> None:
-        """A collective issued now joins the open step, under the running phase; within the span
-        limit it gets a span. Any thread may call this (backward hooks run on autograd's)."""
+    def comm_issued(self, collective) -> None:
+        """A collective issued now joins the open step, under the running phase (the emitter counts them,
+        and keeps their spans within the span limit). Any thread may call this (backward hooks run on autograd's)."""
         record = self.open
         if record is None or self.broken:
             return
-        record.comm_count += 1
-        phase = record.phase
-        if phase is not None:
-            phase.comm_count += 1
-        collective.in_step, collective.parent = True, phase
-        if want_span:
-            if record.comm_spans < self._comm_span_limit:
-                record.comm_spans += 1
-                collective.spanned = True
-            else:
-                record.comm_dropped += 1
-                if phase is not None:
-                    phase.comm_dropped += 1
+        collective.in_step, collective.parent = True, record.phase
         record.collectives.append(collective)
 
     def fail(self, where: str) -> None:

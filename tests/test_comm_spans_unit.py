@@ -1,0 +1,103 @@
+"""Collective records into spans and counts, without torch.distributed: the training thread lists the
+collectives of a step; the emitter counts them and keeps their spans within the span limit."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.metrics import NoOpMeterProvider
+
+from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
+from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
+from opentelemetry_instrumentation_deepspeed.recording import registry
+from tests.test_steps_unit import recorder_on
+
+
+class CpuTensor:
+    is_cuda = False
+    dtype = "torch.float32"
+
+    def element_size(self):
+        return 4
+
+    def nelement(self):
+        return 256
+
+
+def all_reduce(tensor, op=None, group=None, async_op=False):
+    """Signature of torch.distributed.all_reduce."""
+
+
+@pytest.fixture
+def observed(monkeypatch):
+    def observe(span_limit: str, spans: bool = True):
+        monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", span_limit)
+        recorder, engine, exporter = recorder_on(0)
+        monkeypatch.setattr(registry, "_active", recorder)
+        observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=spans)
+        observer._groups[id(None)] = _Group("0", 2, "gloo")
+        spec = OpSpec.of("all_reduce", all_reduce)
+
+        def collective():
+            observer.completed(observer.issued(spec, (CpuTensor(),), {}), None)
+
+        return recorder, engine, exporter, collective
+
+    return observe
+
+
+def one_step(recorder, engine, collective, in_forward: int, between: int, in_backward: int) -> None:
+    forward = recorder.forward_started(engine)
+    for _ in range(in_forward):
+        collective()
+    recorder.phase_ended(forward)
+    for _ in range(between):
+        collective()
+    backward = recorder.backward_started(engine)
+    for _ in range(in_backward):
+        collective()
+    recorder.phase_ended(backward)
+    engine.step(recorder)
+
+
+def named(spans, name):
+    return [span for span in spans if span.name == name]
+
+
+def test_spans_go_to_a_step_s_first_collectives_and_every_one_is_counted(observed):
+    recorder, engine, exporter, collective = observed("2")
+    for _ in range(2):
+        one_step(recorder, engine, collective, in_forward=3, between=1, in_backward=2)
+    spans = exporter.get_finished_spans()
+    steps, forwards, backwards = (named(spans, name) for name in
+                                  ("training.step", "training.forward", "training.backward"))
+    assert [s.attributes["comm.count"] for s in steps] == [6, 6]
+    assert [s.attributes["comm.spans_dropped"] for s in steps] == [4, 4]
+    assert [(s.attributes["comm.count"], s.attributes["comm.spans_dropped"]) for s in forwards] == [(3, 1), (3, 1)]
+    assert [(s.attributes["comm.count"], s.attributes["comm.spans_dropped"]) for s in backwards] == [(2, 2), (2, 2)]
+    comm = named(spans, "comm.all_reduce")
+    assert len(comm) == 4, "two per step, the limit renewed at each step"
+    forward_ids = {s.context.span_id for s in forwards}
+    assert all(span.parent.span_id in forward_ids for span in comm), "the first two of each step: its forward's"
+
+
+def test_within_the_limit_no_span_is_dropped_and_nothing_says_so(observed):
+    recorder, engine, exporter, collective = observed("64")
+    one_step(recorder, engine, collective, in_forward=1, between=1, in_backward=0)
+    spans = exporter.get_finished_spans()
+    (step,) = named(spans, "training.step")
+    (forward,) = named(spans, "training.forward")
+    (backward,) = named(spans, "training.backward")
+    assert step.attributes["comm.count"] == 2 and "comm.spans_dropped" not in step.attributes
+    assert forward.attributes["comm.count"] == 1 and "comm.count" not in backward.attributes
+    by_id = {s.context.span_id: s.name for s in spans}
+    assert sorted(by_id[s.parent.span_id] for s in named(spans, "comm.all_reduce")) == [
+        "training.forward", "training.step"], "the one between phases is the step's"
+
+
+def test_metrics_mode_counts_collectives_without_spans_or_drops(observed):
+    recorder, engine, exporter, collective = observed("1", spans=False)
+    one_step(recorder, engine, collective, in_forward=3, between=0, in_backward=0)
+    spans = exporter.get_finished_spans()
+    (step,) = named(spans, "training.step")
+    assert step.attributes["comm.count"] == 3 and "comm.spans_dropped" not in step.attributes
+    assert not named(spans, "comm.all_reduce")

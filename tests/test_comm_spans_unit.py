@@ -45,7 +45,7 @@ def observed(monkeypatch):
     return observe
 
 
-def one_step(recorder, engine, collective, in_forward: int, between: int, in_backward: int) -> None:
+def one_step(recorder, engine, collective, *, in_forward: int, between: int, in_backward: int) -> None:
     forward = recorder.forward_started(engine)
     for _ in range(in_forward):
         collective()

@@ -53,6 +53,10 @@ class StepRecorder(Component):
         # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
         # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
         self._max_waits = max(1, engine.gradient_accumulation_steps())
+        # Unmanaged accumulation (the user steps at each boundary) makes every step() one: a setting of the
+        # engine's config, read once, not at every step() (one of DeepSpeed's frames fewer per step).
+        managed = getattr(engine, "managed_gradient_accumulation", None)
+        self._every_step_a_boundary = managed is not None and not managed()
         self._waits: list[tuple[int, int, bool]] = []
         # What each fetched micro-batch holds (recording/inputs.py), until the forward that takes it.
         self.inputs: deque = deque(maxlen=self._max_waits + 1)
@@ -123,9 +127,8 @@ class StepRecorder(Component):
     @fail_open
     def optimizer_step_started(self, engine) -> Phase | None:
         """None unless this ``engine.step()`` call is a gradient-accumulation boundary."""
-        # Read before step(): micro_steps advances inside it. Unmanaged accumulation makes every step() one.
-        managed = getattr(engine, "managed_gradient_accumulation", None)
-        if (managed is None or managed()) and not engine.is_gradient_accumulation_boundary():
+        # Read before step(): micro_steps advances inside it.
+        if not self._every_step_a_boundary and not engine.is_gradient_accumulation_boundary():
             return None
         self._skipped_before = engine.skipped_steps
         return self._start(Event.OPTIMIZER, (engine,))

@@ -6,6 +6,7 @@ import pytest
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.recording import state
+from opentelemetry_instrumentation_deepspeed.recording.profiler import StepProfiler
 from opentelemetry_instrumentation_deepspeed.recording.record import Failure, Interrupted
 from opentelemetry_instrumentation_deepspeed.recording.recorder import TRACING_FAILED, StepRecorder
 from opentelemetry_instrumentation_deepspeed.recording.state import State
@@ -201,6 +202,23 @@ def test_a_failing_profiler_turns_itself_off_and_the_steps_go_on(where, monkeypa
     assert [r.number for r in records] == [1, 2, 3] and all(r.failure is None for r in records)
     assert [r.profile for r in records] == [None, None, None]
     assert caplog.text.count(f"kernel profiling failed in StepProfiler.{where}") == 1
+
+
+def test_a_profiler_that_fails_stops_the_profile_it_was_running(caplog):
+    class Running:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
+    running = profiler._profile = Running()
+    try:
+        raise RuntimeError("kineto")
+    except RuntimeError:
+        profiler.fail("StepProfiler.step_closed")
+    assert profiler.broken and running.stopped and profiler._profile is None
+    assert "kernel profiling failed in StepProfiler.step_closed" in caplog.text
 
 
 def test_a_start_event_starts_a_phase_or_does_nothing():

@@ -81,6 +81,15 @@ class StepProfiler(Component):
             profile.stop()
         return profile
 
+    def fail(self, where: str) -> None:
+        """Turned off by its own failure: a profile it was running is stopped too (Kineto left running would cost
+        every later step), as far as it still can be."""
+        super().fail(where)
+        try:
+            self._stop()
+        except Exception:  # noqa: BLE001 - already failing: what stops, stops
+            pass
+
     @fail_open
     def abandon(self, _reason: str = "") -> None:
         """The step failed, or the process exits: stop the profiler, emit nothing."""

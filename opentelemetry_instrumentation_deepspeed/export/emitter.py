@@ -58,8 +58,7 @@ _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKW
 class StepFacts:
     """What never changes for one engine's steps, and where their telemetry goes."""
 
-    def __init__(self, writer, metrics, identity, engine, profile_top: int = 0,  # noqa: PLR0917
-                 comm_span_limit: int = 64):
+    def __init__(self, writer, metrics, identity, engine, *, profile_top: int, comm_span_limit: int):
         self.writer = writer
         _flush_first(writer.provider)
         self.metrics = metrics

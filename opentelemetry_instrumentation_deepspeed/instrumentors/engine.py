@@ -74,7 +74,8 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     metrics = TrainingMetrics(meter, flops_per_token(module) if module is not None else None, engine)
     step_profiler = profiler.from_environment()
     facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
-                      step_profiler.top if step_profiler is not None else 0, env.comm_span_limit())
+                      profile_top=step_profiler.top if step_profiler is not None else 0,
+                      comm_span_limit=env.comm_span_limit())
     on_cuda = _on_cuda(engine, cuda)
     recorder = StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), _allocator(on_cuda),
                             _device_scalars(on_cuda))

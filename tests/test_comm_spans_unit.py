@@ -9,22 +9,12 @@ from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
 from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
 from opentelemetry_instrumentation_deepspeed.recording import registry
+from tests.test_gpu_timing_unit import CudaTensor, all_reduce
 from tests.test_steps_unit import recorder_on
 
 
-class CpuTensor:
+class CpuTensor(CudaTensor):
     is_cuda = False
-    dtype = "torch.float32"
-
-    def element_size(self):
-        return 4
-
-    def nelement(self):
-        return 256
-
-
-def all_reduce(tensor, op=None, group=None, async_op=False):
-    """Signature of torch.distributed.all_reduce."""
 
 
 @pytest.fixture

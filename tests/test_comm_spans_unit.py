@@ -9,6 +9,7 @@ from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
 from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
 from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from tests.test_gpu_timing_unit import CudaTensor, all_reduce
 from tests.test_steps_unit import recorder_on
 
@@ -21,6 +22,7 @@ class CpuTensor(CudaTensor):
 def observed(monkeypatch):
     def observe(span_limit: str, spans: bool = True):
         monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", span_limit)
+        env.reset_cache()  # the limit is read once per process: this test's, then the next test's own
         recorder, engine, exporter = recorder_on(0)
         monkeypatch.setattr(registry, "_active", recorder)
         observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=spans)
@@ -32,7 +34,9 @@ def observed(monkeypatch):
 
         return recorder, engine, exporter, collective
 
-    return observe
+    yield observe
+    monkeypatch.undo()
+    env.reset_cache()
 
 
 def one_step(recorder, engine, collective, *, in_forward: int, between: int, in_backward: int) -> None:

@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry_instrumentation_deepspeed import DataLoaderInstrumentor
 from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
-from tests.test_state_machine import train_micro_batch
+from tests.test_state_machine import Records, train_micro_batch
 from tests.test_steps_unit import Engine
 
 SLOW_BATCH = 3  # its collation sleeps
@@ -27,8 +27,8 @@ def collate(samples):
 def recorded():
     instrumentor = DataLoaderInstrumentor()
     instrumentor.instrument(tracer_provider=TracerProvider())
-    engine, records = Engine(grad_accum=2), []
-    registry.track(engine, StepRecorder(engine, "facts", records.append))
+    engine, records = Engine(grad_accum=2), Records()
+    registry.track(engine, StepRecorder(engine, "facts", records.submit))
     try:
         yield engine, records
     finally:

@@ -156,11 +156,11 @@ class Facts:
 
 def steps_recorded(facts, work) -> list:
     from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
-    from tests.test_state_machine import micro_batch
+    from tests.test_state_machine import Records, micro_batch
     from tests.test_steps_unit import Engine
 
-    records, engine = [], Engine(1)
-    recorder = StepRecorder(engine, facts, records.append)
+    records, engine = Records(), Engine(1)
+    recorder = StepRecorder(engine, facts, records.submit)
     for do in work:
         do()
         micro_batch(recorder, engine)
@@ -225,7 +225,7 @@ def test_each_phase_reads_the_training_threads_wait_at_its_start_and_end():
     # device's wait, a straggler's sleep), long enough that waking into the crowd is a small share of it: it does
     # not wait, though the step as a whole did.
     from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
-    from tests.test_state_machine import Input
+    from tests.test_state_machine import Input, Records
     from tests.test_steps_unit import Engine
 
     def spin():
@@ -233,8 +233,8 @@ def test_each_phase_reads_the_training_threads_wait_at_its_start_and_end():
         while time.perf_counter() < deadline:
             pass
 
-    facts, records, engine = Facts(), [], Engine(1)
-    recorder = StepRecorder(engine, facts, records.append)
+    facts, records, engine = Facts(), Records(), Engine(1)
+    recorder = StepRecorder(engine, facts, records.submit)
     with crowded():
         phase = recorder.forward_started(engine, (Input(),), {})
         spin()

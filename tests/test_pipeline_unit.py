@@ -13,15 +13,16 @@ from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
 from opentelemetry_instrumentation_deepspeed.recording.state import State
+from tests.test_state_machine import Records
 from tests.test_steps_unit import Engine
 
 # -- the recorder ---------------------------------------------------------------------------------
 
 
 def pipelined_recorder(micro_batches):
-    records = []
+    records = Records()
     engine = Engine(micro_batches)
-    recorder = StepRecorder(engine, "facts", records.append)
+    recorder = StepRecorder(engine, "facts", records.submit)
     recorder.pipelined = True
     return recorder, engine, records
 

@@ -6,6 +6,7 @@ import pytest
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.recording import state
+from opentelemetry_instrumentation_deepspeed.recording.builder import StepBuilder
 from opentelemetry_instrumentation_deepspeed.recording.profiler import StepProfiler
 from opentelemetry_instrumentation_deepspeed.recording.record import Failure, Interrupted
 from opentelemetry_instrumentation_deepspeed.recording.recorder import TRACING_FAILED, StepRecorder
@@ -53,10 +54,21 @@ class Input:
         return False
 
 
+class Records(list):
+    """The emitter as a recorder sees it: a recorder handed over is replayed at once (the emitter's drain does
+    it within half a second), the records it builds are kept."""
+
+    def submit(self, item):
+        if isinstance(item, StepRecorder):
+            item.replay()
+        else:
+            self.append(item)
+
+
 def recorder(grad_accum=1, profiler=None):
-    records = []
+    records = Records()
     engine = Engine(grad_accum)
-    return StepRecorder(engine, "facts", records.append, profiler), engine, records
+    return StepRecorder(engine, "facts", records.submit, profiler), engine, records
 
 
 def micro_batch(rec, engine, direct=False):
@@ -75,7 +87,7 @@ def test_every_state_and_event_has_a_row():
     assert len(state.STATES) == 6 and len(state.EVENTS) == 14
     actions = {name for _, names in state.TRANSITIONS.values() for name in names}
     rec, _, _ = recorder()
-    assert actions <= set(rec._actions), "every action named in the table is implemented"
+    assert actions <= set(rec.builder.actions), "every action named in the table is implemented"
 
 
 def test_a_step_spans_its_micro_batches_and_closes_on_the_boundary():
@@ -251,21 +263,27 @@ def test_collectives_join_the_open_step_under_the_running_phase():
     rec.phase_ended(rec.backward_started(engine))
     engine.step(rec)
     assert records[0].collectives == [*calls, between] and all(c.in_step for c in records[0].collectives)
-    assert all(c.parent is forward for c in calls) and between.parent is None
+    forward_phase = records[0].phases[0]
+    assert all(c.parent is forward_phase for c in calls) and between.parent is None
 
 
-def test_a_bug_in_an_action_disables_the_recorder_and_ends_the_open_step(caplog, monkeypatch):
-    def broken(_self, _event, _data):
+@pytest.mark.parametrize(("where", "method"), [(StepBuilder, "_end_phase"), (StepRecorder, "_close")])
+def test_a_bug_in_an_action_disables_the_recorder_and_ends_the_open_step(where, method, caplog, monkeypatch):
+    """A bug in the builder raises as the log is replayed (here: as the step closes), one on the training thread
+    where the event happens; either way the recorder turns off and the step it had open ends."""
+
+    def broken(*_args):
         raise KeyError("a future DeepSpeed")
 
-    monkeypatch.setattr(StepRecorder, "_end_phase", broken)
+    monkeypatch.setattr(where, method, broken)
     rec, engine, records = recorder()
-    rec.forward_started(engine)
-    rec.phase_ended(rec.open.phase)
-    assert rec.broken and rec.open is None
-    assert records[0].failure == Interrupted(TRACING_FAILED)
+    rec.phase_ended(rec.forward_started(engine))
+    engine.step(rec)
+    assert rec.open is None and rec.broken
+    (record,) = records
+    assert record.failure == Interrupted(TRACING_FAILED) == record.phases[-1].failure
     assert rec.forward_started(engine) is None and len(records) == 1
-    assert "step tracing failed" in caplog.text
+    assert caplog.text.count("step tracing failed") == 1
 
 
 # -- data waits count fetches, not forwards ---------------------------------------------------------

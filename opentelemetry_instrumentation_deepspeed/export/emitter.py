@@ -1,9 +1,10 @@
 """The one emitter: closed step records become spans and metric points, on a thread of its own.
 
-The training thread only appends to a queue (``submit``): a closed ``StepRecord``, or a completed
-collective issued outside any step. Every ``DRAIN_SECONDS`` (and when a metric reader collects, so a collection
-sees everything recorded before it; when a tracer provider is flushed or shut down; and at exit,
-through the lifecycle) ``drain`` turns them into:
+The training thread only appends to a queue (``submit``): a recorder whose step closed (its log is
+replayed here into ``StepRecord``s, queued in turn), or a completed collective issued outside any
+step. Every ``DRAIN_SECONDS`` (and when a metric reader collects, so a collection sees everything
+recorded before it; when a tracer provider is flushed or shut down; and at exit, through the
+lifecycle) ``drain`` turns them into:
 
 - the step's span tree (root on rank 0, ``training.step``, data waits, phases, collectives, the
   operators and kernels of a profiled step), written finished, with the recorded times;
@@ -40,6 +41,7 @@ from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import is_out_of_memory
 from opentelemetry_instrumentation_deepspeed.recording.host_cpu import HostCpu, wait_share
 from opentelemetry_instrumentation_deepspeed.recording.record import Collective, Failure, HangReport, Phase, StepRecord
+from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open, observing
 
 _logger = logging.getLogger(__name__)
@@ -173,7 +175,7 @@ class Emitter(Component):
 
     # -- any thread -----------------------------------------------------------------------------
 
-    def submit(self, item: StepRecord | Collective) -> None:
+    def submit(self, item: StepRecord | StepRecorder | Collective) -> None:
         if self.broken:
             return
         self._queue.append(item)
@@ -227,6 +229,8 @@ class Emitter(Component):
                         queue.appendleft(item)  # its successors wait with it: steps stay in order
                         break
                     self._step(item, writers)
+                elif type(item) is StepRecorder:  # a step closed: its records are built here, and queued
+                    item.replay()
                 elif type(item) is HangReport:  # the hang watchdog's (runtime/watchdog.py)
                     hangs.emit(item, writers)
                 elif type(item) is clock.ClockReading:  # the clock refresher's (runtime/clock.py)

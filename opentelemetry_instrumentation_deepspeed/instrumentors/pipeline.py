@@ -17,6 +17,7 @@ import sys
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.recording.state import State
 
 MODULE = "deepspeed.runtime.pipe.engine"
 _ORIGINAL = "_opentelemetry_original"
@@ -60,7 +61,7 @@ def _phase(original, start):
 
     def instruction(self, *args, **kwargs):
         recorder = registry.recorder_for(self)
-        if recorder is None or recorder.open is None:
+        if recorder is None or recorder.state == State.IDLE:
             return original(self, *args, **kwargs)
         phase = start(recorder, self)
         try:

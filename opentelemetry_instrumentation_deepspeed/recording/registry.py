@@ -5,6 +5,8 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
+from opentelemetry_instrumentation_deepspeed.recording.state import State
+
 if TYPE_CHECKING:
     from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
 
@@ -30,7 +32,7 @@ def active() -> StepRecorder | None:
     """
     if _several:
         for recorder in list(_recorders.values()):
-            if recorder.open is not None:
+            if recorder.state != State.IDLE:
                 return recorder
     return _active
 

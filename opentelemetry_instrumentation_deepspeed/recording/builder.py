@@ -1,0 +1,201 @@
+"""The records of one engine's steps, built from the recorder's log on whichever thread reads them.
+
+The training thread (``recording/recorder.py``) keeps only the step's state, reads what can only be read
+there and then, and appends one entry per event to its log. This builder replays the entries, in order,
+through the actions ``state.TRANSITIONS`` named for them: it numbers micro-batches and data waits, makes
+the ``Phase`` and ``StepRecord`` objects, joins collectives to their phase, and hands each closed record to
+the emitter. It runs on the emitter's thread (the recorder submits the builder itself when a step closes)
+and on the hang watchdog's (``StepRecorder.open``), one replay at a time.
+
+An entry is a tuple ``(event, actions, now, data, ended, started, step)``:
+
+- ``actions``: the table's actions for the recorder's state at the event, bound to this builder;
+- ``now``: the event's time (ns since the epoch); ``data``: a data wait's (start, end), a failure, an
+  interruption's reason, a collective;
+- ``ended``: what the training thread read as the running phase ended: (schedstat, GPU event, allocator);
+- ``started``: as a phase started: (its payload, GPU event, schedstat), the payload being a forward's
+  (samples, tokens, input batch), a backward's loss as ``scalars.take`` kept it;
+- ``step``: as the step opened, (number, profiled); as it closed, (skipped, gradient norm, scalars'
+  copy event, schedstat, stopped profiler).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.recording import state
+from opentelemetry_instrumentation_deepspeed.recording.record import Interrupted, Phase, StepRecord
+from opentelemetry_instrumentation_deepspeed.recording.state import Event
+
+_PHASE_NAMES = {Event.FORWARD: semconv.PHASE_FORWARD, Event.BACKWARD: semconv.PHASE_BACKWARD,
+                Event.DIRECT_BACKWARD: semconv.PHASE_BACKWARD, Event.OPTIMIZER: semconv.PHASE_OPTIMIZER_STEP}
+_LOSS_TAKEN = (Event.BACKWARD, Event.DIRECT_BACKWARD)  # their payload: the loss a backward started from
+BACKWARD_NOT_COMPLETED = "backward did not complete"
+TRACING_FAILED = "step tracing failed; see the log"
+COLLECTIVE = "collective"  # not an event of the table: a collective issued in the open step joins it
+
+
+class StepBuilder:
+    """Replays one recorder's log into ``StepRecord``s; ``open`` is the step open as of the last replay."""
+
+    def __init__(self, facts, submit, max_waits: int, micro_batch_size: int, gpu=None):
+        self.facts = facts
+        self._submit = submit
+        self._max_waits = max_waits
+        self._micro_batch_size = micro_batch_size
+        self._gpu = gpu
+        self.pipelined = False  # a pipeline stage numbers its backwards in their own order (1F1B)
+        self.log: deque = deque()  # the recorder appends, the builder pops: both thread-safe on a deque
+        self.open: StepRecord | None = None
+        self.failed: BaseException | None = None  # set once a replay raised: nothing is replayed after it
+        # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
+        # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
+        self._waits: list[tuple[int, int, bool]] = []
+        self._lock = threading.RLock()  # the emitter's thread and the watchdog's may both replay
+        self.actions = {name: getattr(self, "_" + name) for name in (
+            state.KEEP_WAIT, state.ADD_WAIT, state.DROP_WAITS, state.OPEN_STEP, state.START_PHASE, state.END_PHASE,
+            state.FAIL_PHASE, state.INTERRUPT_PHASE, state.CLOSE_STEP, state.FAIL_STEP)}
+        self.joining = (self._join,)  # a collective's actions
+
+    def replay(self) -> StepRecord | None:
+        """Apply every entry logged so far; the open record after them. A bug in an action raises here,
+        once: the caller turns the recorder off (``StepRecorder.fail``), which ends the open step."""
+        with self._lock:
+            log = self.log
+            if self.failed is not None:
+                log.clear()
+                return self.open
+            while log:
+                entry = log.popleft()
+                try:
+                    for action in entry[1]:
+                        action(entry)
+                except Exception as error:
+                    self.failed = error
+                    raise
+            return self.open
+
+    def abandon(self, now: int) -> None:
+        """The recorder is turned off: what it logged is replayed as far as it can be, and the open step ends
+        there, so nothing later (a collective) joins a trace whose spans never end."""
+        with self._lock:
+            if self.failed is None:
+                try:
+                    self.replay()
+                except Exception:  # noqa: BLE001 - already failing: the emitter gets what was built
+                    pass
+            self.log.clear()
+            record, self.open = self.open, None
+            if record is None:
+                return
+            if record.phase is not None:
+                record.phase.end, record.phase.failure = now, Interrupted(TRACING_FAILED)
+            record.failure, record.end = Interrupted(TRACING_FAILED), now
+            self._submit(record)
+
+    # -- the actions of state.TRANSITIONS --------------------------------------------------------------
+
+    # Waits count fetches, not forwards: the i-th fetch of a step is its micro-batch i, whenever the
+    # loop made it. A step holds G fetches at most; a further one, made while it is open, fetched
+    # ahead for the next step (a loader's look-ahead) and is kept for it.
+
+    def _keep_wait(self, entry) -> None:
+        self._keep(entry[3], False)
+
+    def _keep(self, wait, ahead: bool) -> None:
+        waits = self._waits
+        if len(waits) >= self._max_waits:
+            # More fetches than a step has micro-batches: the oldest made since the last step goes (a
+            # skipped batch, an evaluation's), before a look-ahead, which is the next step's first.
+            for index, kept in enumerate(waits):
+                if not kept[2]:
+                    del waits[index]
+                    break
+            else:
+                del waits[0]
+        waits.append((wait[0], wait[1], ahead))
+
+    def _add_wait(self, entry) -> None:
+        wait, waits = entry[3], self.open.waits
+        if len(waits) < self._max_waits:
+            waits.append((wait[0], wait[1], len(waits)))
+        else:
+            self._keep(wait, True)
+
+    def _drop_waits(self, _entry) -> None:
+        # An evaluation forward: what was fetched since the last step fed it; a look-ahead is the next step's.
+        self._waits = [wait for wait in self._waits if wait[2]]
+
+    def _open_step(self, entry) -> None:
+        number, profiled = entry[6]
+        waits = self._waits
+        # The step starts where the loop began fetching for it, not at a look-ahead made in the step before.
+        start = next((wait[0] for wait in waits if not wait[2]), entry[2])
+        record = StepRecord(self.facts, number, start, [(w[0], w[1], i) for i, w in enumerate(waits)], [], [])
+        waits.clear()
+        record.gpu = self._gpu
+        record.profiled = profiled
+        self.open = record
+
+    def _start_phase(self, entry) -> None:
+        event, record = entry[0], self.open
+        payload, gpu_start, schedstat = entry[5]
+        if event == Event.FORWARD:
+            micro_step = record.micro_batches
+            record.micro_batches += 1
+            samples, tokens, inputs = payload
+            record.samples += samples or self._micro_batch_size
+            if tokens:
+                record.tokens += tokens
+        elif event == Event.OPTIMIZER:
+            micro_step = None
+        elif self.pipelined:
+            micro_step = record.backwards
+            record.backwards += 1
+        else:
+            micro_step = max(record.micro_batches - 1, 0)
+        if payload is not None and event in _LOSS_TAKEN:
+            record.losses.append(payload)
+        phase = Phase(_PHASE_NAMES[event], micro_step, entry[2], gpu_start, event == Event.DIRECT_BACKWARD)
+        phase.schedstat_start = schedstat
+        if event == Event.FORWARD:
+            phase.inputs = inputs
+        record.phases.append(phase)
+        record.phase = phase
+
+    def _end_phase(self, entry) -> None:
+        record = self.open
+        phase, record.phase = record.phase, None
+        phase.end = entry[2]
+        phase.schedstat_end, phase.gpu_end, phase.memory = entry[4]
+
+    def _fail_phase(self, entry) -> None:
+        if self.open.phase is not None:
+            self.open.phase.failure = entry[3]
+            self._end_phase(entry)
+
+    def _interrupt_phase(self, entry) -> None:
+        if self.open.phase is not None:
+            self.open.phase.failure = Interrupted(entry[3] if entry[0] == Event.INTERRUPT else BACKWARD_NOT_COMPLETED)
+            self._end_phase(entry)
+
+    def _close_step(self, entry) -> None:
+        record, self.open = self.open, None
+        record.skipped, record.grad_norm, record.scalars_copied, record.schedstat, record.profile = entry[6]
+        record.end = entry[2]
+        self._submit(record)
+
+    def _fail_step(self, entry) -> None:
+        record, self.open = self.open, None
+        record.failure = Interrupted(entry[3]) if entry[0] == Event.INTERRUPT else entry[3]
+        record.end = entry[2]
+        self._submit(record)
+
+    def _join(self, entry) -> None:
+        """A collective issued in the open step joins it, under the phase running when it was issued."""
+        record, collective = self.open, entry[3]
+        if record is not None:
+            collective.parent = record.phase
+            record.collectives.append(collective)

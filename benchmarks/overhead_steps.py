@@ -70,6 +70,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     )
     from opentelemetry_instrumentation_deepspeed.export.emitter import Emitter
     from opentelemetry_instrumentation_deepspeed.recording import registry
+    from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
 
     recorder_cpu = [0.0]  # the CPU time of the emitter's drains, on whichever thread they ran
     drain = Emitter.drain
@@ -82,7 +83,9 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
                 queue = self._queue
                 while queue:
                     record = queue.popleft()
-                    if getattr(record, "schedstat", None) is not None:
+                    if type(record) is StepRecorder:  # its log is built into records, queued here
+                        record.replay()
+                    elif getattr(record, "schedstat", None) is not None:
                         record.facts.host_cpu.waited(record.schedstat, record.end)
                 return None
             return drain(self, final)

@@ -38,8 +38,7 @@ ENTRY_POINTS = {
     "recording.inputs": ("left_loader",),
 }
 INNER = {
-    "recording.recorder.StepRecorder": ("_fire", "_open_step", "_start_phase", "_end_phase", "_close_step",
-                                        "comm_issued"),
+    "recording.recorder.StepRecorder": ("_start", "_end", "_fire", "_open", "_ended", "_close", "comm_issued"),
     "instrumentors.comm.CommObserver": ("_finish", "_group", "_route"),
 }
 

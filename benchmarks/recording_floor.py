@@ -1,20 +1,22 @@
-"""The training thread's floor: what a recorder that only appends events would add per step.
+"""The training thread's floor: what a recorder that only appends events, and keeps no state, would add per step.
 
-The step recorder builds each step's record on the training thread: its state table, phases,
-collectives and counts (``recording/``). Some of its work cannot leave that thread: the reads of
-a forward's batch shape, the loss and the gradient norm, DeepSpeed's boundary and skipped-step
-counters, the thread's schedstat, a collective's arguments, the profiler's per-step check. This
-benchmark keeps exactly those reads and replaces everything else with one ``deque.append`` of a
-tuple per event (a recorder that would replay its table on another thread), then runs
-``overhead_steps.py --drop-records`` on it: its B - A is the least any such recorder could add.
-Run it alternately with ``overhead_steps.py --zero-stage 2 --drop-records`` (the shipped recorder,
-records also dropped) to compare them in one sitting.
+The step recorder (``recording/recorder.py``) keeps each step's state on the training thread, reads
+what cannot be read elsewhere and appends one entry per event to a log, which ``recording/builder.py``
+replays into records on another thread. The reads cannot leave the training thread: a forward's batch
+shape, the loss and the gradient norm, DeepSpeed's boundary and skipped-step counters, the thread's
+schedstat, a collective's arguments, the profiler's per-step check. This benchmark keeps exactly those
+reads and replaces everything else with one ``deque.append`` of a tuple per event, then runs
+``overhead_steps.py --drop-records`` on it. Run it alternately with ``overhead_steps.py --zero-stage 2
+--drop-records`` (the shipped recorder, records also dropped) to compare them in one sitting.
 
     python benchmarks/recording_floor.py --triples 3000
 
-What it leaves out, and a real recorder of that kind would still do: its end-of-phase matching
-(a nested start, a stale end), the phases' schedstat reads on a busy host, the GPU events and
-allocator reads on CUDA, and handing the events to the emitter.
+What it leaves out, and the shipped recorder does: the state that tells a phase's start from a nested
+one and a running phase's end from a stale one (the phase numbers the wrappers hand back), the
+phases' schedstat reads on a busy host, the GPU events and allocator reads on CUDA, making the
+``Collective`` a wrapper finishes, and handing the log to the emitter. No correct recorder gets down
+to it: what separates the two is that bookkeeping, not where the records are built (``benchmarks/README.md``,
+2026-12-06).
 """
 
 from __future__ import annotations

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.recording.record import Phase, StepRecord
+from opentelemetry_instrumentation_deepspeed.export import emitter as emitter_module
+from opentelemetry_instrumentation_deepspeed.recording import scalars
+from opentelemetry_instrumentation_deepspeed.recording.builder import TRACING_FAILED, StepBuilder
+from opentelemetry_instrumentation_deepspeed.recording.record import Interrupted, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.recording.recorder import IDLE_LOG_LIMIT, LOG_LIMIT, StepRecorder
 from opentelemetry_instrumentation_deepspeed.recording.state import State
-from tests.test_state_machine import Input, Records, micro_batch, recorder
+from tests.test_state_machine import Input, Profiler, Records, micro_batch, recorder
 from tests.test_steps_unit import Engine
 
 _PHASE_OF = {State.FORWARD: semconv.PHASE_FORWARD, State.BACKWARD: semconv.PHASE_BACKWARD,
@@ -143,3 +147,108 @@ def test_the_built_step_agrees_with_the_recorder_s_state_after_any_events(action
     for record in records:
         assert record.end is not None and all(p.end is not None for p in record.phases)
         assert sum(p.name == semconv.PHASE_FORWARD for p in record.phases) == record.micro_batches
+
+
+# -- what the review of the log found ---------------------------------------------------------------
+
+
+class DeviceScalars:
+    """recording.scalars.DeviceScalars at its boundary: CUDA scalars copied into slots, one event behind them."""
+
+    def __init__(self):
+        self.copies = 0
+
+    def copy(self, _tensor):
+        self.copies += 1
+        return scalars.Pending(self, self.copies)
+
+    def event(self):
+        return "the copies' event"
+
+
+class CudaLoss:
+    is_cuda = True
+    ndim = 0
+
+
+def test_a_backward_that_opens_the_step_keeps_its_loss_copy_s_event():
+    """A loop whose forward is not seen (trace_training without module=) opens each step at its backward: the
+    copy of its CUDA loss must still be waited for before it is read."""
+    engine, records = Engine(1), Records()
+    rec = StepRecorder(engine, "facts", records.submit, device_scalars=DeviceScalars())
+    engine.get_global_grad_norm = lambda: None
+    rec.phase_ended(rec.backward_started(engine, loss=CudaLoss()))
+    engine.step(rec)
+    (record,) = records
+    assert len(record.losses) == 1 and record.scalars_copied == "the copies' event"
+
+
+def test_a_step_with_no_fetch_starts_before_its_profiler_does():
+    class Slow(Profiler):
+        def step_opened(self, number):
+            time.sleep(0.05)
+            return super().step_opened(number)
+
+    rec, engine, records = recorder(profiler=Slow({1}))
+    rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+    rec.phase_ended(rec.backward_started(engine))
+    engine.step(rec)
+    (record,) = records
+    assert record.profiled and record.phases[0].start - record.start >= 0.05e9
+
+
+def test_a_builder_that_fails_on_another_thread_stops_the_profile_at_the_next_close(monkeypatch, caplog):
+    def broken(*_args):
+        raise KeyError("a future DeepSpeed")
+
+    monkeypatch.setattr(StepBuilder, "_start_phase", broken)
+    profiler = Profiler({1})
+    rec, engine, records = recorder(profiler=profiler)
+    forward = rec.forward_started(engine, (Input(),), {})  # step 1 opens: its profile starts
+    watchdog = threading.Thread(target=lambda: rec.open)  # whose replay meets the bug
+    watchdog.start()
+    watchdog.join()
+    assert profiler.running == 1, "only the training thread can stop it"
+    rec.phase_ended(forward)
+    rec.phase_ended(rec.backward_started(engine))
+    engine.step(rec)
+    assert profiler.running is None and rec.broken and rec.state == State.IDLE
+    assert caplog.text.count("step tracing failed in StepBuilder.replay") == 1
+    assert [r.failure for r in records] == [Interrupted(TRACING_FAILED)], "the step it had open ends there"
+
+
+def test_a_replay_beside_a_draining_emitter_never_deadlocks(monkeypatch):
+    """The watchdog replays (the builder's lock, then the emitter's queue) while the emitter drains (its lock, then
+    a replay): with the queue past its limit, neither may wait for the other."""
+    inside, go = threading.Event(), threading.Event()
+    close_step = StepBuilder._close_step
+
+    def slow_close(self, entry):  # widens the window in which the watchdog holds the builder's lock
+        inside.set()
+        go.wait(5)
+        close_step(self, entry)
+
+    monkeypatch.setattr(StepBuilder, "_close_step", slow_close)  # before the builder binds its actions
+    sink = emitter_module.Emitter()
+    monkeypatch.setattr(sink, "_start", lambda: None)  # its thread: the one started below
+    sink._thread = threading.current_thread()
+    drained = []
+    monkeypatch.setattr(sink, "_step", lambda record, _writers: drained.append(record.number))
+    engine = Engine(1)
+    rec = StepRecorder(engine, "facts", sink.submit)
+    micro_batch(rec, engine)  # a step closes: the recorder is queued
+    assert list(sink._queue) == [rec]
+    monkeypatch.setattr(emitter_module, "LIMIT", 0)  # a backlog: submitters drain
+    watchdog = threading.Thread(target=lambda: rec.open, daemon=True)
+    watchdog.start()
+    assert inside.wait(5)
+    drain = threading.Thread(target=sink.drain, daemon=True)
+    drain.start()
+    time.sleep(0.2)
+    go.set()
+    watchdog.join(5)
+    drain.join(5)
+    assert not watchdog.is_alive() and not drain.is_alive()
+    micro_batch(rec, engine)  # the training thread's hand-over drains here: it must not wait either
+    sink.drain()
+    assert drained == [1, 2]

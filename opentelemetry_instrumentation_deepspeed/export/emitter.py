@@ -183,7 +183,9 @@ class Emitter(Component):
             with self._starting:  # an autograd thread may submit too
                 if self._thread is None:
                     self._start()
-        if len(self._queue) > LIMIT:
+        # A record comes from a recorder's replay, under its builder's lock: a drain from there would take this
+        # lock after that one, where a drain replays in the other order. The recorder's own hand-over drains.
+        if len(self._queue) > LIMIT and type(item) is not StepRecord:
             self.drain()
 
     def watch_collections(self, meter) -> None:

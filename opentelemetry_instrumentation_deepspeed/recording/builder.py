@@ -15,19 +15,21 @@ An entry is a tuple ``(event, actions, now, data, ended, started, step)``:
 - ``ended``: what the training thread read as the running phase ended: (schedstat, GPU event, allocator);
 - ``started``: as a phase started: (its payload, GPU event, schedstat), the payload being a forward's
   (samples, tokens, input batch), a backward's loss as ``scalars.take`` kept it;
-- ``step``: as the step opened, (number, profiled); as it closed, (skipped, gradient norm, scalars'
+- ``step``: as the step opened, (number, profiled, when); as it closed, (skipped, gradient norm, scalars'
   copy event, schedstat, stopped profiler).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.recording import state
 from opentelemetry_instrumentation_deepspeed.recording.record import Interrupted, Phase, StepRecord
 from opentelemetry_instrumentation_deepspeed.recording.state import Event
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component
 
 _PHASE_NAMES = {Event.FORWARD: semconv.PHASE_FORWARD, Event.BACKWARD: semconv.PHASE_BACKWARD,
                 Event.DIRECT_BACKWARD: semconv.PHASE_BACKWARD, Event.OPTIMIZER: semconv.PHASE_OPTIMIZER_STEP}
@@ -37,10 +39,14 @@ TRACING_FAILED = "step tracing failed; see the log"
 COLLECTIVE = "collective"  # not an event of the table: a collective issued in the open step joins it
 
 
-class StepBuilder:
-    """Replays one recorder's log into ``StepRecord``s; ``open`` is the step open as of the last replay."""
+class StepBuilder(Component):
+    """Replays one recorder's log into ``StepRecord``s; ``open`` is the step open as of the last replay.
+
+    Closed records go to ``submit`` while the builder's lock is held (so that they arrive in order): the emitter
+    must not drain from there, as its own drain replays under its lock (``Emitter.submit``)."""
 
     def __init__(self, facts, submit, max_waits: int, micro_batch_size: int, gpu=None):
+        super().__init__("step tracing")
         self.facts = facts
         self._submit = submit
         self._max_waits = max_waits
@@ -49,7 +55,6 @@ class StepBuilder:
         self.pipelined = False  # a pipeline stage numbers its backwards in their own order (1F1B)
         self.log: deque = deque()  # the recorder appends, the builder pops: both thread-safe on a deque
         self.open: StepRecord | None = None
-        self.failed: BaseException | None = None  # set once a replay raised: nothing is replayed after it
         # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
         # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
         self._waits: list[tuple[int, int, bool]] = []
@@ -60,40 +65,50 @@ class StepBuilder:
         self.joining = (self._join,)  # a collective's actions
 
     def replay(self) -> StepRecord | None:
-        """Apply every entry logged so far; the open record after them. A bug in an action raises here,
-        once: the caller turns the recorder off (``StepRecorder.fail``), which ends the open step."""
+        """Apply every entry logged so far; the open record after them. A bug in an action is logged once and turns
+        the builder off (its open step ends there); the recorder, on the training thread, then turns itself off at
+        the next step's close."""
         with self._lock:
             log = self.log
-            if self.failed is not None:
+            if self.broken:
                 log.clear()
-                return self.open
-            while log:
-                entry = log.popleft()
-                try:
+                return None
+            try:
+                while log:
+                    entry = log.popleft()
                     for action in entry[1]:
                         action(entry)
-                except Exception as error:
-                    self.failed = error
-                    raise
+            except Exception:  # noqa: BLE001 - the point is to catch everything ours raises
+                self.fail("StepBuilder.replay")
+                return None
             return self.open
 
+    def fail(self, where: str) -> None:
+        super().fail(where)
+        self.log.clear()
+        self._end_open(time.time_ns())
+
     def abandon(self, now: int) -> None:
-        """The recorder is turned off: what it logged is replayed as far as it can be, and the open step ends
-        there, so nothing later (a collective) joins a trace whose spans never end."""
+        """The recorder turned itself off: what it logged is built, and the open step ends there, so nothing later
+        (a collective) joins a trace whose spans never end."""
         with self._lock:
-            if self.failed is None:
-                try:
-                    self.replay()
-                except Exception:  # noqa: BLE001 - already failing: the emitter gets what was built
-                    pass
+            if not self.broken:
+                self.replay()
             self.log.clear()
+            self._end_open(now)
+
+    def _end_open(self, now: int) -> None:
+        with self._lock:
             record, self.open = self.open, None
             if record is None:
                 return
-            if record.phase is not None:
-                record.phase.end, record.phase.failure = now, Interrupted(TRACING_FAILED)
-            record.failure, record.end = Interrupted(TRACING_FAILED), now
-            self._submit(record)
+            try:
+                if record.phase is not None:
+                    record.phase.end, record.phase.failure = now, Interrupted(TRACING_FAILED)
+                record.failure, record.end = Interrupted(TRACING_FAILED), now
+                self._submit(record)
+            except Exception:  # noqa: BLE001 - already failing: the emitter gets what it can
+                pass
 
     # -- the actions of state.TRANSITIONS --------------------------------------------------------------
 
@@ -129,10 +144,11 @@ class StepBuilder:
         self._waits = [wait for wait in self._waits if wait[2]]
 
     def _open_step(self, entry) -> None:
-        number, profiled = entry[6]
+        number, profiled, opened = entry[6]
         waits = self._waits
-        # The step starts where the loop began fetching for it, not at a look-ahead made in the step before.
-        start = next((wait[0] for wait in waits if not wait[2]), entry[2])
+        # The step starts where the loop began fetching for it, not at a look-ahead made in the step before; with no
+        # fetch, where it opened (before a profiler started, which its first phase starts after).
+        start = next((wait[0] for wait in waits if not wait[2]), opened)
         record = StepRecord(self.facts, number, start, [(w[0], w[1], i) for i, w in enumerate(waits)], [], [])
         waits.clear()
         record.gpu = self._gpu

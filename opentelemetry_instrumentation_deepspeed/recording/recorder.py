@@ -16,7 +16,6 @@ per step than when it built the records itself, and the open step is built where
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from collections import deque
@@ -78,12 +77,12 @@ class StepRecorder(Component):
         self._host_cpu = getattr(facts, "host_cpu", None)
         self._thread_stat = getattr(self._host_cpu, "thread_stat", None)
         self._phase_reads = False  # the running phase read the schedstat as it started
-        self._thread = threading.get_ident()  # the training thread: the one that may stop the profiler
         self.state = State.IDLE
         self._phase: int | None = None  # the running phase's number, which its start returned; None between phases
         self._phases = 0  # phases started: their numbers
         self._number: int | None = None  # the open step's
-        # The profiler's measure of a step: from the first data wait made with no step open, as the record's start.
+        # The profiler's measure of a step: from the first data wait made with no step open (the record's start,
+        # unless the loop fetched more than a step's micro-batches before it), else from its opening.
         self._fetch_start: int | None = None
         self._step_start = 0
         # (state, event) -> None where the event does nothing, else (next state or None, the builder's actions,
@@ -106,11 +105,7 @@ class StepRecorder(Component):
         after it, if any. Closed records go to the emitter. Not skipped once the recorder is off (``broken``): what
         it logged before is built (a failure's abandon() has built it already)."""
         self.queued = False  # first: a step closing meanwhile hands the recorder over again
-        try:
-            return self.builder.replay()
-        except Exception:  # noqa: BLE001 - a bug of ours: logged once, and the recorder turns off
-            self.fail("StepBuilder.replay")
-            return None
+        return self.builder.replay()
 
     open = property(replay)
 
@@ -244,16 +239,20 @@ class StepRecorder(Component):
         self._append((COLLECTIVE, self._joining, 0, collective, None, None, None))
 
     def fail(self, where: str) -> None:
-        """Turned off by its own failure, on the training thread or (a failed replay) another: the open step
-        ends as far as it was logged. Only the training thread can stop a profile it runs: on another, a running
-        profile is left to the process's exit."""
+        """Turned off by its own failure (on the training thread, where every call into the recorder is made): the
+        open step ends as far as it was logged."""
         was_broken = self.broken
         super().fail(where)
-        if self.profiler is not None and threading.get_ident() == self._thread:
-            self.profiler.abandon()
-        self.state, self._phase, self._number = State.IDLE, None, None
+        self._turn_off()
         if not was_broken:
             self.builder.abandon(time.time_ns())
+
+    def _turn_off(self) -> None:
+        """Off, on the training thread: the only one that can stop a profile it started."""
+        self.broken = True
+        if self.profiler is not None:
+            self.profiler.abandon()
+        self.state, self._phase, self._number = State.IDLE, None, None
 
     # -- the log's entries --------------------------------------------------------------------
 
@@ -295,7 +294,9 @@ class StepRecorder(Component):
                 self.queued = True
                 self._submit(self)
             elif len(self.builder.log) > LOG_LIMIT:
-                self.replay()
+                self._replay_here()
+            if self.builder.broken:  # it failed on another thread (its log says where): the recorder is off too
+                self._turn_off()
 
     def _fire(self, event: str, data=None, engine=None) -> None:
         """Any other event: what its row does, read and logged."""
@@ -309,7 +310,7 @@ class StepRecorder(Component):
         if closes:
             step = self._close(engine, now, None)
         elif fails:
-            self._number = None
+            self._number, self._losses = None, False
             if self.profiler is not None:
                 self.profiler.abandon()
         self._append((event, actions, now, data, ended, None, step))
@@ -317,6 +318,8 @@ class StepRecorder(Component):
             self.state = next_state
         if closes or fails:
             self._hand_over()
+            if self.builder.broken:
+                self._turn_off()
 
     def _hand_over(self) -> None:
         """To the emitter, whose thread builds the records logged so far; here, past LOG_LIMIT entries (its thread
@@ -325,13 +328,19 @@ class StepRecorder(Component):
             self.queued = True
             self._submit(self)
         elif len(self.builder.log) > LOG_LIMIT:
-            self.replay()
+            self._replay_here()
 
-    def _open(self, engine) -> tuple[int, bool]:
+    def _replay_here(self) -> None:
+        self.replay()
+        # The records are queued now; handed over once more, the emitter drains them here if its thread cannot.
+        self.queued = True
+        self._submit(self)
+
+    def _open(self, engine) -> tuple[int, bool, int]:
         number = self._number = engine.global_steps + 1
+        opened = time.time_ns()
         fetched, self._fetch_start = self._fetch_start, None
-        self._step_start = fetched if fetched is not None else time.time_ns()
-        self._losses = False
+        self._step_start = fetched if fetched is not None else opened
         if self._gpu is not None:
             self._gpu.anchor_if_idle()
         profiled = False
@@ -341,7 +350,7 @@ class StepRecorder(Component):
                 profiled = profiler.step_opened(number)
             except Exception:  # noqa: BLE001 - the profiler's own failure turns the profiler off, not the step
                 profiler.fail(_STEP_OPENED)
-        return number, profiled
+        return number, profiled, opened
 
     def _ended(self) -> tuple:
         """What is read as the running phase ends: the schedstat (where it was read at the start), its GPU event,
@@ -367,7 +376,7 @@ class StepRecorder(Component):
                 profile = profiler.step_closed((now - self._step_start) / 1e9)
             except Exception:  # noqa: BLE001 - as at the step's opening
                 profiler.fail(_STEP_CLOSED)
-        self._number = None
+        self._number, self._losses = None, False
         return skipped, grad_norm, copied, schedstat, profile
 
     def _schedstat(self) -> bytes | None:

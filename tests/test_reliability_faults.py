@@ -21,8 +21,8 @@ from tests.scripts.launching import launch_script
 STEPS = 20
 PACKAGE = "opentelemetry_instrumentation_deepspeed"
 # Forward, backward and optimizer step start a phase each: the 7th is step 3's forward. Steps 1
-# and 2 are traced whole, the bug hits at the start of step 3.
-STEP_FAULT = f"{PACKAGE}.recording.recorder:StepRecorder._start_phase:7"
+# and 2 are traced whole, the bug hits at the start of step 3, as the emitter's thread builds its record.
+STEP_FAULT = f"{PACKAGE}.recording.builder:StepBuilder._start_phase:7"
 # A metric callback that fails at every collection, as one reading /proc in a locked-down container would.
 CALLBACK_FAULT = f"{PACKAGE}.instrumentors.dataloader:WorkerProcesses._children:1+"
 # Only collectives inside a step get span attributes: the 3rd is step 2's first all-reduce.
@@ -88,11 +88,11 @@ def test_a_bug_in_step_tracing_leaves_training_bit_identical(step_fault, baselin
 
 @pytest.mark.slow
 def test_a_bug_in_step_tracing_is_logged_once_with_component_and_traceback(step_fault):
-    assert failure_reports(step_fault.stderr, "step tracing") == ["StepRecorder.forward_started"], step_fault.stderr
+    assert failure_reports(step_fault.stderr, "step tracing") == ["StepBuilder.replay"], step_fault.stderr
     report = step_fault.stderr[step_fault.stderr.index("step tracing failed"):]
-    traceback = report[:report.index("RuntimeError: injected fault in StepRecorder._start_phase, call 7")]
-    assert "Traceback (most recent call last)" in traceback and "recorder.py" in traceback
-    assert step_fault.stderr.count("injected fault in StepRecorder._start_phase") == 1
+    traceback = report[:report.index("RuntimeError: injected fault in StepBuilder._start_phase, call 7")]
+    assert "Traceback (most recent call last)" in traceback and "builder.py" in traceback
+    assert step_fault.stderr.count("injected fault in StepBuilder._start_phase") == 1
 
 
 @pytest.mark.slow

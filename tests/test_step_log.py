@@ -83,6 +83,7 @@ def test_a_loop_that_never_steps_keeps_the_log_short():
 class Collective:
     in_step = False
     parent = None
+    end = None  # completed on the host: its time
 
 
 def _boundary_step(rec, engine, started):
@@ -252,3 +253,29 @@ def test_a_replay_beside_a_draining_emitter_never_deadlocks(monkeypatch):
     micro_batch(rec, engine)  # the training thread's hand-over drains here: it must not wait either
     sink.drain()
     assert drained == [1, 2]
+
+
+def test_a_failed_builder_leaves_the_collectives_it_dropped_measured(monkeypatch, caplog):
+    """Collectives logged in a step the builder could not build are measured as if issued outside any step: those
+    completed are handed over now, the others by their wrappers once they complete; later ones stay outside."""
+
+    def broken(*_args):
+        raise KeyError("a future DeepSpeed")
+
+    monkeypatch.setattr(StepBuilder, "_start_phase", broken)
+    handed = []  # the emitter, which replays only when asked here
+    engine = Engine(1)
+    rec = StepRecorder(engine, "facts", handed.append)
+    rec.forward_started(engine, (Input(),), {})
+    completed, running = Collective(), Collective()
+    for call in (completed, running):
+        rec.comm_issued(call)
+    completed.end = 1
+    assert completed.in_step and running.in_step
+    assert rec.open is None, "the watchdog's replay meets the bug"
+    assert not completed.in_step and not running.in_step
+    assert completed in handed and running not in handed
+    later = Collective()
+    rec.comm_issued(later)
+    assert not later.in_step
+    assert caplog.text.count("step tracing failed in StepBuilder.replay") == 1

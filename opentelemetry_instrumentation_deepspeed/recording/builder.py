@@ -71,7 +71,7 @@ class StepBuilder(Component):
         with self._lock:
             log = self.log
             if self.broken:
-                log.clear()
+                self._drop_log()
                 return None
             try:
                 while log:
@@ -85,8 +85,21 @@ class StepBuilder(Component):
 
     def fail(self, where: str) -> None:
         super().fail(where)
-        self.log.clear()
+        self._drop_log()
         self._end_open(time.time_ns())
+
+    def _drop_log(self) -> None:
+        """The log is let go; its collectives are measured still, as issued outside any step (metrics only): their
+        wrappers submit those that complete later, this those that completed (one completing at this very moment may
+        be counted twice)."""
+        log = self.log
+        while log:
+            entry = log.popleft()
+            if entry[0] == COLLECTIVE:
+                collective = entry[3]
+                collective.in_step = False
+                if collective.end is not None:
+                    self._submit(collective)
 
     def abandon(self, now: int) -> None:
         """The recorder turned itself off: what it logged is built, and the open step ends there, so nothing later
@@ -94,7 +107,7 @@ class StepBuilder(Component):
         with self._lock:
             if not self.broken:
                 self.replay()
-            self.log.clear()
+            self._drop_log()
             self._end_open(now)
 
     def _end_open(self, now: int) -> None:

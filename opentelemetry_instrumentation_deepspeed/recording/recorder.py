@@ -233,7 +233,7 @@ class StepRecorder(Component):
     def comm_issued(self, collective) -> None:
         """A collective issued now joins the open step, under the running phase (the emitter counts them,
         and keeps their spans within the span limit). Any thread may call this (backward hooks run on autograd's)."""
-        if self.state == State.IDLE or self.broken:
+        if self.state == State.IDLE or self.broken or self.builder.broken:
             return
         collective.in_step = True
         self._append((COLLECTIVE, self._joining, 0, collective, None, None, None))

@@ -289,14 +289,8 @@ class StepRecorder(Component):
         step = self._close(engine, now, ended[0]) if row[4] else None
         self._append((event, row[1], now, None, ended, None, step))
         self.state = row[0]
-        if step is not None:  # _hand_over() written out: once a step
-            if not self.queued:
-                self.queued = True
-                self._submit(self)
-            elif len(self.builder.log) > LOG_LIMIT:
-                self._replay_here()
-            if self.builder.broken:  # it failed on another thread (its log says where): the recorder is off too
-                self._turn_off()
+        if step is not None:
+            self._hand_over()
 
     def _fire(self, event: str, data=None, engine=None) -> None:
         """Any other event: what its row does, read and logged."""
@@ -318,8 +312,6 @@ class StepRecorder(Component):
             self.state = next_state
         if closes or fails:
             self._hand_over()
-            if self.builder.broken:
-                self._turn_off()
 
     def _hand_over(self) -> None:
         """To the emitter, whose thread builds the records logged so far; here, past LOG_LIMIT entries (its thread
@@ -329,6 +321,8 @@ class StepRecorder(Component):
             self._submit(self)
         elif len(self.builder.log) > LOG_LIMIT:
             self._replay_here()
+        if self.builder.broken:  # it failed on another thread (its log says where): the recorder is off too
+            self._turn_off()
 
     def _replay_here(self) -> None:
         self.replay()

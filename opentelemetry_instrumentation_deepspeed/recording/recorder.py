@@ -9,7 +9,7 @@ log into ``StepRecord``s off the training thread: the recorder hands itself to t
 closes or fails (``replay``), and ``open`` replays it for the hang watchdog. No OpenTelemetry object is
 touched here.
 
-Why a log (``benchmarks/README.md``, 2026-12-06): the training thread executes 15% fewer instructions
+Why a log (``benchmarks/README.md``, 2026-12-06): the training thread executes 14% fewer instructions
 per step than when it built the records itself, and the open step is built where it is read.
 """
 

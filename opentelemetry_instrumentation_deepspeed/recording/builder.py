@@ -4,8 +4,8 @@ The training thread (``recording/recorder.py``) keeps only the step's state, rea
 there and then, and appends one entry per event to its log. This builder replays the entries, in order,
 through the actions ``state.TRANSITIONS`` named for them: it numbers micro-batches and data waits, makes
 the ``Phase`` and ``StepRecord`` objects, joins collectives to their phase, and hands each closed record to
-the emitter. It runs on the emitter's thread (the recorder submits the builder itself when a step closes)
-and on the hang watchdog's (``StepRecorder.open``), one replay at a time.
+the emitter. It runs on the emitter's thread (the recorder hands itself over when a step closes) and on
+the hang watchdog's (``StepRecorder.open``), one replay at a time.
 
 An entry is a tuple ``(event, actions, now, data, ended, started, step)``:
 

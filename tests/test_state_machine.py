@@ -234,8 +234,8 @@ def test_a_profiler_that_fails_stops_the_profile_it_was_running(caplog):
 
 
 def test_a_start_event_starts_a_phase_or_does_nothing():
-    # StepRecorder._start returns the open phase after any transition with actions: every start event's row is
-    # either empty or ends by starting the phase its next state names.
+    # StepRecorder._start numbers a new phase for any start event whose row has actions: every such row is either
+    # empty or ends by starting the phase its next state names.
     phase_of = {state.Event.FORWARD: State.FORWARD, state.Event.BACKWARD: State.BACKWARD,
                 state.Event.DIRECT_BACKWARD: State.DIRECT_BACKWARD, state.Event.OPTIMIZER: State.OPTIMIZER}
     for (_state, event), (next_state, actions) in state.TRANSITIONS.items():

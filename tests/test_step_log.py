@@ -235,7 +235,7 @@ def test_a_replay_beside_a_draining_emitter_never_deadlocks(monkeypatch):
 
     def slow_close(self, entry):  # widens the window in which the watchdog holds the builder's lock
         inside.set()
-        go.wait(5)
+        go.wait(30)
         close_step(self, entry)
 
     monkeypatch.setattr(StepBuilder, "_close_step", slow_close)  # before the builder binds its actions
@@ -251,13 +251,13 @@ def test_a_replay_beside_a_draining_emitter_never_deadlocks(monkeypatch):
     monkeypatch.setattr(emitter_module, "LIMIT", 0)  # a backlog: submitters drain
     watchdog = threading.Thread(target=lambda: rec.open, daemon=True)
     watchdog.start()
-    assert inside.wait(5)
+    assert inside.wait(30)
     drain = threading.Thread(target=sink.drain, daemon=True)
     drain.start()
     time.sleep(0.2)
     go.set()
-    watchdog.join(5)
-    drain.join(5)
+    watchdog.join(30)
+    drain.join(30)
     assert not watchdog.is_alive() and not drain.is_alive()
     micro_batch(rec, engine)  # the training thread's hand-over drains here: it must not wait either
     sink.drain()

@@ -23,6 +23,10 @@ pytestmark = pytest.mark.slow  # real DeepSpeed jobs
 
 HANG_FLOOR = "2"  # seconds: the watchdog's floor, so that a test waits seconds, not minutes
 VERDICT_BUDGET = 60.0  # the issue's bar: a verdict within 60 s of the hang threshold
+# The step that hangs: late enough that the watchdog (one look every 0.5 s) has seen steps close, so that the
+# threshold is the floor or 10 times the slowest step it saw, not 10 times the floor (20 s) as before any step
+# closed: each test then takes 15 s instead of 30.
+HANG_STEP = 70
 
 
 def start(workdir: Path, *train_args: str, env: dict | None = None) -> subprocess.Popen:
@@ -118,13 +122,14 @@ def _stop(job: subprocess.Popen, workdir: Path) -> str:
 
 
 def test_hang_in_forward_is_diagnosed_live_and_sigterm_reaches_the_rank_blocked_in_a_collective(workdir):
-    job = start(workdir, "--steps", "20", "--zero-stage", "2", "--hang-rank", "1", "--hang-step", "8",
+    job = start(workdir, "--steps", "90", "--zero-stage", "2", "--hang-rank", "1", "--hang-step", str(HANG_STEP),
                 "--hang-phase", "forward", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
     try:
         report, when = wait_for_hang(workdir, job)
         verdict = report["verdict"]
-        assert verdict["rank"] == 1 and verdict["step"] == 8, verdict
-        assert verdict["summary"].startswith("rank 1 stopped in forward of step 8 at train.py"), verdict["summary"]
+        assert verdict["rank"] == 1 and verdict["step"] == HANG_STEP, verdict
+        summary = verdict["summary"]
+        assert summary.startswith(f"rank 1 stopped in forward of step {HANG_STEP} at train.py"), summary
         assert "in block_forever" in verdict["summary"], "where, in its stack"
         assert "rank 0 waits for rank 1 in all_reduce" in verdict["summary"], verdict["summary"]
         assert when - _first_threshold_crossing(workdir) < VERDICT_BUDGET
@@ -150,16 +155,18 @@ def test_hang_in_forward_is_diagnosed_live_and_sigterm_reaches_the_rank_blocked_
 
 
 def test_sigterm_reaches_a_rank_blocked_in_its_own_barrier_between_steps(workdir):
-    # Rank 1 stops in the loop's own code after step 5; rank 0 waits for it in the barrier that follows:
+    # Rank 1 stops in the loop's own code after step HANG_STEP; rank 0 waits for it in the barrier that follows:
     # a native wait with no step open, where rank 0's SIGTERM handler cannot run either.
-    job = start(workdir, "--steps", "20", "--zero-stage", "2", "--barrier", "--hang-rank", "1", "--hang-step", "5",
-                "--hang-phase", "after-step", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
+    job = start(workdir, "--steps", "90", "--zero-stage", "2", "--barrier", "--hang-rank", "1",
+                "--hang-step", str(HANG_STEP), "--hang-phase", "after-step",
+                env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
     try:
         report, _when = wait_for_hang(workdir, job)
         verdict = report["verdict"]
-        assert verdict["rank"] == 1 and verdict["step"] == 6, verdict
+        assert verdict["rank"] == 1 and verdict["step"] == HANG_STEP + 1, verdict
         summary = verdict["summary"]
-        assert summary.startswith("rank 1 stopped between steps (no step open, before step 6) at train.py"), summary
+        assert summary.startswith(
+            f"rank 1 stopped between steps (no step open, before step {HANG_STEP + 1}) at train.py"), summary
         assert "rank 0 waits for rank 1 in barrier" in summary, "its collective, though no step is open"
         rank0 = int(_resources(workdir)[0]["process.pid"])
         sent = time.monotonic()
@@ -179,9 +186,9 @@ def test_sigterm_reaches_a_rank_blocked_in_its_own_barrier_between_steps(workdir
 
 
 def test_a_rank_blocked_in_the_data_loader_is_diagnosed_live_and_the_html_report_shows_the_stacks(workdir):
-    # No step is open on rank 1: it blocks fetching step 6's batch; rank 0 runs step 6 up to its first
+    # No step is open on rank 1: it blocks fetching step HANG_STEP's batch; rank 0 runs that step up to its first
     # collective and waits there.
-    job = start(workdir, "--steps", "20", "--zero-stage", "2", "--hang-rank", "1", "--hang-step", "6",
+    job = start(workdir, "--steps", "90", "--zero-stage", "2", "--hang-rank", "1", "--hang-step", str(HANG_STEP),
                 "--hang-phase", "data", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR,
                                              "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
     try:
@@ -189,9 +196,10 @@ def test_a_rank_blocked_in_the_data_loader_is_diagnosed_live_and_the_html_report
         # The gauge the no-progress alert reads grows on the rank stuck with no step open too.
         assert _stalled_seconds(workdir, job, rank=1) > float(HANG_FLOOR)
         verdict = report["verdict"]
-        assert verdict["rank"] == 1 and verdict["step"] == 6, verdict
-        assert verdict["summary"].startswith("rank 1 stopped in the data loader (data wait) before step 6, no step "
-                                             "open at train.py"), verdict["summary"]
+        assert verdict["rank"] == 1 and verdict["step"] == HANG_STEP, verdict
+        assert verdict["summary"].startswith(
+            f"rank 1 stopped in the data loader (data wait) before step {HANG_STEP}, no step open at train.py"), \
+            verdict["summary"]
         assert "in block_forever" in verdict["summary"] and "in __call__" in verdict["summary"], "where, in its stack"
         assert "rank 0 waits for rank 1 in all_reduce" in verdict["summary"], verdict["summary"]
         assert when - _first_threshold_crossing(workdir) < VERDICT_BUDGET
@@ -219,7 +227,7 @@ def test_a_rank_blocked_in_the_data_loader_is_diagnosed_live_and_the_html_report
 
 
 def test_hang_in_backward_with_an_earlier_desync_and_sigint_to_the_rank_that_waits(workdir):
-    job = start(workdir, "--steps", "20", "--hang-rank", "0", "--hang-step", "6", "--hang-phase", "backward",
+    job = start(workdir, "--steps", "90", "--hang-rank", "0", "--hang-step", str(HANG_STEP), "--hang-phase", "backward",
                 "--desync-rank", "1", "--desync-step", "3", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
     try:
         report, when = wait_for_hang(workdir, job)
@@ -237,8 +245,8 @@ def test_hang_in_backward_with_an_earlier_desync_and_sigint_to_the_rank_that_wai
                for rank, span in _hang_spans(workdir))
     hang, desync = report["findings"][:2]
     assert report["verdict"] == hang
-    assert hang["rank"] == 0 and hang["step"] == 6, hang
-    assert hang["summary"].startswith("rank 0 stopped in backward of step 6"), hang["summary"]
+    assert hang["rank"] == 0 and hang["step"] == HANG_STEP, hang
+    assert hang["summary"].startswith(f"rank 0 stopped in backward of step {HANG_STEP}"), hang["summary"]
     assert "<lambda>" in hang["summary"] and "block_forever" in " ".join(hang["evidence"]), hang
     assert "rank 1 waits for rank 0 in all_reduce" in hang["summary"], hang["summary"]
     assert when - _first_threshold_crossing(workdir) < VERDICT_BUDGET

@@ -7,6 +7,11 @@ triples of steps in rotating order: active (B), inert (A) and inert again (A', t
 Inert is each component's off switch (the one a failure throws): the wrappers stay and only pass
 calls through. Spans and metrics are exported as the embedded default exports them.
 
+``--baseline bare`` makes A and A' bare instead: every attribute the instrumentors replaced with a
+wrapper gets its original back for those steps (and the wrapper for B's), so B - A is the whole
+added time, the wrappers' own dispatch included, which an inert wrapper still costs and B - A
+with the default baseline leaves out.
+
 What B - A measures is the training thread's own added time. Work on other threads (the emitter
 making spans and metric points from step records, the span exporter encoding) lands on whichever step runs beside it, as
 does the garbage collector's, so it is spread over all arms; their CPU time per active step is
@@ -49,6 +54,8 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--mode", choices=("full", "sampled-out"), default="full")
     parser.add_argument("--dump", type=Path, help="write every step's time per arm to this JSON file")
+    parser.add_argument("--baseline", choices=("inert", "bare"), default="inert",
+                        help="what A and A' run: the wrappers switched off, or no wrappers at all (see above)")
     parser.add_argument("--drop-records", action="store_true",
                         help="the emitter drops each record unread: the steps with no span or metric work beside them")
     parser.add_argument("--endpoint-down", action="store_true",
@@ -113,9 +120,12 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
 
     collections = CollectorPauses()
     on_cuda = getattr(engine.device, "type", None) == "cuda"
+    swaps = wrapped_attributes() if args.baseline == "bare" else []
 
     def step(active: bool) -> tuple[float, float]:
         recorder.broken = observer.broken = not active
+        for owner, name, wrapper, original in swaps:  # outside the timed step; every step sets them alike
+            setattr(owner, name, wrapper if active else original)
         collections.arm = "B" if active else "A"
         started, cpu_started = time.perf_counter(), time.thread_time()
         for _ in range(args.grad_accum):
@@ -153,9 +163,9 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     gc.callbacks.remove(collections.callback)
     if engine.global_rank == 0:
         report(args, world, arms, cpu_arms, spans=spans, background=background)
-        steps = {"B": args.triples * args.block, "A": 2 * args.triples * args.block}  # "A": both inert arms
+        steps = {"B": args.triples * args.block, "A": 2 * args.triples * args.block}  # "A": both A arms
         print("  garbage collector pauses per step: " + ", ".join(
-            f"{'active' if arm == 'B' else 'inert'} {seconds / steps[arm] * 1e6:.1f} us "
+            f"{'active' if arm == 'B' else args.baseline} {seconds / steps[arm] * 1e6:.1f} us "
             f"({collections.count[arm]} collections, the longest {collections.longest[arm] * 1e3:.1f} ms)"
             for arm, seconds in collections.seconds.items()))
         if args.dump:
@@ -164,12 +174,35 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     meter_provider.shutdown()
 
 
+def wrapped_attributes() -> list[tuple]:
+    """(owner, name, wrapper, original) of every wrapt wrapper in torch's and DeepSpeed's modules and classes: what
+    the instrumentors installed (the methods of classes, the functions of modules and their copies bound elsewhere)."""
+    import warnings
+
+    import wrapt
+
+    proxy = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+    found = []
+    with warnings.catch_warnings():  # isinstance() reads __class__, which deprecated module attributes warn about
+        warnings.simplefilter("ignore")
+        for module_name, module in list(sys.modules.items()):
+            if module is None or not module_name.startswith(("torch", "deepspeed")):
+                continue
+            owners = [module, *(value for value in list(vars(module).values())
+                                if isinstance(value, type) and value.__module__ == module_name)]
+            for owner in owners:
+                for name, value in list(vars(owner).items()):
+                    if isinstance(value, proxy):
+                        found.append((owner, name, value, value.__wrapped__))
+    return found
+
+
 class CollectorPauses:
     """Time the garbage collector stops the training thread, by the arm of the step it stops."""
 
     def __init__(self):
         self.arm = "A"
-        self.seconds = {"B": 0.0, "A": 0.0}  # "A": both inert arms
+        self.seconds = {"B": 0.0, "A": 0.0}  # "A": both A arms
         self.count = {"B": 0, "A": 0}
         self.longest = {"B": 0.0, "A": 0.0}
         self._started = 0.0
@@ -193,22 +226,22 @@ def report(args, world: int, arms: dict[str, list[float]], cpu_arms: dict[str, l
         print(f"  {arm:2}: median step {statistics.median(times) * 1e3:8.3f} ms"
               f"  ({statistics.median(times) / statistics.median(arms['A']):.4f} x A)")
     print(" wall time of the step:")
-    differences(arms)
+    differences(arms, args.baseline)
     # The training thread's CPU time leaves out the time other processes take the core from it, so
     # on a loaded machine it bounds the added work far more tightly than the wall time does.
     print(" CPU time of the training thread during the step:")
-    differences(cpu_arms)
+    differences(cpu_arms, args.baseline)
     active_steps = args.triples * args.block
     print(f"  spans per active step on this rank: {spans / active_steps:.1f}")
     print("  CPU time of other threads per active step: " + ", ".join(
         f"{name} {seconds / active_steps * 1e6:.1f} us" for name, seconds in background.items()))
 
 
-def differences(arms: dict[str, list[float]]) -> None:
+def differences(arms: dict[str, list[float]], baseline: str = "inert") -> None:
     from overhead import bootstrap, trimmed_mean
 
     base = statistics.median(arms["A"])
-    for label, arm in (("active - inert (B - A)", "B"), ("control      (A' - A)", "A'")):
+    for label, arm in ((f"active - {baseline} (B - A)", "B"), ("control      (A' - A)", "A'")):
         differences = [(b - a) * 1e6 for a, b in zip(arms["A"], arms[arm], strict=True)]
         mean = statistics.fmean(differences)
         low, high = bootstrap(differences)

@@ -53,14 +53,19 @@ def _patched_functions():
     for module in (torch.distributed, distributed_c10d):
         for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "send"):
             functions[f"{module.__name__}.{op}"] = getattr(module, op)
-    functions["Work.wait"] = distributed_c10d.Work.__dict__["wait"]
     return functions
+
+
+def _work_wait():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d.Work.__dict__["wait"]
 
 
 def test_instrument_traces_and_uninstrument_restores_everything(train):
     import deepspeed  # noqa: F401 - the classes must exist before we look at them
 
-    original = _patched_functions()
+    original, original_wait = _patched_functions(), _work_wait()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -80,12 +85,16 @@ def test_instrument_traces_and_uninstrument_restores_everything(train):
         assert names.count("training.global_step") == 3
         assert names.count("training.forward") == names.count("training.data.wait") == 6
         assert names.count("comm.all_reduce") >= 3, "ZeRO-1 on one rank still all-reduces each step"
+        # Work.wait is wrapped at the first async collective, before its handle reaches the caller.
+        assert _work_wait() is original_wait, "synchronous collectives only: their own waits run unwrapped"
+        train(["--steps", "2", "--average-loss", "async"])
+        assert _work_wait().__wrapped__ is original_wait
     finally:
         for instrumentor in instrumentors:
             instrumentor.uninstrument()
         session.reset()
 
-    assert _patched_functions() == original
+    assert _patched_functions() == original and _work_wait() is original_wait
     exporter.clear()
     train(["--steps", "2"])
     assert exporter.get_finished_spans() == ()

@@ -93,6 +93,10 @@ class CommObserver(Component):
         self._dtypes: dict[object, str] = {}
         # Async work handles until their wait(); weak, so a handle dropped unwaited takes its entry along.
         self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Wraps Work.wait, once, at the first async collective (set by the instrumentor): a synchronous
+        # collective waits for its own work inside torch, and a wrapper there would pass every such wait
+        # through for nothing (two per ZeRO-2 step).
+        self.follow_waits = None
         self._gpu = None
         self._gpu_step: object = -1  # the step whose start was last considered for an anchor
         self._emitter = emitter()
@@ -151,6 +155,8 @@ class CommObserver(Component):
         if not works:
             self._finish(call)
             return
+        if self.follow_waits is not None:  # before the handles reach the caller, who may wait on them at once
+            self.follow_waits()
         for work in works:
             try:
                 self._pending_async[work] = call
@@ -367,10 +373,18 @@ class CommInstrumentor(BaseInstrumentor):
             # One scan of the package's modules for the copies of every wrapped op, not one per op.
             patches.rebind(_loaded(package))
 
+        waits_lock = threading.Lock()
+
+        def follow_waits(c10d):
+            with waits_lock:  # two threads' first async collectives must not stack two wrappers
+                if patches.active:
+                    patches.wrap(c10d.Work, "wait", _wait_wrapper(observer))
+                observer.follow_waits = None
+
         def patch_torch(c10d):
             if patches.active:
                 wrap_ops(c10d, TORCH_OPS, "torch.distributed")
-                patches.wrap(c10d.Work, "wait", _wait_wrapper(observer))
+                observer.follow_waits = lambda: follow_waits(c10d)
 
         def patch_deepspeed(comm):
             if patches.active:

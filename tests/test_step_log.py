@@ -50,12 +50,14 @@ def test_the_training_thread_only_logs_and_the_records_are_built_when_read(monke
 def test_a_reader_on_another_thread_builds_the_same_steps():
     def run(read_meanwhile: bool) -> list:
         rec, engine, records = recorder(grad_accum=3)
-        stop, seen = threading.Event(), []
+        stop, saw_open, seen = threading.Event(), threading.Event(), []
 
         def watch():  # the hang watchdog's view, as often as it can
             while not stop.is_set():
                 record = rec.open
                 seen.append(None if record is None else (record.number, record.micro_batches))
+                if record is not None:
+                    saw_open.set()
 
         reader = threading.Thread(target=watch)
         switching = sys.getswitchinterval()
@@ -63,8 +65,11 @@ def test_a_reader_on_another_thread_builds_the_same_steps():
         try:
             if read_meanwhile:
                 reader.start()
-            for _ in range(600):
+            for index in range(600):
                 micro_batch(rec, engine)
+                if read_meanwhile and index == 0:
+                    # A step is open: the reader sees it at least once, however late a loaded machine starts it.
+                    assert saw_open.wait(30), "the reader never saw the open step"
             stop.set()
             if read_meanwhile:
                 reader.join()

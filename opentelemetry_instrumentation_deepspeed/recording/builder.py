@@ -15,8 +15,8 @@ An entry is a tuple ``(event, actions, now, data, ended, started, step)``:
 - ``ended``: what the training thread read as the running phase ended: (schedstat, GPU event, allocator);
 - ``started``: as a phase started: (its payload, GPU event, schedstat), the payload being a forward's
   (samples, tokens, input batch), a backward's loss as ``scalars.take`` kept it;
-- ``step``: as the step opened, (number, profiled, when); as it closed, (skipped, gradient norm, scalars'
-  copy event, schedstat, stopped profiler).
+- ``step``: as the step opened, (number, profiled, its first fetch made with no step open, else when it
+  opened); as it closed, (skipped, gradient norm, scalars' copy event, schedstat, stopped profiler).
 """
 
 from __future__ import annotations
@@ -157,11 +157,11 @@ class StepBuilder(Component):
         self._waits = [wait for wait in self._waits if wait[2]]
 
     def _open_step(self, entry) -> None:
-        number, profiled, opened = entry[6]
+        number, profiled, fetched_or_opened = entry[6]
         waits = self._waits
         # The step starts where the loop began fetching for it, not at a look-ahead made in the step before; with no
         # fetch, where it opened (before a profiler started, which its first phase starts after).
-        start = next((wait[0] for wait in waits if not wait[2]), opened)
+        start = next((wait[0] for wait in waits if not wait[2]), fetched_or_opened)
         record = StepRecord(self.facts, number, start, [(w[0], w[1], i) for i, w in enumerate(waits)], [], [])
         waits.clear()
         record.gpu = self._gpu

@@ -332,9 +332,9 @@ class StepRecorder(Component):
 
     def _open(self, engine) -> tuple[int, bool, int]:
         number = self._number = engine.global_steps + 1
-        opened = time.time_ns()
         fetched, self._fetch_start = self._fetch_start, None
-        self._step_start = fetched if fetched is not None else opened
+        # Where the step starts: its first fetch, else here, before the profiler starts (the clock is read only then).
+        start = self._step_start = fetched if fetched is not None else time.time_ns()
         if self._gpu is not None:
             self._gpu.anchor_if_idle()
         profiled = False
@@ -344,7 +344,7 @@ class StepRecorder(Component):
                 profiled = profiler.step_opened(number)
             except Exception:  # noqa: BLE001 - the profiler's own failure turns the profiler off, not the step
                 profiler.fail(_STEP_OPENED)
-        return number, profiled, opened
+        return number, profiled, start
 
     def _ended(self) -> tuple:
         """What is read as the running phase ends: the schedstat (where it was read at the start), its GPU event,

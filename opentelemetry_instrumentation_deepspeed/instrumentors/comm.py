@@ -16,6 +16,7 @@ instead, read by the emitter once they completed (``gpu_timing``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -292,10 +293,10 @@ _complete = CommObserver.completed.__wrapped__
 _finish = CommObserver._finish
 
 
-def _collective_wrapper(observer: CommObserver, spec: OpSpec):
-    def wrapper(wrapped, instance, args, kwargs):
+def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
+    def wrapper(*args, **kwargs):
         if (session.silent and not observer.explicit) or getattr(_guard, "inside", False):
-            return wrapped(*args, **kwargs)
+            return original(*args, **kwargs)
         call = None
         if not observer.broken:
             try:
@@ -304,7 +305,7 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec):
                 observer.fail(_issue.__qualname__)
         _guard.inside = True
         try:
-            result = wrapped(*args, **kwargs)
+            result = original(*args, **kwargs)
         except BaseException as error:
             observer.failed(call, error)
             raise
@@ -323,16 +324,16 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec):
     return wrapper
 
 
-def _wait_wrapper(observer: CommObserver):
-    def wrapper(wrapped, instance, args, kwargs):
+def _wait_wrapper(observer: CommObserver, original):
+    def wrapper(self, *args, **kwargs):
         try:
-            result = wrapped(*args, **kwargs)
+            result = original(self, *args, **kwargs)
         except BaseException as error:
             if observer._pending_async:
-                observer.wait_failed(instance, error)
+                observer.wait_failed(self, error)
             raise
         if observer._pending_async:
-            observer.waited(instance)
+            observer.waited(self)
         return result
 
     return wrapper
@@ -369,7 +370,8 @@ class CommInstrumentor(BaseInstrumentor):
             for name in names:
                 function = getattr(module, name, None)
                 if function is not None:
-                    patches.wrap(module, name, _collective_wrapper(observer, OpSpec.of(name, function)))
+                    spec = OpSpec.of(name, function)
+                    patches.wrap(module, name, functools.partial(_collective_wrapper, observer, spec))
             # One scan of the package's modules for the copies of every wrapped op, not one per op.
             patches.rebind(_loaded(package))
 
@@ -378,7 +380,7 @@ class CommInstrumentor(BaseInstrumentor):
         def follow_waits(c10d):
             with waits_lock:  # two threads' first async collectives must not stack two wrappers
                 if patches.active:
-                    patches.wrap(c10d.Work, "wait", _wait_wrapper(observer))
+                    patches.wrap(c10d.Work, "wait", functools.partial(_wait_wrapper, observer))
                 observer.follow_waits = None
 
         def patch_torch(c10d):

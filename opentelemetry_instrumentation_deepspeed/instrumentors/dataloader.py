@@ -50,24 +50,30 @@ _nesting = threading.local()
 _data_waited = StepRecorder.data_waited.__wrapped__
 
 
-def _next(wrapped, instance, args, kwargs):
-    # registry.active() inline for one engine: a frame fewer per batch.
-    recorder = registry.active() if registry._several else registry._active
-    if recorder is None or getattr(_nesting, "inside", False):
-        return wrapped(*args, **kwargs)
-    _nesting.inside = True
-    start = time.time_ns()
-    try:
-        batch = wrapped(*args, **kwargs)
-    finally:
-        _nesting.inside = False
-    if not recorder.broken:
+def _next(original):
+    def __next__(self):
+        # registry.active() inline for one engine: a frame fewer per batch.
+        recorder = registry.active() if registry._several else registry._active
+        if recorder is None or getattr(_nesting, "inside", False):
+            return original(self)
+        _nesting.inside = True
+        start = time.time_ns()
         try:
-            _data_waited(recorder, start, time.time_ns())
-        except Exception:  # noqa: BLE001 - ours only: the batch was fetched above
-            recorder.fail(_data_waited.__qualname__)
-    inputs.left_loader(recorder, batch)
-    return batch
+            batch = original(self)
+        finally:
+            _nesting.inside = False
+        if not recorder.broken:
+            try:
+                _data_waited(recorder, start, time.time_ns())
+            except Exception:  # noqa: BLE001 - ours only: the batch was fetched above
+                recorder.fail(_data_waited.__qualname__)
+        inputs.left_loader(recorder, batch)
+        return batch
+
+    return __next__
+
+
+_generator_next = _next(next)
 
 
 class _TimedIterator(wrapt.ObjectProxy):
@@ -77,11 +83,14 @@ class _TimedIterator(wrapt.ObjectProxy):
         return self
 
     def __next__(self):
-        return _next(self.__wrapped__.__next__, self, (), {})
+        return _generator_next(self.__wrapped__)
 
 
-def _iter(wrapped, instance, args, kwargs):
-    return _TimedIterator(wrapped(*args, **kwargs))
+def _iter(original):
+    def __iter__(self):
+        return _TimedIterator(original(self))
+
+    return __iter__
 
 
 class WorkerProcesses:

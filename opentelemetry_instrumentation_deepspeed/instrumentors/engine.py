@@ -32,31 +32,33 @@ _ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
 def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
-    def wrapper(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        if pipeline.is_pipeline(instance) != pipeline_init:
-            # A PipelineEngine's DeepSpeedEngine.__init__ returns before its stage is known: its own
-            # __init__'s wrapper starts it.
-            return result
-        try:
-            coordinates = pipeline.coordinates(instance) if pipeline_init else None
-            identity = session.start(coordinates)
-            if session.silent and tracer_provider is None and meter_provider is None:
-                return result
-            provider = tracer_provider or trace.get_tracer_provider()
-            meter = get_meter(semconv.SCOPE_NAME, __version__, meter_provider)
-            recorder = build_recorder(instance, identity, provider, meter)
-            if pipeline_init:
-                recorder.facts.static.update(coordinates)
-                recorder.facts.peer_stages = pipeline.peer_stages(instance)
-                recorder.pipelined = True
-            registry.track(instance, recorder)
-        except Exception:
-            _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
-                              "training is not affected")
-        return result
+    def factory(init):
+        def wrapper(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if pipeline.is_pipeline(self) != pipeline_init:
+                # A PipelineEngine's DeepSpeedEngine.__init__ returns before its stage is known: its own
+                # __init__'s wrapper starts it.
+                return
+            try:
+                coordinates = pipeline.coordinates(self) if pipeline_init else None
+                identity = session.start(coordinates)
+                if session.silent and tracer_provider is None and meter_provider is None:
+                    return
+                provider = tracer_provider or trace.get_tracer_provider()
+                meter = get_meter(semconv.SCOPE_NAME, __version__, meter_provider)
+                recorder = build_recorder(self, identity, provider, meter)
+                if pipeline_init:
+                    recorder.facts.static.update(coordinates)
+                    recorder.facts.peer_stages = pipeline.peer_stages(self)
+                    recorder.pipelined = True
+                registry.track(self, recorder)
+            except Exception:
+                _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
+                                  "training is not affected")
 
-    return wrapper
+        return wrapper
+
+    return factory
 
 
 def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
@@ -137,107 +139,122 @@ _optimizer_step_started = StepRecorder.optimizer_step_started.__wrapped__
 _optimizer_step_ended = StepRecorder.optimizer_step_ended.__wrapped__
 
 
-def _forward(wrapped, instance, args, kwargs):
-    recorder = registry._by_id.get(id(instance))
-    if recorder is None or recorder.broken:
-        return wrapped(*args, **kwargs)
-    if not (instance.training and sys.modules["torch"].is_grad_enabled()):
-        recorder.not_training()
-        return wrapped(*args, **kwargs)
-    try:
-        phase = _forward_started(recorder, instance, args, kwargs)
-    except Exception:  # noqa: BLE001 - ours only
-        recorder.fail(_forward_started.__qualname__)
-        phase = None
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        recorder.phase_failed(phase, error)
-        raise
-    if not recorder.broken:
+def _forward(forward):
+    def wrapper(self, *args, **kwargs):
+        recorder = registry._by_id.get(id(self))
+        if recorder is None or recorder.broken:
+            return forward(self, *args, **kwargs)
+        if not (self.training and sys.modules["torch"].is_grad_enabled()):
+            recorder.not_training()
+            return forward(self, *args, **kwargs)
         try:
-            _forward_ended(recorder, phase, result)
+            phase = _forward_started(recorder, self, args, kwargs)
         except Exception:  # noqa: BLE001 - ours only
-            recorder.fail(_forward_ended.__qualname__)
-    return result
-
-
-def _backward(wrapped, instance, args, kwargs):
-    recorder = registry._by_id.get(id(instance))
-    if recorder is None or recorder.broken:
-        return wrapped(*args, **kwargs)
-    loss = args[0] if args else kwargs.get("loss")
-    try:
-        phase = _backward_started(recorder, instance, False, loss)
-    except Exception:  # noqa: BLE001 - ours only
-        recorder.fail(_backward_started.__qualname__)
-        phase = None
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        recorder.phase_failed(phase, error)
-        raise
-    if not recorder.broken:
+            recorder.fail(_forward_started.__qualname__)
+            phase = None
         try:
-            _phase_ended(recorder, phase)
-        except Exception:  # noqa: BLE001 - ours only
-            recorder.fail(_phase_ended.__qualname__)
-    return result
+            result = forward(self, *args, **kwargs)
+        except BaseException as error:
+            recorder.phase_failed(phase, error)
+            raise
+        if not recorder.broken:
+            try:
+                _forward_ended(recorder, phase, result)
+            except Exception:  # noqa: BLE001 - ours only
+                recorder.fail(_forward_ended.__qualname__)
+        return result
+
+    return wrapper
 
 
-def _backward_prologue(wrapped, instance, args, kwargs):
-    # Inside engine.backward() the phase is already open; this catches a direct loss.backward().
-    recorder = None
-    if not getattr(instance, "_running_engine_backward", True):
-        recorder = registry._by_id.get(id(instance))
-        if recorder is not None:
-            recorder.backward_started(instance, direct=True)
-    try:
-        return wrapped(*args, **kwargs)
-    except BaseException as error:
-        if recorder is not None:
-            recorder.direct_backward_failed(error)
-        raise
-
-
-def _backward_epilogue(wrapped, instance, args, kwargs):
-    # Inside engine.backward(), its own wrapper ends the phase: only a direct loss.backward()'s is ours.
-    if getattr(instance, "_running_engine_backward", True):
-        return wrapped(*args, **kwargs)
-    recorder = registry._by_id.get(id(instance))
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        if recorder is not None:
-            recorder.direct_backward_failed(error)
-        raise
-    if recorder is not None:
-        recorder.direct_backward_ended()
-    return result
-
-
-def _step(wrapped, instance, args, kwargs):
-    recorder = registry._by_id.get(id(instance))
-    if recorder is None or recorder.broken:
-        return wrapped(*args, **kwargs)
-    try:
-        phase = _optimizer_step_started(recorder, instance)
-    except Exception:  # noqa: BLE001 - ours only
-        recorder.fail(_optimizer_step_started.__qualname__)
-        phase = None
-    if phase is None:
-        return wrapped(*args, **kwargs)
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        recorder.phase_failed(phase, error)
-        raise
-    if not recorder.broken:
+def _backward(backward):
+    def wrapper(self, *args, **kwargs):
+        recorder = registry._by_id.get(id(self))
+        if recorder is None or recorder.broken:
+            return backward(self, *args, **kwargs)
+        loss = args[0] if args else kwargs.get("loss")
         try:
-            _optimizer_step_ended(recorder, instance, phase)
+            phase = _backward_started(recorder, self, False, loss)
         except Exception:  # noqa: BLE001 - ours only
-            recorder.fail(_optimizer_step_ended.__qualname__)
-    return result
+            recorder.fail(_backward_started.__qualname__)
+            phase = None
+        try:
+            result = backward(self, *args, **kwargs)
+        except BaseException as error:
+            recorder.phase_failed(phase, error)
+            raise
+        if not recorder.broken:
+            try:
+                _phase_ended(recorder, phase)
+            except Exception:  # noqa: BLE001 - ours only
+                recorder.fail(_phase_ended.__qualname__)
+        return result
+
+    return wrapper
+
+
+def _backward_prologue(prologue):
+    def wrapper(self, *args, **kwargs):
+        # Inside engine.backward() the phase is already open; this catches a direct loss.backward().
+        recorder = None
+        if not getattr(self, "_running_engine_backward", True):
+            recorder = registry._by_id.get(id(self))
+            if recorder is not None:
+                recorder.backward_started(self, direct=True)
+        try:
+            return prologue(self, *args, **kwargs)
+        except BaseException as error:
+            if recorder is not None:
+                recorder.direct_backward_failed(error)
+            raise
+
+    return wrapper
+
+
+def _backward_epilogue(epilogue):
+    def wrapper(self, *args, **kwargs):
+        # Inside engine.backward(), its own wrapper ends the phase: only a direct loss.backward()'s is ours.
+        if getattr(self, "_running_engine_backward", True):
+            return epilogue(self, *args, **kwargs)
+        recorder = registry._by_id.get(id(self))
+        try:
+            result = epilogue(self, *args, **kwargs)
+        except BaseException as error:
+            if recorder is not None:
+                recorder.direct_backward_failed(error)
+            raise
+        if recorder is not None:
+            recorder.direct_backward_ended()
+        return result
+
+    return wrapper
+
+
+def _step(step):
+    def wrapper(self, *args, **kwargs):
+        recorder = registry._by_id.get(id(self))
+        if recorder is None or recorder.broken:
+            return step(self, *args, **kwargs)
+        try:
+            phase = _optimizer_step_started(recorder, self)
+        except Exception:  # noqa: BLE001 - ours only
+            recorder.fail(_optimizer_step_started.__qualname__)
+            phase = None
+        if phase is None:
+            return step(self, *args, **kwargs)
+        try:
+            result = step(self, *args, **kwargs)
+        except BaseException as error:
+            recorder.phase_failed(phase, error)
+            raise
+        if not recorder.broken:
+            try:
+                _optimizer_step_ended(recorder, self, phase)
+            except Exception:  # noqa: BLE001 - ours only
+                recorder.fail(_optimizer_step_ended.__qualname__)
+        return result
+
+    return wrapper
 
 
 _PHASES = {

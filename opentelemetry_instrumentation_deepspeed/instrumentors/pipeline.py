@@ -13,14 +13,15 @@ only once its own ``__init__`` returned, which is when its recorder is built.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import original_of, replacement
 from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.recording.state import State
 
 MODULE = "deepspeed.runtime.pipe.engine"
-_ORIGINAL = "_opentelemetry_original"
 
 
 def is_pipeline(engine) -> bool:
@@ -42,18 +43,21 @@ def peer_stages(engine) -> dict[int, int]:
     return {int(engine.grid.stage_to_global(stage_id=stage)): stage for stage in range(engine.num_stages)}
 
 
-def train_batch(wrapped, instance, args, kwargs):
-    recorder = registry.recorder_for(instance)
-    if recorder is None or not sys.modules["torch"].is_grad_enabled():
-        return wrapped(*args, **kwargs)  # DeepSpeed refuses it without gradients
-    recorder.batch_started(instance)
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        recorder.phase_failed(None, error)
-        raise
-    recorder.batch_ended(instance)
-    return result
+def train_batch(original):
+    def wrapper(self, *args, **kwargs):
+        recorder = registry.recorder_for(self)
+        if recorder is None or not sys.modules["torch"].is_grad_enabled():
+            return original(self, *args, **kwargs)  # DeepSpeed refuses it without gradients
+        recorder.batch_started(self)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as error:
+            recorder.phase_failed(None, error)
+            raise
+        recorder.batch_ended(self)
+        return result
+
+    return wrapper
 
 
 def _phase(original, start):
@@ -72,8 +76,6 @@ def _phase(original, start):
         recorder.phase_ended(phase)
         return result
 
-    setattr(instruction, _ORIGINAL, original)
-    instruction.__name__ = getattr(original, "__name__", "instruction")
     return instruction
 
 
@@ -87,8 +89,8 @@ def patch_schedule(module) -> None:
     instructions = module.PipelineEngine._INSTRUCTION_MAP
     for kind, start in starts.items():
         original = instructions.get(kind)
-        if original is not None and not hasattr(original, _ORIGINAL):
-            instructions[kind] = _phase(original, start)
+        if original is not None and original_of(original) is None:
+            instructions[kind] = replacement(original, functools.partial(_phase, start=start))
 
 
 def restore_schedule() -> None:
@@ -97,5 +99,5 @@ def restore_schedule() -> None:
         return
     instructions = module.PipelineEngine._INSTRUCTION_MAP
     for kind, function in list(instructions.items()):
-        if hasattr(function, _ORIGINAL):
-            instructions[kind] = getattr(function, _ORIGINAL)
+        if original_of(function) is not None:
+            instructions[kind] = original_of(function)

@@ -165,42 +165,50 @@ def trace_training(module=None, optimizer=None) -> None:
 # -- the phases -----------------------------------------------------------------------------------
 
 
-def _ddp_init(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    start("ddp", getattr(instance, "module", None))
-    return result
+def _ddp_init(init):
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        start("ddp", getattr(self, "module", None))
+
+    return wrapper
 
 
-def _ddp_forward(wrapped, instance, args, kwargs):
-    loop, recorder = _recorder()
-    if recorder is None or getattr(_depth, "value", 0):
-        return wrapped(*args, **kwargs)
-    if not (instance.training and sys.modules["torch"].is_grad_enabled()):
-        recorder.not_training()
-        return wrapped(*args, **kwargs)
-    _depth.value = 1
-    phase = recorder.forward_started(loop, args, kwargs)
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        recorder.phase_failed(phase, error)
-        raise
-    finally:
-        _depth.value = 0
-    recorder.forward_ended(phase, result)
-    return result
+def _ddp_forward(forward):
+    def wrapper(self, *args, **kwargs):
+        loop, recorder = _recorder()
+        if recorder is None or getattr(_depth, "value", 0):
+            return forward(self, *args, **kwargs)
+        if not (self.training and sys.modules["torch"].is_grad_enabled()):
+            recorder.not_training()
+            return forward(self, *args, **kwargs)
+        _depth.value = 1
+        phase = recorder.forward_started(loop, args, kwargs)
+        try:
+            result = forward(self, *args, **kwargs)
+        except BaseException as error:
+            recorder.phase_failed(phase, error)
+            raise
+        finally:
+            _depth.value = 0
+        recorder.forward_ended(phase, result)
+        return result
+
+    return wrapper
 
 
-def _fully_shard(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    try:
-        modules = result if isinstance(result, (list, tuple)) else [result]
-        for module in modules:
-            _hook_forward(module)
-        start("fsdp", modules[-1] if modules else None)
-    except Exception:
-        _logger.exception("opentelemetry-instrumentation-deepspeed could not observe this fully_shard module")
-    return result
+def _fully_shard(fully_shard):
+    def wrapper(*args, **kwargs):
+        result = fully_shard(*args, **kwargs)
+        try:
+            modules = result if isinstance(result, (list, tuple)) else [result]
+            for module in modules:
+                _hook_forward(module)
+            start("fsdp", modules[-1] if modules else None)
+        except Exception:
+            _logger.exception("opentelemetry-instrumentation-deepspeed could not observe this fully_shard module")
+        return result
+
+    return wrapper
 
 
 def _hook_forward(module) -> None:
@@ -237,19 +245,22 @@ def _hook_forward(module) -> None:
     _state.hooks.append(module.register_forward_hook(after, always_call=True))
 
 
-def _backward(wrapped, instance, args, kwargs):
-    loop, recorder = _recorder()
-    if recorder is None:
-        return wrapped(*args, **kwargs)
-    tensors = args[0] if args else kwargs.get("tensors")
-    phase = recorder.backward_started(loop, loss=tensors if getattr(tensors, "ndim", None) == 0 else None)
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        recorder.phase_failed(phase, error)
-        raise
-    recorder.phase_ended(phase)
-    return result
+def _backward(backward):
+    def wrapper(*args, **kwargs):
+        loop, recorder = _recorder()
+        if recorder is None:
+            return backward(*args, **kwargs)
+        tensors = args[0] if args else kwargs.get("tensors")
+        phase = recorder.backward_started(loop, loss=tensors if getattr(tensors, "ndim", None) == 0 else None)
+        try:
+            result = backward(*args, **kwargs)
+        except BaseException as error:
+            recorder.phase_failed(phase, error)
+            raise
+        recorder.phase_ended(phase)
+        return result
+
+    return wrapper
 
 
 def _before_step(optimizer, _args, _kwargs):
@@ -278,28 +289,32 @@ def _after_step(optimizer, _args, _kwargs):
         recorder.optimizer_step_ended(loop, phase)
 
 
-def _scaler_step(wrapped, instance, args, kwargs):
+def _scaler_step(step):
     """``GradScaler.step(optimizer)``: the step optimizer's phase, whether or not the scaler runs it."""
-    loop, recorder = _recorder()
-    optimizer = args[0] if args else kwargs.get("optimizer")
-    if recorder is None or loop.scaling or (loop.optimizer is not None and loop.optimizer() is not optimizer):
-        return wrapped(*args, **kwargs)
-    if loop.optimizer is None:
-        loop.optimizer = weakref.ref(optimizer)
-    _before_step(optimizer, args, kwargs)
-    loop.scaling, loop.stepped = True, False
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException as error:
-        phase, loop.phase = loop.phase, None
-        recorder.phase_failed(phase, error)
-        raise
-    finally:
-        loop.scaling = False
-    if not loop.stepped:  # an inf or NaN gradient: the scaler skipped the optimizer
-        loop.skipped_steps += 1
-    _after_step(optimizer, args, kwargs)
-    return result
+
+    def wrapper(self, *args, **kwargs):
+        loop, recorder = _recorder()
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if recorder is None or loop.scaling or (loop.optimizer is not None and loop.optimizer() is not optimizer):
+            return step(self, *args, **kwargs)
+        if loop.optimizer is None:
+            loop.optimizer = weakref.ref(optimizer)
+        _before_step(optimizer, args, kwargs)
+        loop.scaling, loop.stepped = True, False
+        try:
+            result = step(self, *args, **kwargs)
+        except BaseException as error:
+            phase, loop.phase = loop.phase, None
+            recorder.phase_failed(phase, error)
+            raise
+        finally:
+            loop.scaling = False
+        if not loop.stepped:  # an inf or NaN gradient: the scaler skipped the optimizer
+            loop.skipped_steps += 1
+        _after_step(optimizer, args, kwargs)
+        return result
+
+    return wrapper
 
 
 def _observe_steps_and_backwards() -> None:

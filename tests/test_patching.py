@@ -1,0 +1,127 @@
+"""Replacing functions in place, and putting the originals back (instrumentors/patching.py)."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
+    Patches,
+    original_of,
+    unwrap_methods,
+    wrap_methods,
+)
+
+
+def _counting(calls: list):
+    def factory(original):
+        def wrapper(self, *args, **kwargs):
+            calls.append(args)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return factory
+
+
+class Base:
+    def step(self, value: int, *, scale: float = 1.0) -> float:
+        """Steps."""
+        return value * scale
+
+
+class Loader:
+    def __init__(self):
+        self.items = iter([1, 2])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.items)
+
+
+def test_a_method_is_replaced_by_a_plain_function_that_looks_like_it():
+    class Engine(Base):
+        def step(self, value: int, *, scale: float = 1.0) -> float:
+            """Steps."""
+            return value * scale * 2
+
+    original, calls = Engine.step, []
+    wrap_methods(Engine, {"step": _counting(calls)})
+    replaced = vars(Engine)["step"]
+    assert type(replaced) is types.FunctionType, "no proxy between the caller and the wrapper"
+    assert original_of(replaced) is original and replaced.__wrapped__ is original
+    assert (replaced.__name__, replaced.__qualname__, replaced.__doc__) == ("step", original.__qualname__, "Steps.")
+    assert inspect.signature(Engine.step) == inspect.signature(original)
+    assert Engine().step(3, scale=0.5) == 3.0 and calls == [(3,)]
+
+    wrap_methods(Engine, {"step": _counting(calls)})  # a second instrument() does not stack
+    assert original_of(vars(Engine)["step"]) is original
+    Engine().step(1)
+    assert len(calls) == 2
+
+    unwrap_methods(Engine, ["step"])
+    assert vars(Engine)["step"] is original
+    unwrap_methods(Engine, ["step"])  # not ours any more: left alone
+    assert vars(Engine)["step"] is original
+
+
+def test_an_inherited_method_is_inherited_again_once_restored():
+    class Engine(Base):
+        pass
+
+    calls = []
+    wrap_methods(Engine, {"step": _counting(calls), "missing": _counting(calls)})
+    assert original_of(vars(Engine)["step"]) is Base.step and "missing" not in vars(Engine)
+    assert Engine().step(2) == 2 and Base().step(2) == 2 and calls == [(2,)], "the base class is untouched"
+    unwrap_methods(Engine, ["step"])
+    assert "step" not in vars(Engine) and Engine.step is Base.step
+
+
+def test_a_replaced_dunder_is_what_next_calls():
+    class Iterator(Loader):
+        pass
+
+    calls = []
+
+    def factory(original):
+        def __next__(self):
+            calls.append(self)
+            return original(self)
+
+        return __next__
+
+    wrap_methods(Iterator, {"__next__": factory})
+    loader = Iterator()
+    assert list(loader) == [1, 2] and len(calls) == 3, "two items and the StopIteration"
+    unwrap_methods(Iterator, ["__next__"])
+    assert list(Iterator()) == [1, 2] and len(calls) == 3
+
+
+def test_patches_follow_copies_bound_elsewhere_and_put_everything_back():
+    def all_reduce(tensor, group=None):
+        return ("reduced", tensor, group)
+
+    home, copy, other = (types.ModuleType(name) for name in ("home", "copy", "other"))
+    home.all_reduce = copy.all_reduce = all_reduce
+    other.all_reduce = lambda tensor: tensor  # another function of the same name: not ours to replace
+    seen = []
+
+    def factory(original):
+        def wrapper(*args, **kwargs):
+            seen.append(args)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    patches = Patches()
+    patches.wrap(home, "all_reduce", factory)
+    patches.wrap(home, "all_reduce", factory)  # once
+    patches.rebind([copy, other])
+    assert copy.all_reduce is home.all_reduce and original_of(home.all_reduce) is all_reduce
+    assert copy.all_reduce(1, group=2) == ("reduced", 1, 2) and seen == [(1,)]
+    assert original_of(other.all_reduce) is None
+
+    patches.restore()
+    assert home.all_reduce is all_reduce and copy.all_reduce is all_reduce and not patches.active

@@ -175,13 +175,13 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
 
 
 def wrapped_attributes() -> list[tuple]:
-    """(owner, name, wrapper, original) of every wrapt wrapper in torch's and DeepSpeed's modules and classes: what
-    the instrumentors installed (the methods of classes, the functions of modules and their copies bound elsewhere)."""
+    """(owner, name, replacement, original) of every replacement in torch's and DeepSpeed's modules and classes:
+    what the instrumentors installed (the methods of classes, the functions of modules and their copies bound
+    elsewhere)."""
     import warnings
 
-    import wrapt
+    from opentelemetry_instrumentation_deepspeed.instrumentors.patching import original_of
 
-    proxy = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
     found = []
     with warnings.catch_warnings():  # isinstance() reads __class__, which deprecated module attributes warn about
         warnings.simplefilter("ignore")
@@ -192,8 +192,9 @@ def wrapped_attributes() -> list[tuple]:
                                 if isinstance(value, type) and value.__module__ == module_name)]
             for owner in owners:
                 for name, value in list(vars(owner).items()):
-                    if isinstance(value, proxy):
-                        found.append((owner, name, value, value.__wrapped__))
+                    original = original_of(value)
+                    if original is not None:
+                        found.append((owner, name, value, original))
     return found
 
 

@@ -4,10 +4,9 @@ With nothing behind the OpenTelemetry API, each instrumentor that was given no p
 own removes its wrappers when training starts (``session.leave_if_silent``). This checks that
 inside real steps: every wrapper the three instrumentors install is itself wrapped by a timer
 that counts its calls and adds up its own time (not the time of the call it passes on). Steps
-alternate between the real wrappers and a wrapper that only passes the call on, behind the same
-timer, so that where wrappers do run (``--keep-wrappers``: the pass-through path a forked child
-takes) the difference is their own code's cost in situ and the identity arm the timer's cost.
-wrapt's dispatch (C code, the same for any wrapper) is added from an isolated figure per call.
+alternate between the real wrappers and the original called straight from the same timer, so that
+where wrappers do run (``--keep-wrappers``: the pass-through path a forked child takes) the
+difference is their own code's cost in situ and the other arm the timer's cost.
 
     python benchmarks/passthrough.py --zero-stage 2 --steps 2000
     python benchmarks/passthrough.py --keep-wrappers
@@ -20,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-import timeit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,12 +35,9 @@ def parse_args():
     return parser.parse_args()
 
 
-def _identity(wrapped, _instance, args, kwargs):
-    return wrapped(*args, **kwargs)
-
-
 class WrapperTimer:
-    """Wraps each installed wrapper; ``real`` chooses the real one or ``_identity`` for the next calls."""
+    """Wraps each replacement the instrumentors install; ``real`` chooses the replacement or the original behind
+    the same timer for the next calls."""
 
     def __init__(self):
         self.real = True
@@ -50,54 +45,40 @@ class WrapperTimer:
         self.calls = {True: 0, False: 0}
         self.counting = False
 
-    def around(self, wrapper):
+    def around(self, factory):
         perf_counter_ns = time.perf_counter_ns
 
-        def timed(wrapped, instance, args, kwargs):
-            real = self.real
-            inner = 0
+        def timed_factory(original):
+            inner = []  # per call, innermost last: the time spent in the original, left out of the wrapper's own
 
-            def call(*call_args, **call_kwargs):
-                nonlocal inner
+            def call(*args, **kwargs):
                 started = perf_counter_ns()
                 try:
-                    return wrapped(*call_args, **call_kwargs)
+                    return original(*args, **kwargs)
                 finally:
-                    inner += perf_counter_ns() - started
+                    inner[-1] += perf_counter_ns() - started
 
-            started = perf_counter_ns()
-            try:
-                return (wrapper if real else _identity)(call, instance, args, kwargs)
-            finally:
-                if self.counting:
-                    self.own_ns[real] += perf_counter_ns() - started - inner
-                    self.calls[real] += 1
+            replaced = factory(call)
 
-        return timed
+            def timed(*args, **kwargs):
+                real = self.real
+                inner.append(0)
+                started = perf_counter_ns()
+                try:
+                    return (replaced if real else call)(*args, **kwargs)
+                finally:
+                    own = perf_counter_ns() - started - inner.pop()
+                    if self.counting:
+                        self.own_ns[real] += own
+                        self.calls[real] += 1
 
+            return timed
 
-def wrapt_dispatch_us() -> float:
-    """What wrapt adds to a call of a wrapped method, isolated: the same for any wrapper."""
-    import wrapt
-
-    class Plain:
-        def method(self, value):
-            return value
-
-    class Wrapped(Plain):
-        pass
-
-    wrapt.wrap_function_wrapper(Wrapped, "method", _identity)
-    plain, wrapped = Plain(), Wrapped()
-    number = 200_000
-    bare = min(timeit.repeat(lambda: plain.method(1), number=number, repeat=5))
-    through = min(timeit.repeat(lambda: wrapped.method(1), number=number, repeat=5))
-    return (through - bare) / number * 1e6
+        return timed_factory
 
 
 def main():
     args = parse_args()
-    import wrapt
     from overhead import example_batches, example_engine, example_step, prepare_process
 
     from opentelemetry_instrumentation_deepspeed import (
@@ -105,6 +86,7 @@ def main():
         DataLoaderInstrumentor,
         DeepSpeedInstrumentor,
     )
+    from opentelemetry_instrumentation_deepspeed.instrumentors import patching
     from opentelemetry_instrumentation_deepspeed.runtime import session
 
     if args.keep_wrappers:
@@ -112,8 +94,8 @@ def main():
 
     prepare_process()
     timer = WrapperTimer()
-    install = wrapt.wrap_function_wrapper
-    wrapt.wrap_function_wrapper = lambda owner, name, wrapper: install(owner, name, timer.around(wrapper))
+    install = patching.replacement
+    patching.replacement = lambda original, factory: install(original, timer.around(factory))
     for instrumentor in (DeepSpeedInstrumentor(), DataLoaderInstrumentor(), CommInstrumentor()):
         instrumentor.instrument()
 
@@ -133,15 +115,13 @@ def main():
     steps = {True: (args.steps + 1) // 2, False: args.steps // 2}
     own = {arm: timer.own_ns[arm] / steps[arm] / 1e3 for arm in (True, False)}
     calls = timer.calls[True] / steps[True]
-    dispatch = wrapt_dispatch_us()
     print(f"ZeRO-{args.zero_stage}, world size {world}, no SDK configured, {args.steps} steps "
           f"(median {statistics.median(step_times[args.warmup:]) * 1e3:.2f} ms)")
     print(f"  wrapper calls per step: {calls:.1f}")
-    print(f"  wrappers' own time per step, in situ: {own[True]:.1f} us; an identity wrapper behind the same "
+    print(f"  wrappers' own time per step, in situ: {own[True]:.1f} us; the original behind the same "
           f"timer: {own[False]:.1f} us; the wrappers' logic: {own[True] - own[False]:+.1f} us")
-    print(f"  wrapt's dispatch, isolated: {dispatch:.2f} us per call, {dispatch * calls:.1f} us per step")
-    print(f"  added per step without an SDK: at most {own[True] + dispatch * calls:.1f} us "
-          f"(timer included), about {own[True] - own[False] + dispatch * calls:.1f} us without it")
+    print(f"  added per step without an SDK: at most {own[True]:.1f} us (timer included), about "
+          f"{own[True] - own[False]:.1f} us without it")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -64,8 +65,12 @@ def _work_wait():
 
 def test_instrument_traces_and_uninstrument_restores_everything(train):
     import deepspeed  # noqa: F401 - the classes must exist before we look at them
+    import torch
+
+    from opentelemetry_instrumentation_deepspeed.instrumentors import comm
 
     original, original_wait = _patched_functions(), _work_wait()
+    late = types.ModuleType("late")  # a module imported while instrumented: uninstrument() cannot see its copy
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -75,6 +80,7 @@ def test_instrument_traces_and_uninstrument_restores_everything(train):
     instrumentors[0].instrument(tracer_provider=provider)  # a second call must not stack wrappers
     try:
         patched = _patched_functions()
+        late.all_reduce = torch.distributed.all_reduce
         assert [name for name in original if patched[name] is original[name]] == []
         assert all(patched[name].__wrapped__ is original[name] for name in original)
 
@@ -98,6 +104,9 @@ def test_instrument_traces_and_uninstrument_restores_everything(train):
     exporter.clear()
     train(["--steps", "2"])
     assert exporter.get_finished_spans() == ()
+    sequences = comm.last_sequences()
+    late.all_reduce(torch.ones(1))
+    assert comm.last_sequences() == sequences, "the late copy passes the call on unobserved"
 
 
 def test_with_no_sdk_every_wrapper_leaves_when_training_starts(train):

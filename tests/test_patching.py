@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
+from unittest import mock
+
+import wrapt
 
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
     Patches,
@@ -77,6 +81,58 @@ def test_an_inherited_method_is_inherited_again_once_restored():
     assert Engine().step(2) == 2 and Base().step(2) == 2 and calls == [(2,)], "the base class is untouched"
     unwrap_methods(Engine, ["step"])
     assert "step" not in vars(Engine) and Engine.step is Base.step
+
+    class Copied(Base):
+        step = Base.step  # its own entry, the base class's function: restored as its own
+
+    wrap_methods(Copied, {"step": _counting(calls)})
+    unwrap_methods(Copied, ["step"])
+    assert vars(Copied)["step"] is Base.step
+
+
+def test_what_does_not_bind_its_instance_is_left_alone():
+    class Callable:
+        def __call__(self, value):
+            return value
+
+    class Engine:
+        helper = staticmethod(lambda value: value)
+        build = classmethod(lambda cls, value: value)
+        hook = Callable()  # called without the engine: a replacement function would pass it on
+        mocked = mock.MagicMock(return_value=3)
+
+    calls, names = [], ("helper", "build", "hook", "mocked")
+    before = {name: vars(Engine)[name] for name in names}
+    wrap_methods(Engine, dict.fromkeys(names, _counting(calls)))
+    assert all(vars(Engine)[name] is before[name] for name in names)
+    assert Engine().helper(1) == 1 and Engine.build(2) == 2 and Engine().hook(3) == 3 and Engine().mocked() == 3
+    assert calls == []
+
+
+def test_another_librarys_wrappers_are_kept():
+    class Engine(Base):
+        def step(self, value: int, *, scale: float = 1.0) -> float:
+            return value * scale
+
+    original, calls = Engine.step, []
+    wrapt.wrap_function_wrapper(Engine, "step", lambda wrapped, _instance, args, kwargs: wrapped(*args, **kwargs) + 1)
+    proxy = vars(Engine)["step"]
+    wrap_methods(Engine, {"step": _counting(calls)})  # over the proxy, not through it
+    assert original_of(vars(Engine)["step"]) is proxy and Engine().step(1) == 2 and calls == [(1,)]
+
+    ours = vars(Engine)["step"]
+
+    @functools.wraps(ours)  # copies our marker along with the rest of the replacement's __dict__
+    def theirs(self, *args, **kwargs):
+        return ours(self, *args, **kwargs) * 10
+
+    Engine.step = theirs
+    assert original_of(theirs) is None, "a function that wraps a replacement is not one"
+    unwrap_methods(Engine, ["step"])
+    assert vars(Engine)["step"] is theirs, "not ours to take away"
+    Engine.step = ours
+    unwrap_methods(Engine, ["step"])
+    assert vars(Engine)["step"] is proxy and proxy.__wrapped__ is original
 
 
 def test_a_replaced_dunder_is_what_next_calls():

@@ -404,6 +404,9 @@ class CommInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs):
         self._patches.restore()
+        observer = getattr(self, "_observer", None)
+        if observer is not None:  # copies of the ops bound after patching, which restore() cannot see, pass calls on
+            observer.broken = True
 
 
 def _loaded(prefix: str) -> list:

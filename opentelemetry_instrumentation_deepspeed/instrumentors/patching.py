@@ -14,13 +14,16 @@ import functools
 import inspect
 import logging
 import sys
+import types
 from collections.abc import Callable, Iterable
 
 import wrapt
 
 _logger = logging.getLogger(__name__)
-# What a replacement carries: the function it replaced. Not __wrapped__, which DeepSpeed's own decorators set too.
+# What a replacement carries: the function it replaced. Not __wrapped__ alone, which DeepSpeed's own decorators set
+# too; and where a library's functools.wraps around a replacement copies it, its __wrapped__ is the replacement.
 _ORIGINAL = "_opentelemetry_original"
+_INHERITED = "_opentelemetry_inherited"  # the class had no method of its own by that name: restoring deletes it
 
 
 def when_imported(module_name: str, patch: Callable[[object], None]) -> None:
@@ -32,8 +35,18 @@ def when_imported(module_name: str, patch: Callable[[object], None]) -> None:
 
 
 def original_of(value):
-    """The function ``value`` replaced, if it is one of our replacements; else None."""
-    return getattr(value, _ORIGINAL, None) if callable(value) else None
+    """The function ``value`` replaced, if it is one of our replacements (not through another library's proxy
+    around one); else None."""
+    if type(value) is not types.FunctionType:
+        return None
+    original = vars(value).get(_ORIGINAL)
+    return original if original is not None and vars(value).get("__wrapped__") is original else None
+
+
+def _binds(value) -> bool:
+    """A class attribute that passes its instance on as the first argument, as a replacement function does: a
+    function, or a method of a compiled class. Anything else (a static method, a callable object) is left alone."""
+    return callable(value) and hasattr(type(value), "__get__") and not isinstance(value, (staticmethod, classmethod))
 
 
 def replacement(original, factory: Callable):
@@ -49,29 +62,30 @@ def wrap_methods(owner: type, factories: dict[str, Callable]) -> None:
     stack replacements."""
     for name, factory in factories.items():
         current = inspect.getattr_static(owner, name, None)
-        if current is None:
-            _logger.debug("%s.%s not found; not instrumented", owner.__qualname__, name)
+        if current is None or not _binds(current):
+            _logger.debug("%s.%s not found, or not a method; not instrumented", owner.__qualname__, name)
             continue
         if original_of(current) is None:
-            setattr(owner, name, replacement(current, factory))
+            function = replacement(current, factory)
+            if name not in vars(owner):
+                setattr(function, _INHERITED, True)
+            setattr(owner, name, function)
 
 
 def unwrap_methods(owner: type | None, names: Iterable[str]) -> None:
     if owner is None:
         return
     for name in names:
-        original = original_of(vars(owner).get(name))
-        if original is not None:
-            _put_back(owner, name, original)
-
-
-def _put_back(owner, name: str, original) -> None:
-    """``original`` where ``name`` was replaced: an inherited method is inherited again, not copied down."""
-    if isinstance(owner, type):
-        delattr(owner, name)
-        if inspect.getattr_static(owner, name, None) is original:
-            return
-    setattr(owner, name, original)
+        current = vars(owner).get(name)
+        original = original_of(current)
+        if original is None:
+            continue
+        # One step, so that another thread calling the method meanwhile finds the replacement or the original, never
+        # the base class's (an inherited method is inherited again, its base class's function being the original).
+        if vars(current).get(_INHERITED):
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
 
 
 class Patches:
@@ -89,6 +103,9 @@ class Patches:
     def wrap(self, owner, name: str, factory: Callable) -> None:
         original = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if original is None or original_of(original) is not None or id(original) in self._replacements:
+            return
+        if isinstance(owner, type) and not _binds(original):
+            _logger.debug("%s.%s is not a method; not instrumented", owner.__qualname__, name)
             return
         function = replacement(original, factory)
         setattr(owner, name, function)

@@ -3,9 +3,9 @@
 A wrapper factory takes the original function and returns the plain function put in its place,
 which calls the original itself; ``restore`` puts the original back. Not wrapt's proxies: inside
 real ZeRO-2 steps, a proxy's dispatch (the bound proxy made at each lookup, the C call into the
-wrapper, the wrapper's ``wrapped(*args, **kwargs)``) costs 3 to 4 us per call where a plain
-function costs about 1, some 30 us per step over the ten calls a step makes through them
-(``benchmarks/README.md``, 2026-12-06, third sitting). wrapt still tells when a module is imported.
+wrapper, the wrapper's ``wrapped(*args, **kwargs)``) costs 3 to 4 us per call more than a plain
+function, 35-39 us per step over the ten calls a step makes through them (``benchmarks/dispatch.py``;
+``benchmarks/README.md``, 2026-12-06, third sitting). wrapt still tells when a module is imported.
 """
 
 from __future__ import annotations

@@ -57,19 +57,30 @@ def replacement(original, factory: Callable):
     return function
 
 
+def _install(owner, name: str, original, factory: Callable):
+    """``owner.name = replacement(original, factory)``, unless ``original`` is one of ours (a second
+    ``instrument()``, a late import hook: replacements do not stack) or a class attribute that does not bind its
+    instance. The replacement, or None."""
+    if original_of(original) is not None:
+        return None
+    if isinstance(owner, type) and not _binds(original):
+        _logger.debug("%s.%s is not a method; not instrumented", owner.__qualname__, name)
+        return None
+    function = replacement(original, factory)
+    if isinstance(owner, type) and name not in vars(owner):
+        setattr(function, _INHERITED, True)
+    setattr(owner, name, function)
+    return function
+
+
 def wrap_methods(owner: type, factories: dict[str, Callable]) -> None:
-    """Replace each method once (its own or inherited); a second ``instrument()`` (or a late import hook) does not
-    stack replacements."""
+    """Replace each method once, its own or inherited."""
     for name, factory in factories.items():
         current = inspect.getattr_static(owner, name, None)
-        if current is None or not _binds(current):
-            _logger.debug("%s.%s not found, or not a method; not instrumented", owner.__qualname__, name)
-            continue
-        if original_of(current) is None:
-            function = replacement(current, factory)
-            if name not in vars(owner):
-                setattr(function, _INHERITED, True)
-            setattr(owner, name, function)
+        if current is None:
+            _logger.debug("%s.%s not found; not instrumented", owner.__qualname__, name)
+        else:
+            _install(owner, name, current, factory)
 
 
 def unwrap_methods(owner: type | None, names: Iterable[str]) -> None:
@@ -102,15 +113,12 @@ class Patches:
 
     def wrap(self, owner, name: str, factory: Callable) -> None:
         original = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
-        if original is None or original_of(original) is not None or id(original) in self._replacements:
+        if original is None or id(original) in self._replacements:
             return
-        if isinstance(owner, type) and not _binds(original):
-            _logger.debug("%s.%s is not a method; not instrumented", owner.__qualname__, name)
-            return
-        function = replacement(original, factory)
-        setattr(owner, name, function)
-        self._replacements[id(original)] = (original, function)
-        self._applied.append((owner, name, original))
+        function = _install(owner, name, original, factory)
+        if function is not None:
+            self._replacements[id(original)] = (original, function)
+            self._applied.append((owner, name, original))
 
     def rebind(self, objects: Iterable, attributes: Iterable[str] | None = None) -> None:
         for target in objects:

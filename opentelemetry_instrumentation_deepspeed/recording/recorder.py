@@ -356,13 +356,8 @@ class StepRecorder(Component):
 
     def _close(self, engine, now: int, schedstat: bytes | None) -> tuple:
         """What is read as the step closes; ``schedstat``: the optimizer step's end's read, which serves both."""
-        skipped = engine.skipped_steps > self._skipped_before
-        grad_norm = scalars.take(engine.get_global_grad_norm(), self._device_scalars)
-        copied = None
-        if self._device_scalars is not None and (type(grad_norm) is scalars.Pending or self._losses):
-            copied = self._device_scalars.event()
-        if schedstat is None and self._thread_stat is not None:  # the bytes only: the emitter parses them
-            schedstat = self._schedstat()
+        # The profile stops first: the reads below are ours (the gradient norm's item() is an operator), and the
+        # step span ends at ``now``, so anything they put in the profile would be an operator after its step.
         profile = None
         profiler = self.profiler
         if profiler is not None and not profiler.broken:
@@ -370,6 +365,13 @@ class StepRecorder(Component):
                 profile = profiler.step_closed((now - self._step_start) / 1e9)
             except Exception:  # noqa: BLE001 - as at the step's opening
                 profiler.fail(_STEP_CLOSED)
+        skipped = engine.skipped_steps > self._skipped_before
+        grad_norm = scalars.take(engine.get_global_grad_norm(), self._device_scalars)
+        copied = None
+        if self._device_scalars is not None and (type(grad_norm) is scalars.Pending or self._losses):
+            copied = self._device_scalars.event()
+        if schedstat is None and self._thread_stat is not None:  # the bytes only: the emitter parses them
+            schedstat = self._schedstat()
         self._number, self._losses = None, False
         return skipped, grad_norm, copied, schedstat, profile
 

@@ -52,8 +52,8 @@ def wait_for_hang(workdir: Path, job: subprocess.Popen, timeout: float = 240) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert job.poll() is None, f"the job ended: {(workdir / 'job.log').read_text()[-3000:]}"
-        # Both ranks' reports in the files first, then the diagnosis: it reads what is there.
-        if (workdir / "telemetry").is_dir() and len(_reports(workdir)) == 2:
+        # Both ranks' reports of this hang in the files first, then the diagnosis: it reads what is there.
+        if (workdir / "telemetry").is_dir() and len({rank for rank, _span in _reports(workdir)}) == 2:
             report = diagnose(workdir)
             if report.get("verdict", {}).get("layer") == "HANG":
                 return report, time.time()
@@ -84,14 +84,22 @@ def _hang_spans(workdir: Path) -> list[dict]:
     return found
 
 
-def _reports(workdir: Path) -> set[int]:
-    return {rank for rank, _span in _hang_spans(workdir)}
+def _reports(workdir: Path) -> list[tuple[int, dict]]:
+    """The watchdogs' reports of the injected hang. Not an earlier one: on a loaded machine a rank can wait
+    longer than the threshold for the other to start, or take that long over a step, and report it (then
+    ``resumed``, or a step it went beyond); a diagnosis made with only that one from a rank leaves it out."""
+    found = []
+    for rank, span in _hang_spans(workdir):
+        values = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+        if int(values["training.step"]) >= HANG_STEP and values["training.hang.reason"] != "resumed":
+            found.append((rank, span))
+    return found
 
 
 def _first_threshold_crossing(workdir: Path) -> float:
     """When the first watchdog report says the hang threshold passed (the stuck phase's start + threshold)."""
     times = []
-    for _rank, span in _hang_spans(workdir):
+    for _rank, span in _reports(workdir):
         values = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
         end = int(span["endTimeUnixNano"]) / 1e9
         times.append(end - float(values["training.hang.duration"]) + float(values["training.hang.threshold"]))

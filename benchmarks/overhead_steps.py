@@ -58,6 +58,9 @@ def parse_args():
                         help="what A and A' run: the wrappers switched off, or no wrappers at all (see above)")
     parser.add_argument("--drop-records", action="store_true",
                         help="the emitter drops each record unread: the steps with no span or metric work beside them")
+    parser.add_argument("--feed-companion", action="store_true",
+                        help="the emitter packs each record into a shared-memory ring that another process makes "
+                             "the spans and metric points of (companion_feed.py)")
     parser.add_argument("--endpoint-down", action="store_true",
                         help="traces over OTLP/HTTP to a loopback port nobody listens on")
     return parser.parse_args()
@@ -81,10 +84,14 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
 
     recorder_cpu = [0.0]  # the CPU time of the emitter's drains, on whichever thread they ran
     drain = Emitter.drain
+    companion = Companion() if args.feed_companion else None
 
     def timed_drain(self, final=False):
         started = time.thread_time()
         try:
+            if companion is not None:
+                companion.feed(self._queue)
+                return None
             if args.drop_records:  # what the training thread costs with nothing made of its records
                 # ... but each step's wait for a CPU, which decides whether its phases are read, as shipped.
                 queue = self._queue
@@ -160,6 +167,8 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
         "span exporter": counted.cpu_seconds - export_cpu_before,
         "emitter (spans and metric points)": recorder_cpu[0] - recorder_cpu_before,
     }
+    if companion is not None:
+        background["companion process"] = companion.stop()
     gc.callbacks.remove(collections.callback)
     if engine.global_rank == 0:
         report(args, world, arms, cpu_arms, spans=spans, background=background)
@@ -196,6 +205,45 @@ def wrapped_attributes() -> list[tuple]:
                     if original is not None:
                         found.append((owner, name, value, original))
     return found
+
+
+class Companion:
+    """``--feed-companion``: the other end of the ring is a process of its own (companion_feed.py)."""
+
+    def __init__(self):
+        import subprocess
+
+        from companion_feed import RingWriter
+
+        self.ring = RingWriter()
+        self.directory = Path(tempfile.mkdtemp(prefix="otel-ds-companion-"))
+        self.process = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "companion_feed.py"),
+                                         self.ring.memory.name, str(self.directory)])
+
+    def feed(self, queue) -> None:
+        """The emitter's drain, with the records packed for the companion instead of made into spans here."""
+        from companion_feed import pack
+
+        from opentelemetry_instrumentation_deepspeed.recording.record import StepRecord
+        from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
+
+        while queue:
+            record = queue.popleft()
+            if type(record) is StepRecorder:  # its log is built into records, queued here
+                record.replay()
+            elif type(record) is StepRecord:
+                if record.schedstat is not None:  # as shipped: the wait for a CPU decides the phases' reads
+                    record.facts.host_cpu.waited(record.schedstat, record.end)
+                self.ring.put(pack(record))
+
+    def stop(self) -> float:
+        """The companion's CPU seconds from its set-up on (its exporter's included), once it has read everything."""
+        (self.directory / "stop").touch()
+        self.process.wait(timeout=120)
+        steps, seconds = (self.directory / "companion.txt").read_text().split()
+        print(f"  companion: {steps} steps read, {self.ring.dropped} dropped (ring full)")
+        self.ring.close()
+        return float(seconds)
 
 
 class CollectorPauses:

@@ -254,6 +254,18 @@ def test_a_report_below_its_threshold_or_of_a_step_that_went_on_is_no_hang():
     assert hangs.findings("job") == []
 
 
+def test_a_report_counts_by_how_long_its_step_is_open_not_its_phase():
+    # Rank 0 waits in backward: its watchdog reported as the step passed 30 s open, 29 s into the backward.
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32")])
+    hangs.add(_report(1, stack=STACK_RANK1, sequences=["1:48"]))
+    waiting = _report(0, phase="backward", duration=29.0, collective=("all_reduce", 49), sequences=["1:49"])
+    hangs.add(_span(semconv.SPAN_HANG, 0, 100, 130.5, **waiting.attributes))
+    (finding,) = hangs.findings("job")
+    assert "rank 0 waits for rank 1 in all_reduce" in finding["summary"], finding["summary"]
+
+
 def test_desync_names_the_collective_and_what_differs():
     hangs = Hangs()
     _steps(hangs, 0, 7, [(10, "all_reduce", 16, "float32"), (11, "all_reduce", 64, "float32")])

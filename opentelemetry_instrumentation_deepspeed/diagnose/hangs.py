@@ -144,7 +144,10 @@ class Hangs:
             report = max(reports, key=lambda s: s.end)
             if report.attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED:
                 continue  # its thread moved on after the last report: it was slow there, not stuck
-            stalled = report.attributes.get(semconv.HANG_DURATION) or 0
+            # What the watchdog held against its threshold: the span's extent, from the step's start (or from when
+            # the thread stopped, between steps) to the report. Not training.hang.duration, which counts from the
+            # open phase's start: a rank waiting in backward reports it short of the threshold by its forward.
+            stalled = (report.end - report.start) / 1e9
             threshold = report.attributes.get(semconv.HANG_THRESHOLD) or 0
             number = report.attributes.get(semconv.TRAINING_STEP, 0)
             # Past the threshold, in a step this rank never went beyond.

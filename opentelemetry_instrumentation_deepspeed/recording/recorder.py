@@ -356,8 +356,11 @@ class StepRecorder(Component):
 
     def _close(self, engine, now: int, schedstat: bytes | None) -> tuple:
         """What is read as the step closes; ``schedstat``: the optimizer step's end's read, which serves both."""
-        # The profile stops first: the reads below are ours (the gradient norm's item() is an operator), and the
-        # step span ends at ``now``, so anything they put in the profile would be an operator after its step.
+        # The schedstat first, nearest ``now``, where the emitter takes it as read (stopping a profile takes
+        # milliseconds); then the profile stops: the reads below are ours (the gradient norm's item() is an
+        # operator), and the step span ends at ``now``, so anything they put in the profile would lie after its step.
+        if schedstat is None and self._thread_stat is not None:  # the bytes only: the emitter parses them
+            schedstat = self._schedstat()
         profile = None
         profiler = self.profiler
         if profiler is not None and not profiler.broken:
@@ -370,8 +373,6 @@ class StepRecorder(Component):
         copied = None
         if self._device_scalars is not None and (type(grad_norm) is scalars.Pending or self._losses):
             copied = self._device_scalars.event()
-        if schedstat is None and self._thread_stat is not None:  # the bytes only: the emitter parses them
-            schedstat = self._schedstat()
         self._number, self._losses = None, False
         return skipped, grad_norm, copied, schedstat, profile
 

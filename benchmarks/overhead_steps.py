@@ -51,6 +51,9 @@ def parse_args():
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--triples", type=int, default=400)
     parser.add_argument("--block", type=int, default=1, help="steps per arm in a row (see above)")
+    parser.add_argument("--block-mean", action="store_true",
+                        help="a block's figure is the mean of its steps, not the median: the other threads' work "
+                             "that delays a few of its steps counts")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--mode", choices=("full", "sampled-out"), default="full")
     parser.add_argument("--dump", type=Path, help="write every step's time per arm to this JSON file")
@@ -90,7 +93,8 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
         started = time.thread_time()
         try:
             if companion is not None:
-                companion.feed(self._queue)
+                with self._lock:  # the metric reader's collections drain too: the ring has one producer at a time
+                    companion.feed(self._queue)
                 return None
             if args.drop_records:  # what the training thread costs with nothing made of its records
                 # ... but each step's wait for a CPU, which decides whether its phases are read, as shipped.
@@ -158,7 +162,8 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
                 wall, cpu = step(arm == "B")
             else:
                 block = [step(arm == "B") for _ in range(args.block)][args.block // 5:]
-                wall, cpu = (statistics.median(times) for times in zip(*block, strict=True))
+                statistic = statistics.fmean if args.block_mean else statistics.median
+                wall, cpu = (statistic(times) for times in zip(*block, strict=True))
             arms[arm].append(wall)
             cpu_arms[arm].append(cpu)
     tracer_provider.force_flush()
@@ -175,7 +180,8 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
         steps = {"B": args.triples * args.block, "A": 2 * args.triples * args.block}  # "A": both A arms
         print("  garbage collector pauses per step: " + ", ".join(
             f"{'active' if arm == 'B' else args.baseline} {seconds / steps[arm] * 1e6:.1f} us "
-            f"({collections.count[arm]} collections, the longest {collections.longest[arm] * 1e3:.1f} ms)"
+            f"({collections.count[arm]} collections, {collections.full[arm]} of them full, "
+            f"the longest {collections.longest[arm] * 1e3:.1f} ms)"
             for arm, seconds in collections.seconds.items()))
         if args.dump:
             args.dump.write_text(json.dumps({"wall": arms, "training thread cpu": cpu_arms}))
@@ -239,10 +245,13 @@ class Companion:
     def stop(self) -> float:
         """The companion's CPU seconds from its set-up on (its exporter's included), once it has read everything."""
         (self.directory / "stop").touch()
-        self.process.wait(timeout=120)
+        try:
+            self.process.wait(timeout=120)
+        finally:
+            self.process.kill()  # nothing, if it has exited
+            self.ring.close()
         steps, seconds = (self.directory / "companion.txt").read_text().split()
         print(f"  companion: {steps} steps read, {self.ring.dropped} dropped (ring full)")
-        self.ring.close()
         return float(seconds)
 
 
@@ -254,15 +263,17 @@ class CollectorPauses:
         self.seconds = {"B": 0.0, "A": 0.0}  # "A": both A arms
         self.count = {"B": 0, "A": 0}
         self.longest = {"B": 0.0, "A": 0.0}
+        self.full = {"B": 0, "A": 0}  # collections of the oldest generation: every object of the process
         self._started = 0.0
 
-    def callback(self, phase: str, _info: dict) -> None:
+    def callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
             return
         pause = time.perf_counter() - self._started
         self.seconds[self.arm] += pause
         self.count[self.arm] += 1
+        self.full[self.arm] += info.get("generation") == 2
         self.longest[self.arm] = max(self.longest[self.arm], pause)
 
 

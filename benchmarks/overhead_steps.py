@@ -74,6 +74,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     # Kernel sampling has its own figure (a profiled step): here every step is an ordinary one.
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "0")
     os.environ.setdefault("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0")
+    from companion_feed import pack
     from overhead import example_batches, example_engine, prepare_process, setup_sdk
 
     from opentelemetry_instrumentation_deepspeed import (
@@ -83,6 +84,7 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     )
     from opentelemetry_instrumentation_deepspeed.export.emitter import Emitter
     from opentelemetry_instrumentation_deepspeed.recording import registry
+    from opentelemetry_instrumentation_deepspeed.recording.record import StepRecord
     from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
 
     recorder_cpu = [0.0]  # the CPU time of the emitter's drains, on whichever thread they ran
@@ -92,21 +94,23 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     def timed_drain(self, final=False):
         started = time.thread_time()
         try:
-            if companion is not None:
-                with self._lock:  # the metric reader's collections drain too: the ring has one producer at a time
-                    companion.feed(self._queue)
-                return None
-            if args.drop_records:  # what the training thread costs with nothing made of its records
-                # ... but each step's wait for a CPU, which decides whether its phases are read, as shipped.
+            if not args.drop_records and companion is None:
+                return drain(self, final)
+            # Nothing made of the records here: dropped, or packed for the companion. The metric reader's
+            # collections drain too, so the lock: the ring has one producer at a time.
+            with self._lock:
                 queue = self._queue
                 while queue:
                     record = queue.popleft()
                     if type(record) is StepRecorder:  # its log is built into records, queued here
                         record.replay()
-                    elif getattr(record, "schedstat", None) is not None:
-                        record.facts.host_cpu.waited(record.schedstat, record.end)
-                return None
-            return drain(self, final)
+                    elif type(record) is StepRecord:
+                        # As shipped: each step's wait for a CPU decides whether its phases are read.
+                        if record.schedstat is not None:
+                            record.facts.host_cpu.waited(record.schedstat, record.end)
+                        if companion is not None:
+                            companion.ring.put(pack(record))
+            return None
         finally:
             recorder_cpu[0] += time.thread_time() - started
 
@@ -225,22 +229,6 @@ class Companion:
         self.directory = Path(tempfile.mkdtemp(prefix="otel-ds-companion-"))
         self.process = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "companion_feed.py"),
                                          self.ring.memory.name, str(self.directory)])
-
-    def feed(self, queue) -> None:
-        """The emitter's drain, with the records packed for the companion instead of made into spans here."""
-        from companion_feed import pack
-
-        from opentelemetry_instrumentation_deepspeed.recording.record import StepRecord
-        from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
-
-        while queue:
-            record = queue.popleft()
-            if type(record) is StepRecorder:  # its log is built into records, queued here
-                record.replay()
-            elif type(record) is StepRecord:
-                if record.schedstat is not None:  # as shipped: the wait for a CPU decides the phases' reads
-                    record.facts.host_cpu.waited(record.schedstat, record.end)
-                self.ring.put(pack(record))
 
     def stop(self) -> float:
         """The companion's CPU seconds from its set-up on (its exporter's included), once it has read everything."""

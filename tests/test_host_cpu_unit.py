@@ -209,6 +209,30 @@ def test_the_wait_per_step_is_schedstats_second_field_over_the_time_between_read
     assert cpu.waited(b"9\n", 11 * S) is None  # an older format: off, not wrong
 
 
+def test_on_a_quiet_host_a_close_reads_only_once_the_interval_since_the_last_read_passed(monkeypatch):
+    # A read inside real steps is a cold system call (8-15 us): short steps on a quiet host share one.
+    from opentelemetry_instrumentation_deepspeed.recording import recorder
+
+    facts = Facts()
+    facts.host_cpu.phase_reads = False  # a quiet host
+    monkeypatch.setattr(recorder, "QUIET_READS_EVERY", 10**12)  # the steps below close long before it passes
+
+    def interval_passed():
+        monkeypatch.setattr(recorder, "QUIET_READS_EVERY", 0)
+
+    records = steps_recorded(facts, [lambda: None, lambda: None, lambda: None, interval_passed])
+    assert [record.schedstat is not None for record in records] == [True, False, False, True]
+    waits = [facts.host_cpu.waited(record.schedstat, record.end) for record in records]
+    assert waits[1] is None and waits[2] is None  # the emitter takes its samples' figure for these
+    assert waits[3] is not None  # the share since the first step's read, the steps between included
+
+    # A host that makes the thread wait reads every close again (with its phases), however short the steps.
+    monkeypatch.setattr(recorder, "QUIET_READS_EVERY", 10**12)
+    facts.host_cpu.phase_reads = True
+    records = steps_recorded(facts, [lambda: None, lambda: None])
+    assert all(record.schedstat is not None for record in records)
+
+
 def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):
     facts = Facts()
     unreadable = os.open(tmp_path, os.O_RDONLY)  # a directory: every pread fails, as a closed file's would

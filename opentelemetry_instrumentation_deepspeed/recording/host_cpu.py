@@ -13,15 +13,18 @@ its start and its end: the averages over the half second or so around it. A sust
 ``diagnose`` compares, shows in full. Where ``/proc/stat`` cannot be read (not Linux) there are no
 figures.
 
-Who is busy is not yet who is slowed: a neighbour may take CPUs this job leaves idle while it
-waits (a sleeping loader, a slower device). The training thread's own run-queue delay, the time it
-was ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second field), measures the
-cost to this job directly, as a share of the step. The thread that builds the engine is taken as
-the one that trains it, as the hang watchdog takes it. That figure is read per step, not
-interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
-(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a
-warm loop, the kernel formats three numbers), keeping the bytes; the emitter parses them against
-the read before (``waited``). While the thread waits for a CPU (``phase_reads``), the recorder
+Who is busy is not yet who is slowed: a neighbour may take CPUs this job leaves idle while it waits
+(a sleeping loader, a slower device). The training thread's own run-queue delay, the time it was
+ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second field), measures the cost
+to this job directly, as a share of the step. The thread that builds the engine is taken as the one
+that trains it, as the hang watchdog takes it. That figure is read per step, not interpolated: a
+neighbour's burst of a few steps is what it must place. The file stays open (``thread_stat``), and
+the recorder reads it as a step closes with one ``pread`` (0.46 us in a warm loop, the kernel
+formats three numbers; 8 to 15 us inside real steps, a cold system call), keeping the bytes; the
+emitter parses them against the read before (``waited``). On a quiet host (its phases unread, below)
+a close reads it only ``QUIET_READS_EVERY`` after the last read: steps shorter than that share the
+next read's figure, and take the samples' figure themselves, until a read's share turns the phase
+reads, and every close's, back on. While the thread waits for a CPU (``phase_reads``), the recorder
 reads it too as each phase starts and ends (``wait_share``): where in the step the thread waited,
 which tells a rank that sleeps in its forward (a slower device) from one whose forward waited for a
 CPU. On a quiet host those reads would say 0 at a cost of several microseconds a step, and no phase
@@ -55,6 +58,8 @@ _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /pr
 # for an unread phase's, then moves no verdict.
 PHASE_READS_FROM = 0.05
 PHASE_READS_HOLD = 50
+# While the phases are not read (a quiet host), a step's close reads the schedstat only this long after the last read.
+QUIET_READS_EVERY = 50_000_000  # ns
 
 
 class HostCpu:

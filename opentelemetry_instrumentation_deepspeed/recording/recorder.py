@@ -24,6 +24,7 @@ from opentelemetry_instrumentation_deepspeed.recording import inputs as input_ba
 from opentelemetry_instrumentation_deepspeed.recording import scalars, state
 from opentelemetry_instrumentation_deepspeed.recording.batches import batch_shape
 from opentelemetry_instrumentation_deepspeed.recording.builder import COLLECTIVE, TRACING_FAILED, StepBuilder
+from opentelemetry_instrumentation_deepspeed.recording.host_cpu import QUIET_READS_EVERY
 from opentelemetry_instrumentation_deepspeed.recording.record import Failure, StepRecord
 from opentelemetry_instrumentation_deepspeed.recording.state import Event, State
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
@@ -77,6 +78,7 @@ class StepRecorder(Component):
         self._host_cpu = getattr(facts, "host_cpu", None)
         self._thread_stat = getattr(self._host_cpu, "thread_stat", None)
         self._phase_reads = False  # the running phase read the schedstat as it started
+        self._read_at = 0  # when a step's close last read it (time.time_ns())
         self.state = State.IDLE
         self._phase: int | None = None  # the running phase's number, which its start returned; None between phases
         self._phases = 0  # phases started: their numbers
@@ -359,8 +361,13 @@ class StepRecorder(Component):
         # The schedstat first, nearest ``now``, where the emitter takes it as read (stopping a profile takes
         # milliseconds); then the profile stops: the reads below are ours (the gradient norm's item() is an
         # operator), and the step span ends at ``now``, so anything they put in the profile would lie after its step.
-        if schedstat is None and self._thread_stat is not None:  # the bytes only: the emitter parses them
+        # The bytes only: the emitter parses them. On a quiet host (its phases unread), not at every close of short
+        # steps: the next read's share spans the steps between, which take the emitter's samples' figure.
+        if schedstat is None and self._thread_stat is not None and (
+                self._host_cpu.phase_reads or now - self._read_at >= QUIET_READS_EVERY):
             schedstat = self._schedstat()
+        if schedstat is not None:
+            self._read_at = now
         profile = None
         profiler = self.profiler
         if profiler is not None and not profiler.broken:

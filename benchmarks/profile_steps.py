@@ -38,7 +38,10 @@ ENTRY_POINTS = {
     "recording.inputs": ("left_loader",),
 }
 INNER = {
-    "recording.recorder.StepRecorder": ("_start", "_end", "_fire", "_open", "_ended", "_close", "comm_issued"),
+    "recording.recorder.StepRecorder": ("_start", "_end", "_fire", "_open", "_ended", "_close", "comm_issued",
+                                        "_schedstat", "_hand_over"),
+    "recording.scalars": ("take",),
+    "recording.profiler.StepProfiler": ("step_opened", "step_closed"),
     "instrumentors.comm.CommObserver": ("_finish", "_group", "_route"),
 }
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.recording import host_cpu
 from opentelemetry_instrumentation_deepspeed.recording.host_cpu import HostCpu
 
@@ -223,14 +224,58 @@ def test_on_a_quiet_host_a_close_reads_only_once_the_interval_since_the_last_rea
     records = steps_recorded(facts, [lambda: None, lambda: None, lambda: None, interval_passed])
     assert [record.schedstat is not None for record in records] == [True, False, False, True]
     waits = [facts.host_cpu.waited(record.schedstat, record.end) for record in records]
-    assert waits[1] is None and waits[2] is None  # the emitter takes its samples' figure for these
-    assert waits[3] is not None  # the share since the first step's read, the steps between included
+    assert waits[1] is None and waits[2] is None  # no read after them known: the emitter looks for it in its queue
+    assert waits[3] is not None and facts.host_cpu._last_read[0] == records[3].end  # since step 0's read
 
     # A host that makes the thread wait reads every close again (with its phases), however short the steps.
     monkeypatch.setattr(recorder, "QUIET_READS_EVERY", 10**12)
     facts.host_cpu.phase_reads = True
     records = steps_recorded(facts, [lambda: None, lambda: None])
     assert all(record.schedstat is not None for record in records)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the host's figures are Linux's")
+def test_a_step_closed_unread_takes_the_share_of_the_read_after_it(tmp_path, monkeypatch):
+    # Not the samples' half-second average: a neighbour's arrival would spread over the steps before it.
+    from opentelemetry_instrumentation_deepspeed.export import emitter as emitting
+    from opentelemetry_instrumentation_deepspeed.recording import recorder as recording
+    from tests.test_steps_unit import recorder_on, train_step
+
+    recorder, engine, spans = recorder_on(0)
+    host = recorder.facts.host_cpu
+    host.phase_reads, host._phase_reads_left = False, 0  # a quiet host
+    schedstat = os.open(tmp_path / "schedstat", os.O_RDWR | os.O_CREAT)  # the thread's, as the test writes it
+    recorder._thread_stat = schedstat
+    monkeypatch.setattr(emitting, "READ_WAIT_SECONDS", 10**6)  # however slow this machine, the drain waits for it
+
+    def step_spans() -> dict:
+        return {s.attributes[semconv.TRAINING_STEP]: s.attributes for s in spans.get_finished_spans()
+                if s.name == semconv.SPAN_STEP}
+
+    try:
+        os.pwrite(schedstat, b"5 1000000 1\n", 0)
+        monkeypatch.setattr(recording, "QUIET_READS_EVERY", 10**12)
+        for _ in range(3):  # the first is read (none before it), the next two close unread
+            train_step(recorder, engine)
+        assert sorted(step_spans()) == [1]  # 2 and 3 wait for the read after them
+        time.sleep(0.05)
+        os.pwrite(schedstat, b"9 11000000 2\n", 0)  # 10 ms of waiting for a CPU since the first read
+        monkeypatch.setattr(recording, "QUIET_READS_EVERY", 0)
+        train_step(recorder, engine)
+        emitted = step_spans()
+        share = emitted[4][semconv.TRAINING_STEP_THREAD_CPU_WAIT]
+        assert 0 < share <= 0.2
+        assert emitted[2][semconv.TRAINING_STEP_THREAD_CPU_WAIT] == share
+        assert emitted[3][semconv.TRAINING_STEP_THREAD_CPU_WAIT] == share
+
+        # No read after it within READ_WAIT_SECONDS (the training stopped, the file became unreadable): emitted
+        # with the samples' figure, the real thread's.
+        monkeypatch.setattr(recording, "QUIET_READS_EVERY", 10**12)
+        monkeypatch.setattr(emitting, "READ_WAIT_SECONDS", 0)
+        train_step(recorder, engine)
+        assert step_spans()[5].get(semconv.TRAINING_STEP_THREAD_CPU_WAIT) != share
+    finally:
+        os.close(schedstat)
 
 
 def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):

@@ -51,6 +51,9 @@ LIMIT = 1024  # items waiting past which the submitting thread drains (the emitt
 MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _YIELD_EVERY = 8  # records emitted between two releases of the GIL
 SCALARS_WAIT_SECONDS = 30.0  # a step whose loss copies have not completed by then is emitted without them
+# An unread step waits this long at most for the read after it, whose share is its own (recording/host_cpu.py): on a
+# quiet host the recorder reads at the first close 50 ms after the last read, so it comes within 50 ms and a step.
+READ_WAIT_SECONDS = 0.2
 _COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.emitter"
 
 _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,
@@ -227,7 +230,7 @@ class Emitter(Component):
                 except IndexError:
                     break
                 if type(item) is StepRecord:
-                    if not final and self._scalars_wait(item, len(queue)):
+                    if not final and (self._scalars_wait(item, len(queue)) or self._read_wait(item, len(queue))):
                         queue.appendleft(item)  # its successors wait with it: steps stay in order
                         break
                     self._step(item, writers)
@@ -278,6 +281,24 @@ class Emitter(Component):
         if record.scalars_copied is None or behind >= LIMIT:
             return False
         return not self._scalars_readable(record) and time.time_ns() - record.end < SCALARS_WAIT_SECONDS * 1e9
+
+    def _read_wait(self, record: StepRecord, behind: int) -> bool:
+        """Whether ``record`` closed unread and waits for the read after it, not queued yet. Found queued, that
+        read becomes its host's ``covering`` (one engine's records are queued in the order their steps closed). A
+        failed step does not wait: the next step may be far off, or never come."""
+        host = getattr(record.facts, "host_cpu", None)
+        if record.schedstat is not None or record.failure is not None or host is None or host.thread_stat is None \
+                or host.covered(record.end) is not None:
+            return False
+        facts = record.facts
+        for queued in list(self._queue):  # copies: the training thread appends meanwhile
+            if type(queued) is StepRecorder and queued.facts is facts:
+                queued.replay()  # the steps its log holds closed after this one: their records queue behind it
+        for queued in list(self._queue):
+            if type(queued) is StepRecord and queued.facts is facts and queued.schedstat is not None:
+                host.covering = (queued.end, queued.schedstat)
+                return False
+        return behind < LIMIT and time.time_ns() - record.end < READ_WAIT_SECONDS * 1e9
 
     def _model(self, record: StepRecord, more: dict) -> None:
         """The step's loss, gradient norm and what the numerics watch finds in them."""

@@ -17,20 +17,20 @@ Who is busy is not yet who is slowed: a neighbour may take CPUs this job leaves 
 (a sleeping loader, a slower device). The training thread's own run-queue delay, the time it was
 ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second field), measures the cost
 to this job directly, as a share of the step. The thread that builds the engine is taken as the one
-that trains it, as the hang watchdog takes it. That figure is read per step, not interpolated: a
-neighbour's burst of a few steps is what it must place. The file stays open (``thread_stat``), and
-the recorder reads it as a step closes with one ``pread`` (0.46 us in a warm loop, the kernel
-formats three numbers; 8 to 15 us inside real steps, a cold system call), keeping the bytes; the
-emitter parses them against the read before (``waited``). On a quiet host (its phases unread, below)
-a close reads it only ``QUIET_READS_EVERY`` after the last read: steps shorter than that share the
-next read's figure, and take the samples' figure themselves, until a read's share turns the phase
-reads, and every close's, back on. While the thread waits for a CPU (``phase_reads``), the recorder
-reads it too as each phase starts and ends (``wait_share``): where in the step the thread waited,
-which tells a rank that sleeps in its forward (a slower device) from one whose forward waited for a
-CPU. On a quiet host those reads would say 0 at a cost of several microseconds a step, and no phase
-waits more than its step, so they stop once ``PHASE_READS_HOLD`` steps in a row waited less than
-``PHASE_READS_FROM`` of their time. Where the file is missing (a kernel without
-``CONFIG_SCHED_INFO``) those figures alone are off.
+that trains it, as the hang watchdog takes it. That figure is read as steps close, not
+interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
+(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a warm
+loop, the kernel formats three numbers; 8 to 15 us inside real steps, a cold system call), keeping
+the bytes; the emitter parses them against the read before (``waited``). On a quiet host (its
+phases unread, below) a close reads it only ``QUIET_READS_EVERY`` after the last read: a step that
+closed unread takes the share of the read after it, which spans it too (``covering``; the emitter
+holds it until that read is queued, briefly). While the thread waits for a CPU (``phase_reads``),
+every close reads it, and the recorder reads it too as each phase starts and ends (``wait_share``):
+where in the step the thread waited, which tells a rank that sleeps in its forward (a slower device)
+from one whose forward waited for a CPU. On a quiet host those reads would say 0 at a cost of
+several microseconds a step, and no phase waits more than its step, so they stop once
+``PHASE_READS_HOLD`` reads in a row showed waits under ``PHASE_READS_FROM`` of their time. Where the
+file is missing (a kernel without ``CONFIG_SCHED_INFO``) those figures alone are off.
 
 The training thread is not the only one a busy host delays: a collective on CPU runs on the
 communication library's own threads (gloo's), which wake for each transfer and may then wait for
@@ -53,9 +53,10 @@ from collections import deque
 TASKS = "/proc/self/task"
 KEEP = 32  # samples kept: 16 s of drains, more than a queued record can lag behind
 _TICK = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7  # /proc/stat's unit, in ns
-# A step whose thread waited for a CPU this share of it or more has its phases read, and the next PHASE_READS_HOLD
-# steps too. A quarter of the share by which diagnose's late-rank rule weighs a phase: the step's wait, which it takes
-# for an unread phase's, then moves no verdict.
+# A read whose share (the time since the read before) the thread waited for a CPU this much or more has the next steps'
+# phases read, and every step's close, until PHASE_READS_HOLD reads in a row stay under it. A quarter of the share by
+# which diagnose's late-rank rule weighs a phase: the step's wait, which it takes for an unread phase's, then moves no
+# verdict.
 PHASE_READS_FROM = 0.05
 PHASE_READS_HOLD = 50
 # While the phases are not read (a quiet host), a step's close reads the schedstat only this long after the last read.
@@ -66,7 +67,7 @@ class HostCpu:
     """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
 
     __slots__ = ("__weakref__", "_ended", "_last_read", "_native", "_on", "_phase_reads_left", "_samples", "_thread",
-                 "phase_reads", "thread_stat")
+                 "covering", "phase_reads", "thread_stat")
 
     def __init__(self):
         self._on = True
@@ -77,6 +78,8 @@ class HostCpu:
         # For the recorder's read as each step closes (os.pread on the training thread); the read before the
         # step the emitter writes next is kept here, on the emitter's side: (time.time_ns(), bytes).
         self._last_read: tuple[int, bytes] | None = None
+        # The next read after unread steps, (time.time_ns(), bytes), found queued by the emitter: its share is theirs.
+        self.covering: tuple[int, bytes] | None = None
         try:
             self.thread_stat: int | None = os.open(self._thread, os.O_RDONLY)
             weakref.finalize(self, os.close, self.thread_stat).atexit = False
@@ -146,11 +149,12 @@ class HostCpu:
 
     def waited(self, read: bytes | None, end: int) -> float | None:
         """The share of the time since the last read the training thread waited for a CPU, from ``read``, the
-        bytes the recorder read at ``end`` (records come in the order their steps closed; a step that failed
-        has no read, and the next one's share spans both); None without a read before or now, or unreadable.
-        It also decides whether the next steps' phases are read (``phase_reads``)."""
+        bytes the recorder read at ``end`` (records come in the order their steps closed); None without a read
+        before or now, or unreadable. A step closed unread (a quiet host's short steps) takes the share of the read
+        after it (``covering``), which spans it too; None where that read is not known (a failed step, also unread,
+        takes it only where it is). A read also decides whether the next steps' phases are read (``phase_reads``)."""
         if read is None:
-            return None
+            return self.covered(end)
         last, self._last_read = self._last_read, (end, read)
         share = None if last is None else wait_share(last[1], read, end - last[0])
         if share is None or share >= PHASE_READS_FROM:
@@ -159,6 +163,14 @@ class HostCpu:
             self._phase_reads_left -= 1
         self.phase_reads = self._phase_reads_left > 0
         return share
+
+    def covered(self, end: int) -> float | None:
+        """The share of the ``covering`` read, for a step that closed unread at ``end`` before it; None where that
+        read is not known (yet)."""
+        covering, last = self.covering, self._last_read
+        if covering is None or covering[0] <= end or last is None:
+            return None
+        return wait_share(last[1], covering[1], covering[0] - last[0])
 
     def over(self, start: int, end: int) -> tuple[float, float, float, float | None, float | None] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this

@@ -134,7 +134,8 @@ class StepRecord:
     losses: list = field(default_factory=list)
     grad_norm: object = None
     scalars_copied: object = None
-    # The training thread's schedstat as the step closed, raw (recording/host_cpu.py); None where unreadable.
+    # The training thread's schedstat as the step closed, raw (recording/host_cpu.py); None where unreadable, or
+    # not read (a quiet host's short steps: the read after it covers it).
     schedstat: bytes | None = None
 
     @property

@@ -73,8 +73,9 @@ class StepRecorder(Component):
         self.pad_token_id = input_batches.pad_token_id(engine, env.pad_token_id())
         self._skipped_before = 0
         self._losses = False  # a loss was taken in the open step (on CUDA its copy needs the step's event)
-        # The training thread's schedstat, read as each step closes: its wait for a CPU, step by step; and as each
-        # phase starts and ends while the emitter's figures say it waits (host_cpu.phase_reads).
+        # The training thread's schedstat, read as steps close (on a quiet host, a close QUIET_READS_EVERY after the
+        # last read): its wait for a CPU; and as each phase starts and ends while the emitter's figures say it
+        # waits (host_cpu.phase_reads).
         self._host_cpu = getattr(facts, "host_cpu", None)
         self._thread_stat = getattr(self._host_cpu, "thread_stat", None)
         self._phase_reads = False  # the running phase read the schedstat as it started
@@ -362,9 +363,9 @@ class StepRecorder(Component):
         # milliseconds); then the profile stops: the reads below are ours (the gradient norm's item() is an
         # operator), and the step span ends at ``now``, so anything they put in the profile would lie after its step.
         # The bytes only: the emitter parses them. On a quiet host (its phases unread), not at every close of short
-        # steps: the next read's share spans the steps between, which take the emitter's samples' figure.
+        # steps: the next read's share spans the steps between, and is theirs (a clock set back reads at once).
         if schedstat is None and self._thread_stat is not None and (
-                self._host_cpu.phase_reads or now - self._read_at >= QUIET_READS_EVERY):
+                self._host_cpu.phase_reads or not 0 <= now - self._read_at < QUIET_READS_EVERY):
             schedstat = self._schedstat()
         if schedstat is not None:
             self._read_at = now

@@ -11,7 +11,9 @@ lifecycle) ``drain`` turns them into:
 - histogram points that keep the time they were taken and their span (exemplars), and totals;
 - the step's loss and gradient norm (read from the host copies once their CUDA event completed: a
   step whose copies are still running waits for a later drain, at most ``SCALARS_WAIT_SECONDS``),
-  checked by the numerics watch; the caching allocator's figures of each phase;
+  checked by the numerics watch; the caching allocator's figures of each phase; the training
+  thread's wait for a CPU (a step closed unread waits for the read after it, at most
+  ``READ_WAIT_SECONDS``);
 - GPU intervals and async collectives that had not completed by then wait in ``_pending`` and are
   emitted by a later drain once their CUDA events completed or their ``wait()`` returned (the final
   drain gives collectives host times and drops what never completed).

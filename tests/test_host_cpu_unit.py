@@ -274,6 +274,13 @@ def test_a_step_closed_unread_takes_the_share_of_the_read_after_it(tmp_path, mon
         monkeypatch.setattr(emitting, "READ_WAIT_SECONDS", 0)
         train_step(recorder, engine)
         assert step_spans()[5].get(semconv.TRAINING_STEP_THREAD_CPU_WAIT) != share
+
+        # A flush exports every step closed before it, without waiting for a read.
+        monkeypatch.setattr(emitting, "READ_WAIT_SECONDS", 10**6)
+        train_step(recorder, engine)
+        recorder.facts.writer.provider.force_flush()
+        assert 6 in {s.attributes[semconv.TRAINING_STEP] for s in spans.exporter.get_finished_spans()
+                     if s.name == semconv.SPAN_STEP}
     finally:
         os.close(schedstat)
 

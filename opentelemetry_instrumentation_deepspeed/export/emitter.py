@@ -221,8 +221,9 @@ class Emitter(Component):
         self._pending.clear()
 
     @fail_open
-    def drain(self, final: bool = False) -> None:
-        """Emit everything submitted so far; ``final``: also what never completed (host times, or nothing)."""
+    def drain(self, final: bool = False, read_waits: bool = True) -> None:
+        """Emit everything submitted so far; ``final``: also what never completed (host times, or nothing);
+        ``read_waits`` False (a flush, a collection): a step closed unread does not wait for the read after it."""
         with self._lock:
             writers: set = set()
             queue, yielding, done = self._queue, threading.current_thread() is self._thread, 0
@@ -232,7 +233,8 @@ class Emitter(Component):
                 except IndexError:
                     break
                 if type(item) is StepRecord:
-                    if not final and (self._scalars_wait(item, len(queue)) or self._read_wait(item, len(queue))):
+                    if not final and (self._scalars_wait(item, len(queue))
+                                      or (read_waits and self._read_wait(item, len(queue)))):
                         queue.appendleft(item)  # its successors wait with it: steps stay in order
                         break
                     self._step(item, writers)
@@ -340,7 +342,7 @@ class Emitter(Component):
         more[semconv.TRAINING_MEMORY_ALLOC_RETRIES] = last.retries - first.retries
 
     def _drain_at_collection(self, _options):
-        self.drain()
+        self.drain(read_waits=False)
         return []
 
     # -- a step ---------------------------------------------------------------------------------
@@ -607,13 +609,13 @@ def _flush_first(provider) -> None:
 
     class EmitFirst(SpanProcessor):
         def force_flush(self, timeout_millis: int = 30_000) -> bool:
-            emitter().drain()
+            emitter().drain(read_waits=False)
             return True
 
         def shutdown(self) -> None:
             # Not the final drain: another provider (a test's, a library's) may shut down mid-training;
             # the lifecycle's exit stage gives what never completed its host times.
-            emitter().drain()
+            emitter().drain(read_waits=False)
 
     sdk.add_span_processor_first(provider, EmitFirst())
 

@@ -91,11 +91,11 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     drain = Emitter.drain
     companion = Companion() if args.feed_companion else None
 
-    def timed_drain(self, final=False):
+    def timed_drain(self, final=False, read_waits=True):
         started = time.thread_time()
         try:
             if not args.drop_records and companion is None:
-                return drain(self, final)
+                return drain(self, final, read_waits)
             # Nothing made of the records here: dropped, or packed for the companion. The metric reader's
             # collections drain too, so the lock: the ring has one producer at a time.
             with self._lock:

@@ -237,7 +237,6 @@ def test_on_a_quiet_host_a_close_reads_only_once_the_interval_since_the_last_rea
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the host's figures are Linux's")
 def test_a_step_closed_unread_takes_the_share_of_the_read_after_it(tmp_path, monkeypatch):
     # Not the samples' half-second average: a neighbour's arrival would spread over the steps before it.
-    from opentelemetry_instrumentation_deepspeed.export import emitter as emitting
     from opentelemetry_instrumentation_deepspeed.recording import recorder as recording
     from tests.test_steps_unit import recorder_on, train_step
 
@@ -246,7 +245,7 @@ def test_a_step_closed_unread_takes_the_share_of_the_read_after_it(tmp_path, mon
     host.phase_reads, host._phase_reads_left = False, 0  # a quiet host
     schedstat = os.open(tmp_path / "schedstat", os.O_RDWR | os.O_CREAT)  # the thread's, as the test writes it
     recorder._thread_stat = schedstat
-    monkeypatch.setattr(emitting, "READ_WAIT_SECONDS", 10**6)  # however slow this machine, the drain waits for it
+    monkeypatch.setattr(host_cpu, "COVERED_WITHIN", 10**15)  # however slow this machine, the drain waits for it
 
     def step_spans() -> dict:
         return {s.attributes[semconv.TRAINING_STEP]: s.attributes for s in spans.get_finished_spans()
@@ -268,21 +267,43 @@ def test_a_step_closed_unread_takes_the_share_of_the_read_after_it(tmp_path, mon
         assert emitted[2][semconv.TRAINING_STEP_THREAD_CPU_WAIT] == share
         assert emitted[3][semconv.TRAINING_STEP_THREAD_CPU_WAIT] == share
 
-        # No read after it within READ_WAIT_SECONDS (the training stopped, the file became unreadable): emitted
-        # with the samples' figure, the real thread's.
+        # A flush, or a metric collection, waits for no read, but takes one already queued.
+        host.phase_reads, host._phase_reads_left = False, 0  # quiet again (that read's share turned them on)
         monkeypatch.setattr(recording, "QUIET_READS_EVERY", 10**12)
-        monkeypatch.setattr(emitting, "READ_WAIT_SECONDS", 0)
-        train_step(recorder, engine)
-        assert step_spans()[5].get(semconv.TRAINING_STEP_THREAD_CPU_WAIT) != share
-
-        # A flush exports every step closed before it, without waiting for a read.
-        monkeypatch.setattr(emitting, "READ_WAIT_SECONDS", 10**6)
-        train_step(recorder, engine)
+        for _ in range(2):
+            train_step(recorder, engine)  # 5 and 6, unread
+        time.sleep(0.05)
+        os.pwrite(schedstat, b"9 21000000 3\n", 0)  # 10 ms more
+        monkeypatch.setattr(recording, "QUIET_READS_EVERY", 0)
+        train_step(recorder, engine)  # 7, read
         recorder.facts.writer.provider.force_flush()
-        assert 6 in {s.attributes[semconv.TRAINING_STEP] for s in spans.exporter.get_finished_spans()
-                     if s.name == semconv.SPAN_STEP}
+        emitted = step_spans()
+        share = emitted[7][semconv.TRAINING_STEP_THREAD_CPU_WAIT]
+        assert 0 < share <= 0.2 and emitted[5][semconv.TRAINING_STEP_THREAD_CPU_WAIT] == share
+        host.phase_reads, host._phase_reads_left = False, 0
+        monkeypatch.setattr(recording, "QUIET_READS_EVERY", 10**12)
+        train_step(recorder, engine)  # 8, unread, no read after it yet
+        recorder.facts.writer.provider.force_flush()
+        assert 8 in step_spans()
+
+        # No read can cover it any longer (the training stopped, the file became unreadable): written at once, with
+        # the samples' figure.
+        monkeypatch.setattr(host_cpu, "COVERED_WITHIN", 0)
+        train_step(recorder, engine)
+        assert 9 in step_spans()
     finally:
         os.close(schedstat)
+
+
+def test_a_read_covers_only_the_steps_that_closed_unread_shortly_before_it():
+    cpu = HostCpu()
+    cpu._last_read = (10 * S, b"0 0 0\n")
+    cpu.covering = (11 * S, b"0 100000000 0\n")  # 0.1 s of waiting in the second since the last read
+    assert cpu.covered(11 * S - host_cpu.COVERED_WITHIN // 2) == pytest.approx(0.1)
+    assert cpu.covered(11 * S - 2 * host_cpu.COVERED_WITHIN) is None  # a pause between: its wait is not the step's
+    assert cpu.covered(11 * S) is None  # a read covers the steps before it only
+    assert cpu.waited(b"0 100000000 0\n", 11 * S) == pytest.approx(0.1)
+    assert cpu.covering is None  # the read itself: what it covered is written
 
 
 def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):
@@ -294,6 +315,7 @@ def test_an_unreadable_schedstat_leaves_the_steps_without_reads(tmp_path):
     finally:
         os.close(unreadable)
     assert [record.schedstat for record in records] == [None, None]  # the steps go on, unread
+    assert facts.host_cpu.thread_stat is None  # and the emitter waits for no read after them
 
 
 def test_each_phase_reads_the_training_threads_wait_at_its_start_and_end():

@@ -12,8 +12,8 @@ lifecycle) ``drain`` turns them into:
 - the step's loss and gradient norm (read from the host copies once their CUDA event completed: a
   step whose copies are still running waits for a later drain, at most ``SCALARS_WAIT_SECONDS``),
   checked by the numerics watch; the caching allocator's figures of each phase; the training
-  thread's wait for a CPU (a step closed unread waits for the read after it, at most
-  ``READ_WAIT_SECONDS``);
+  thread's wait for a CPU (a step closed unread waits for the read after it, to a later drain, while
+  that read could still cover it: ``host_cpu.COVERED_WITHIN``);
 - GPU intervals and async collectives that had not completed by then wait in ``_pending`` and are
   emitted by a later drain once their CUDA events completed or their ``wait()`` returned (the final
   drain gives collectives host times and drops what never completed).
@@ -53,9 +53,6 @@ LIMIT = 1024  # items waiting past which the submitting thread drains (the emitt
 MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _YIELD_EVERY = 8  # records emitted between two releases of the GIL
 SCALARS_WAIT_SECONDS = 30.0  # a step whose loss copies have not completed by then is emitted without them
-# An unread step waits this long at most for the read after it, whose share is its own (recording/host_cpu.py): on a
-# quiet host the recorder reads at the first close 50 ms after the last read, so it comes within 50 ms and a step.
-READ_WAIT_SECONDS = 0.2
 _COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.emitter"
 
 _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,
@@ -233,8 +230,9 @@ class Emitter(Component):
                 except IndexError:
                     break
                 if type(item) is StepRecord:
+                    uncovered = self._uncovered(item)
                     if not final and (self._scalars_wait(item, len(queue))
-                                      or (read_waits and self._read_wait(item, len(queue)))):
+                                      or (uncovered and read_waits and self._read_wait(item, len(queue)))):
                         queue.appendleft(item)  # its successors wait with it: steps stay in order
                         break
                     self._step(item, writers)
@@ -286,12 +284,12 @@ class Emitter(Component):
             return False
         return not self._scalars_readable(record) and time.time_ns() - record.end < SCALARS_WAIT_SECONDS * 1e9
 
-    def _read_wait(self, record: StepRecord, behind: int) -> bool:
-        """Whether ``record`` closed unread and waits for the read after it, not queued yet. Found queued, that
-        read becomes its host's ``covering`` (one engine's records are queued in the order their steps closed). A
-        failed step does not wait: the next step may be far off, or never come."""
+    def _uncovered(self, record: StepRecord) -> bool:
+        """Whether ``record`` closed unread with the read after it not queued (yet). Found queued, that read becomes
+        its host's ``covering``, whose share is the record's (one engine's records are queued in the order their
+        steps closed)."""
         host = getattr(record.facts, "host_cpu", None)
-        if record.schedstat is not None or record.failure is not None or host is None or host.thread_stat is None \
+        if record.schedstat is not None or host is None or host.thread_stat is None \
                 or host.covered(record.end) is not None:
             return False
         facts = record.facts
@@ -302,7 +300,13 @@ class Emitter(Component):
             if type(queued) is StepRecord and queued.facts is facts and queued.schedstat is not None:
                 host.covering = (queued.end, queued.schedstat)
                 return False
-        return behind < LIMIT and time.time_ns() - record.end < READ_WAIT_SECONDS * 1e9
+        return True
+
+    @staticmethod
+    def _read_wait(record: StepRecord, behind: int) -> bool:
+        """Whether ``record``, uncovered, waits for a later drain: not a failed step (the next one may be far off,
+        or never come), and only while a read could still cover it."""
+        return record.failure is None and behind < LIMIT and record.facts.host_cpu.may_be_covered(record.end)
 
     def _model(self, record: StepRecord, more: dict) -> None:
         """The step's loss, gradient norm and what the numerics watch finds in them."""

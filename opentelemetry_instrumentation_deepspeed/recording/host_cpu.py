@@ -17,20 +17,21 @@ Who is busy is not yet who is slowed: a neighbour may take CPUs this job leaves 
 (a sleeping loader, a slower device). The training thread's own run-queue delay, the time it was
 ready to run but had no CPU (``/proc/self/task/<tid>/schedstat``, second field), measures the cost
 to this job directly, as a share of the step. The thread that builds the engine is taken as the one
-that trains it, as the hang watchdog takes it. That figure is read as steps close, not
-interpolated: a neighbour's burst of a few steps is what it must place. The file stays open
-(``thread_stat``), and the recorder reads it as a step closes with one ``pread`` (0.46 us in a warm
-loop, the kernel formats three numbers; 8 to 15 us inside real steps, a cold system call), keeping
-the bytes; the emitter parses them against the read before (``waited``). On a quiet host (its
-phases unread, below) a close reads it only ``QUIET_READS_EVERY`` after the last read: a step that
-closed unread takes the share of the read after it, which spans it too (``covering``; the emitter
-holds it until that read is queued, briefly). While the thread waits for a CPU (``phase_reads``),
-every close reads it, and the recorder reads it too as each phase starts and ends (``wait_share``):
-where in the step the thread waited, which tells a rank that sleeps in its forward (a slower device)
-from one whose forward waited for a CPU. On a quiet host those reads would say 0 at a cost of
-several microseconds a step, and no phase waits more than its step, so they stop once
-``PHASE_READS_HOLD`` reads in a row showed waits under ``PHASE_READS_FROM`` of their time. Where the
-file is missing (a kernel without ``CONFIG_SCHED_INFO``) those figures alone are off.
+that trains it, as the hang watchdog takes it. That figure is read as steps close, not interpolated:
+a neighbour's burst of a few steps is what it must place. The file stays open (``thread_stat``), and
+the recorder reads it as a step closes with one ``pread`` (0.46 us in a warm loop, the kernel
+formats three numbers; 8 to 15 us inside real steps, a cold system call), keeping the bytes; the
+emitter parses them against the read before (``waited``). On a quiet host (its phases unread, below)
+a close reads it only ``QUIET_READS_EVERY`` after the last read: a step that closed unread takes the
+share of the read after it, which spans it too, where that read came within ``COVERED_WITHIN``
+(``covering``; the emitter holds it to a later drain until that read is queued), else the samples'
+figure. While the thread waits for a CPU (``phase_reads``), every close reads it, and the recorder
+reads it too as each phase starts and ends (``wait_share``): where in the step the thread waited,
+which tells a rank that sleeps in its forward (a slower device) from one whose forward waited for a
+CPU. On a quiet host those reads would say 0 at a cost of several microseconds a step, and no phase
+waits more than its step, so they stop once ``PHASE_READS_HOLD`` reads in a row showed waits under
+``PHASE_READS_FROM`` of their time. Where the file is missing (a kernel without
+``CONFIG_SCHED_INFO``) those figures alone are off.
 
 The training thread is not the only one a busy host delays: a collective on CPU runs on the
 communication library's own threads (gloo's), which wake for each transfer and may then wait for
@@ -61,6 +62,9 @@ PHASE_READS_FROM = 0.05
 PHASE_READS_HOLD = 50
 # While the phases are not read (a quiet host), a step's close reads the schedstat only this long after the last read.
 QUIET_READS_EVERY = 50_000_000  # ns
+# A read covers the steps that closed unread at most this long before it (it comes within QUIET_READS_EVERY and a
+# step): a later one, after a pause (a checkpoint, an evaluation), would lend them the pause's wait.
+COVERED_WITHIN = 200_000_000  # ns
 
 
 class HostCpu:
@@ -155,7 +159,7 @@ class HostCpu:
         takes it only where it is). A read also decides whether the next steps' phases are read (``phase_reads``)."""
         if read is None:
             return self.covered(end)
-        last, self._last_read = self._last_read, (end, read)
+        last, self._last_read, self.covering = self._last_read, (end, read), None
         share = None if last is None else wait_share(last[1], read, end - last[0])
         if share is None or share >= PHASE_READS_FROM:
             self._phase_reads_left = PHASE_READS_HOLD
@@ -166,11 +170,15 @@ class HostCpu:
 
     def covered(self, end: int) -> float | None:
         """The share of the ``covering`` read, for a step that closed unread at ``end`` before it; None where that
-        read is not known (yet)."""
+        read is not known (yet), or came more than ``COVERED_WITHIN`` after it."""
         covering, last = self.covering, self._last_read
-        if covering is None or covering[0] <= end or last is None:
+        if covering is None or not 0 < covering[0] - end <= COVERED_WITHIN or last is None:
             return None
         return wait_share(last[1], covering[1], covering[0] - last[0])
+
+    def may_be_covered(self, end: int) -> bool:
+        """Whether a read made from now on could still cover a step that closed unread at ``end``."""
+        return time.time_ns() - end < COVERED_WITHIN
 
     def over(self, start: int, end: int) -> tuple[float, float, float, float | None, float | None] | None:
         """CPUs in use on average between ``start`` and ``end`` (``time.time_ns()``): (host busy, host idle, this

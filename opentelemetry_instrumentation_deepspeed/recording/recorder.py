@@ -390,7 +390,7 @@ class StepRecorder(Component):
         try:
             return os.pread(self._thread_stat, 64, 0)
         except OSError:
-            self._thread_stat = None
+            self._thread_stat = self._host_cpu.thread_stat = None  # nor will the emitter wait for a read
             return None
 
 

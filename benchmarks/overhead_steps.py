@@ -88,33 +88,32 @@ def main():  # noqa: PLR0915 - one benchmark, read top to bottom
     from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
 
     recorder_cpu = [0.0]  # the CPU time of the emitter's drains, on whichever thread they ran
-    drain = Emitter.drain
+    drain = Emitter._drain  # inside the shipped drain(), which holds the emitter's lock: one drain at a time
     companion = Companion() if args.feed_companion else None
 
-    def timed_drain(self, final=False, read_waits=True):
+    def timed_drain(self, final, read_waits):
         started = time.thread_time()
         try:
             if not args.drop_records and companion is None:
                 return drain(self, final, read_waits)
-            # Nothing made of the records here: dropped, or packed for the companion. The metric reader's
-            # collections drain too, so the lock: the ring has one producer at a time.
-            with self._lock:
-                queue = self._queue
-                while queue:
-                    record = queue.popleft()
-                    if type(record) is StepRecorder:  # its log is built into records, queued here
-                        record.replay()
-                    elif type(record) is StepRecord:
-                        # As shipped: each step's wait for a CPU decides whether its phases are read.
-                        if record.schedstat is not None:
-                            record.facts.host_cpu.waited(record.schedstat, record.end)
-                        if companion is not None:
-                            companion.ring.put(pack(record))
+            # Nothing made of the records here: dropped, or packed for the companion (the ring has one producer
+            # at a time: the lock).
+            queue = self._queue
+            while queue:
+                record = queue.popleft()
+                if type(record) is StepRecorder:  # its log is built into records, queued here
+                    record.replay()
+                elif type(record) is StepRecord:
+                    # As shipped: each step's wait for a CPU decides whether its phases are read.
+                    if record.schedstat is not None:
+                        record.facts.host_cpu.waited(record.schedstat, record.end)
+                    if companion is not None:
+                        companion.ring.put(pack(record))
             return None
         finally:
             recorder_cpu[0] += time.thread_time() - started
 
-    Emitter.drain = timed_drain
+    Emitter._drain = timed_drain
 
     prepare_process()
     tracer_provider, meter_provider, counted = setup_sdk(Path(tempfile.mkdtemp(prefix="otel-ds-steps-")),

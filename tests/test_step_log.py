@@ -269,6 +269,47 @@ def test_a_replay_beside_a_draining_emitter_never_deadlocks(monkeypatch):
     assert drained == [1, 2]
 
 
+def test_a_builder_failing_beside_a_draining_emitter_never_deadlocks(monkeypatch, caplog):
+    """A builder that fails in the watchdog's replay hands over the collectives it drops while it holds its lock;
+    the emitter's drain, meanwhile, waits for that lock to replay. Past the queue's limit the watchdog must not wait
+    for the drain: it leaves the collective to it."""
+    inside, go = threading.Event(), threading.Event()
+
+    def failing_start(_self, _entry):  # holds the builder's lock until told, then fails
+        inside.set()
+        go.wait(30)
+        raise KeyError("a future DeepSpeed")
+
+    monkeypatch.setattr(StepBuilder, "_start_phase", failing_start)  # before the builder binds its actions
+    sink = emitter_module.Emitter()
+    monkeypatch.setattr(sink, "_start", lambda: None)
+    sink._thread = threading.current_thread()
+    emitted = []
+    monkeypatch.setattr(sink, "_collective", lambda item, *_args: emitted.append(item))
+    engine = Engine(1)
+    rec = StepRecorder(engine, "facts", sink.submit)
+    rec.forward_started(engine, (Input(),), {})
+    completed = Collective()
+    rec.comm_issued(completed)
+    completed.end = 1
+    rec.queued = True
+    sink._queue.append(rec)  # handed over, as at a step's close
+    monkeypatch.setattr(emitter_module, "LIMIT", 0)  # a backlog: submitters drain
+    watchdog = threading.Thread(target=lambda: rec.open, daemon=True)
+    watchdog.start()
+    assert inside.wait(30)
+    drain = threading.Thread(target=sink.drain, daemon=True)  # waits for the builder's lock in its replay
+    drain.start()
+    time.sleep(0.2)
+    go.set()
+    watchdog.join(10)
+    drain.join(10)
+    assert not watchdog.is_alive() and not drain.is_alive()
+    sink.drain()
+    assert emitted == [completed], "the dropped collective is measured, once"
+    assert caplog.text.count("step tracing failed in StepBuilder.replay") == 1
+
+
 def test_a_failed_builder_leaves_the_collectives_it_dropped_measured(monkeypatch, caplog):
     """Collectives logged in a step the builder could not build are measured as if issued outside any step: those
     completed are handed over now, the others by their wrappers once they complete; later ones stay outside."""

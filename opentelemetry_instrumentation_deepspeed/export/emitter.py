@@ -164,6 +164,7 @@ class Emitter(Component):
         self._queue: deque = deque()
         self._pending: deque = deque()  # emit(writers, final) -> done, of intervals still running
         self._lock = threading.RLock()  # one drain at a time (a collection may drain while the thread does)
+        self._draining = False  # a drain holds the lock (a submitter past LIMIT then leaves the queue to it)
         self._thread: threading.Thread | None = None
         self._meters: list = []
         self._held: set[StepFacts] = set()  # engines whose last step raised: its root waits for a retry
@@ -185,10 +186,15 @@ class Emitter(Component):
             with self._starting:  # an autograd thread may submit too
                 if self._thread is None:
                     self._start()
-        # A record comes from a recorder's replay, under its builder's lock: a drain from there would take this
-        # lock after that one, where a drain replays in the other order. The recorder's own hand-over drains.
+        # Past LIMIT the submitter drains. The recorder's own hand-over holds no lock: it waits for a drain running
+        # elsewhere, which keeps a training thread from outrunning its emitter. Any other submitter may hold a
+        # builder's lock (a failed builder hands over the collectives it drops): it leaves the queue to a running
+        # drain, which may be waiting for that lock to replay. A record comes from a replay: it drains nothing.
         if len(self._queue) > LIMIT and type(item) is not StepRecord:
-            self.drain()
+            if type(item) is StepRecorder:
+                self.drain()
+            elif not self._draining:  # nor inside a drain on this thread
+                self.drain(blocking=False)
 
     def watch_collections(self, meter) -> None:
         """Drain whenever ``meter``'s reader collects: its totals and histograms then include every record."""
@@ -218,41 +224,51 @@ class Emitter(Component):
         self._pending.clear()
 
     @fail_open
-    def drain(self, final: bool = False, read_waits: bool = True) -> None:
+    def drain(self, final: bool = False, read_waits: bool = True, *, blocking: bool = True) -> None:
         """Emit everything submitted so far; ``final``: also what never completed (host times, or nothing);
-        ``read_waits`` False (a flush, a collection): a step closed unread does not wait for the read after it."""
-        with self._lock:
-            writers: set = set()
-            queue, yielding, done = self._queue, threading.current_thread() is self._thread, 0
-            while queue:
-                try:
-                    item = queue.popleft()
-                except IndexError:
+        ``read_waits`` False (a flush, a collection): a step closed unread does not wait for the read after it;
+        ``blocking`` False: nothing where another thread drains now."""
+        if not self._lock.acquire(blocking=blocking):
+            return
+        draining, self._draining = self._draining, True
+        try:
+            self._drain(final, read_waits)
+        finally:
+            self._draining = draining
+            self._lock.release()
+
+    def _drain(self, final: bool, read_waits: bool) -> None:
+        writers: set = set()
+        queue, yielding, done = self._queue, threading.current_thread() is self._thread, 0
+        while queue:
+            try:
+                item = queue.popleft()
+            except IndexError:
+                break
+            if type(item) is StepRecord:
+                uncovered = self._uncovered(item)
+                if not final and (self._scalars_wait(item, len(queue))
+                                  or (uncovered and read_waits and self._read_wait(item, len(queue)))):
+                    queue.appendleft(item)  # its successors wait with it: steps stay in order
                     break
-                if type(item) is StepRecord:
-                    uncovered = self._uncovered(item)
-                    if not final and (self._scalars_wait(item, len(queue))
-                                      or (uncovered and read_waits and self._read_wait(item, len(queue)))):
-                        queue.appendleft(item)  # its successors wait with it: steps stay in order
-                        break
-                    self._step(item, writers)
-                elif type(item) is StepRecorder:  # a step closed: its records are built here, and queued
-                    item.replay()
-                elif type(item) is HangReport:  # the hang watchdog's (runtime/watchdog.py)
-                    hangs.emit(item, writers)
-                elif type(item) is clock.ClockReading:  # the clock refresher's (runtime/clock.py)
-                    clock.emit(item, writers)
-                else:
-                    self._collective(item, None, None, None, writers)
-                done += 1
-                if yielding and done % _YIELD_EVERY == 0:
-                    time.sleep(0)  # lets the training thread take the GIL back
-            self._resolve(final, writers)
-            if final:
-                for facts in list(self._held):
-                    self._end_root(facts, writers)
-            for writer in writers:
-                writer.flush()
+                self._step(item, writers)
+            elif type(item) is StepRecorder:  # a step closed: its records are built here, and queued
+                item.replay()
+            elif type(item) is HangReport:  # the hang watchdog's (runtime/watchdog.py)
+                hangs.emit(item, writers)
+            elif type(item) is clock.ClockReading:  # the clock refresher's (runtime/clock.py)
+                clock.emit(item, writers)
+            else:
+                self._collective(item, None, None, None, writers)
+            done += 1
+            if yielding and done % _YIELD_EVERY == 0:
+                time.sleep(0)  # lets the training thread take the GIL back
+        self._resolve(final, writers)
+        if final:
+            for facts in list(self._held):
+                self._end_root(facts, writers)
+        for writer in writers:
+            writer.flush()
 
     # -- the emitter's thread ---------------------------------------------------------------------
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -76,6 +79,34 @@ def test_the_watchdog_reports_a_step_that_does_not_close_and_learns_from_those_t
     recorder.phase_ended(recorder.backward_started(engine))
     engine.step(recorder)
     assert dog.check() == []
+
+
+def test_an_engine_dropped_leaves_the_watch_and_its_recorder_goes(monkeypatch):
+    """A sweep or an evaluation harness builds engine after engine in one process: the watchdog must not keep each
+    one's recorder (its facts, an open file among them) and replay it at every look."""
+    dog = watchdog.Watchdog(floor=2.0)
+    monkeypatch.setattr(watchdog, "_watchdog", dog)
+    monkeypatch.setattr(dog, "watch", functools.partial(dog.watch, start=False))
+    kept, kept_engine, _ = recorder_on(0, job="kept")
+    dropped = []
+    for _ in range(5):
+        recorder, engine, _ = recorder_on(0, job="dropped")
+        train_step(recorder, engine)
+        dropped.append(weakref.ref(recorder))
+        del recorder, engine
+    assert len(dog._watched) == 6
+    emitter().drain()  # the steps' records, and the recorders handed over at their close
+    gc.collect()
+    dog.check()
+    assert [watched.recorder for watched in dog._watched] == [kept]
+    gc.collect()
+    assert [ref() for ref in dropped] == [None] * 5
+    kept.phase_ended(kept.forward_started(kept_engine))
+    assert dog.check() == []
+    kept.phase_ended(kept.backward_started(kept_engine))
+    kept_engine.step(kept)
+    dog.check()
+    assert len(dog._watched[0].durations) == 1, "the engine that lives is watched still"
 
 
 def test_a_failed_step_does_not_count_as_a_step_time():

@@ -83,7 +83,7 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
                             _device_scalars(on_cuda))
     from opentelemetry_instrumentation_deepspeed.runtime import watchdog
 
-    watchdog.watch(recorder, meter)  # its own thread reads the open record: nothing per step here
+    watchdog.watch(recorder, meter, engine)  # its own thread reads the open record: nothing per step here
     from opentelemetry_instrumentation_deepspeed.export import clock
 
     clock.attach(facts)  # the clock offset's refreshes (runtime/clock.py, on their own thread) become spans

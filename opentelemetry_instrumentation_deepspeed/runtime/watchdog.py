@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 
 from opentelemetry.metrics import Observation
@@ -73,11 +74,14 @@ def threshold(recent: list[float] | deque, floor: float) -> float:
 class _Watched:
     """The watchdog's view of one recorder."""
 
-    __slots__ = ("durations", "idle_since", "last", "next_report", "recorder", "reported", "thread", "where")
+    __slots__ = ("durations", "engine", "idle_since", "last", "next_report", "recorder", "reported", "thread", "where")
 
-    def __init__(self, recorder, thread: int):
+    def __init__(self, recorder, thread: int, engine=None):
         self.recorder = recorder
         self.thread = thread  # the thread that built the engine: the one that trains
+        # Its engine, weakly: once it is gone the entry leaves (a sweep or an evaluation harness builds engine
+        # after engine, each recorder holding its facts, a file descriptor among them). None: watched for good.
+        self.engine = None if engine is None else weakref.ref(engine)
         self.last = None  # the open record at the previous look
         self.durations: deque = deque(maxlen=WINDOW)
         self.next_report = 0.0  # open (or idle) seconds at which to report (again)
@@ -102,9 +106,10 @@ class Watchdog(Component):
     # -- the training thread, once per engine -------------------------------------------------------
 
     @fail_open
-    def watch(self, recorder, meter=None, start: bool = True) -> None:
-        """``start``: the thread and the signals (False: tests call ``check`` themselves)."""
-        self._watched.append(_Watched(recorder, threading.get_ident()))
+    def watch(self, recorder, meter=None, start: bool = True, engine=None) -> None:
+        """``start``: the thread and the signals (False: tests call ``check`` themselves); ``engine``: the one
+        ``recorder`` records, whose end ends the watch."""
+        self._watched.append(_Watched(recorder, threading.get_ident(), engine))
         if meter is not None and not any(known is meter for known in self._meters):
             self._meters.append(meter)
             meter.create_observable_gauge(
@@ -162,6 +167,8 @@ class Watchdog(Component):
         """One look at every open record: durations of the steps seen closing, and reports of those stuck."""
         now = time.time_ns() if now is None else now
         reports = []
+        for gone in [w for w in self._watched if w.engine is not None and w.engine() is None]:
+            self._watched.remove(gone)  # in place: the training thread may append a new engine's meanwhile
         for watched in list(self._watched):
             record = watched.recorder.open
             last = watched.last
@@ -293,7 +300,7 @@ class Watchdog(Component):
         a checkpoint), a rank's handler cannot run either."""
         frames = sys._current_frames()
         found = []
-        for watched in self._watched:
+        for watched in list(self._watched):
             frame = frames.get(watched.thread)
             found.append(None if frame is None else (id(frame), frame.f_lasti))
         return found
@@ -410,12 +417,12 @@ def _stacks(thread: int) -> list:
 _watchdog: Watchdog | None = None
 
 
-def watch(recorder, meter=None) -> None:
-    """Watch ``recorder``'s steps (call on the thread that trains, when its engine is built)."""
+def watch(recorder, meter=None, engine=None) -> None:
+    """Watch ``recorder``'s steps, while ``engine`` lives (call on the thread that trains, when it is built)."""
     global _watchdog  # noqa: PLW0603 - one per process
     floor = env.hang_timeout()
     if not floor:
         return
     if _watchdog is None:
         _watchdog = Watchdog(floor)
-    _watchdog.watch(recorder, meter)
+    _watchdog.watch(recorder, meter, engine=engine)

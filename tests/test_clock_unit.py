@@ -3,6 +3,7 @@ answered within the budget, the store asked a bounded number of times, its keys 
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from datetime import timedelta
@@ -109,3 +110,16 @@ def test_a_rank_waiting_for_a_late_rank_0_asks_the_store_at_most_every_2_ms(stor
     assert waited >= 0.29 and abs(offset) <= error + 1_000
     checks = stores[1].checks - before
     assert checks <= 4 * 6 + waited / 0.002 + 1, (checks, waited)
+
+
+def test_the_exchange_leaves_the_scripts_seeded_random_stream_alone(stores):
+    """Every rank but 0 measures at start, on the training thread, and again on the refresher's: a script that
+    seeded Python's ``random`` draws what it would without us."""
+    random.seed(1234)
+    expected = [random.random() for _ in range(3)]
+    random.seed(1234)
+    rank_0 = threading.Thread(target=clock.estimate, args=(stores[0], "seeded", 0, 2))
+    rank_0.start()
+    assert clock.estimate(stores[1], "seeded", 1, 2) is not None, "rank 1 measured an offset"
+    rank_0.join(clock.BUDGET_SECONDS + 10)
+    assert [random.random() for _ in range(3)] == expected

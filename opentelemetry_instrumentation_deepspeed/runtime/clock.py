@@ -47,6 +47,9 @@ import threading
 import time
 
 _logger = logging.getLogger(__name__)
+# The pings' moments: a generator of our own, seeded by the OS. The global one belongs to the user's script, whose
+# seeded draws must be those of a run without us.
+_jitter = random.Random()
 
 ROUNDS = 4
 BUDGET_SECONDS = 3.0
@@ -98,7 +101,7 @@ def _measure(store, prefix: str, rank: int, asking: int, deadline: float) -> tup
     for round_ in range(ROUNDS):
         # Each ping at a random moment of a window as long as SPREAD_SECONDS per rank asking: ranks that
         # start together do not all wait at once (their answers would queue behind each other's looks).
-        time.sleep(max(0.0, min(random.random() * asking * SPREAD_SECONDS, deadline - time.monotonic())))
+        time.sleep(max(0.0, min(_jitter.random() * asking * SPREAD_SECONDS, deadline - time.monotonic())))
         pong = f"{prefix}/{rank}/{round_}/pong"
         sent = time.time_ns()
         store.append(f"{prefix}/pings", f"{rank}.{round_} ")

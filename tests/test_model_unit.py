@@ -128,9 +128,13 @@ class DeviceScalar:
     is_cuda = True
     is_cpu = False
 
-    def __init__(self, value: float):
-        self._value = torch.tensor(value, dtype=torch.float32)
+    def __init__(self, value: float, shape: tuple = ()):
+        self._value = torch.full(shape, value, dtype=torch.float32)
+        self.ndim = len(shape)
         self.requires_grad = True
+
+    def numel(self):
+        return self._value.numel()
 
     def detach(self):
         return self._value
@@ -169,6 +173,18 @@ def test_cuda_scalars_are_read_after_their_event_completed_never_before():
         expected += value / 2
     assert step.attributes["training.loss"] == expected
     assert step.attributes["training.grad_norm"] == 0.75
+
+
+def test_a_cuda_loss_of_one_element_in_any_shape_is_copied_and_a_longer_one_left_out():
+    """DeepSpeed's backward takes a loss of shape [1]; a tensor of several elements is no loss to report."""
+    cuda, recorder, engine, exporter = cuda_recorder(norm=DeviceScalar(0.75, (1, 1)))
+    micro_batch(recorder, engine, DeviceScalar(1.5, (1,)))
+    micro_batch(recorder, engine, DeviceScalar(2.5, (2,)))
+    cuda.run()
+    first, second = steps_of(exporter)
+    assert not recorder.broken
+    assert (first.attributes["training.loss"], first.attributes["training.grad_norm"]) == (1.5, 0.75)
+    assert "training.loss" not in second.attributes and second.attributes["training.grad_norm"] == 0.75
 
 
 def test_a_step_whose_copies_never_complete_is_emitted_without_them_at_exit():

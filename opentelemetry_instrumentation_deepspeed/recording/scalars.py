@@ -39,7 +39,9 @@ class DeviceScalars:
         """Enqueue the copy of a CUDA scalar; its value is read later (``value``)."""
         index = self._issued
         self._issued = index + 1  # counted before the copy exists: a reader never misses an overwrite
-        self._slots[index % SLOTS].copy_(tensor.detach(), non_blocking=True)
+        source = tensor.detach()
+        # One element in any shape (DeepSpeed's backward takes a loss of shape [1]) goes to its 0-d slot as a view.
+        self._slots[index % SLOTS].copy_(source.reshape(()) if source.ndim else source, non_blocking=True)
         return Pending(self, index)
 
     def event(self):
@@ -58,7 +60,9 @@ def take(tensor, ring: DeviceScalars | None):
     if isinstance(tensor, float):
         return tensor
     if getattr(tensor, "is_cuda", None):
-        return ring.copy(tensor) if ring is not None else None
+        if ring is None or (tensor.ndim and tensor.numel() != 1):  # more than one element is no loss or norm
+            return None
+        return ring.copy(tensor)
     if getattr(tensor, "is_cpu", False):
         return tensor.item() if tensor.numel() == 1 else None  # item(): float() warns on a tensor needing grad
     return float(tensor) if isinstance(tensor, int) else None

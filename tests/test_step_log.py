@@ -310,6 +310,39 @@ def test_a_builder_failing_beside_a_draining_emitter_never_deadlocks(monkeypatch
     assert caplog.text.count("step tracing failed in StepBuilder.replay") == 1
 
 
+def test_a_collective_another_thread_issues_as_the_step_closes_is_measured_outside_it():
+    """A background thread's collective joins the step it saw open, but its entry may land after the step's close:
+    it is then measured as issued outside any step, not lost."""
+    records, handed = Records(), []
+    engine = Engine(1)
+    rec = StepRecorder(engine, "facts", handed.append)
+    rec.builder._submit = lambda item: (records.submit if isinstance(item, StepRecord) else handed.append)(item)
+    checked, closed = threading.Event(), threading.Event()
+    append = rec._append
+
+    def late_append(entry):  # the background thread saw the step open; the training thread closes it now
+        if threading.current_thread().name == "background":
+            checked.set()
+            closed.wait(30)
+        append(entry)
+
+    rec._append = late_append
+    rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+    rec.phase_ended(rec.backward_started(engine))
+    call = Collective()
+    background = threading.Thread(target=rec.comm_issued, args=(call,), name="background")
+    background.start()
+    assert checked.wait(30)
+    engine.step(rec)
+    closed.set()
+    background.join(30)
+    call.end = 1  # it completed before the replay: the builder hands it over
+    rec.replay()
+    (record,) = list(records)
+    assert record.collectives == [] and not call.in_step
+    assert call in handed, "measured as issued outside any step"
+
+
 def test_a_failed_builder_leaves_the_collectives_it_dropped_measured(monkeypatch, caplog):
     """Collectives logged in a step the builder could not build are measured as if issued outside any step: those
     completed are handed over now, the others by their wrappers once they complete; later ones stay outside."""

@@ -96,10 +96,13 @@ class StepBuilder(Component):
         while log:
             entry = log.popleft()
             if entry[0] == COLLECTIVE:
-                collective = entry[3]
-                collective.in_step = False
-                if collective.end is not None:
-                    self._submit(collective)
+                self._outside(entry[3])
+
+    def _outside(self, collective) -> None:
+        """``collective`` joins no step: it is measured as issued outside any."""
+        collective.in_step = False
+        if collective.end is not None:
+            self._submit(collective)
 
     def abandon(self, now: int) -> None:
         """The recorder turned itself off: what it logged is built, and the open step ends there, so nothing later
@@ -223,8 +226,11 @@ class StepBuilder(Component):
         self._submit(record)
 
     def _join(self, entry) -> None:
-        """A collective issued in the open step joins it, under the phase running when it was issued."""
+        """A collective issued in the open step joins it, under the phase running when it was issued; one that
+        another thread issued as the step closed, logged after the close, is measured as issued outside any."""
         record, collective = self.open, entry[3]
         if record is not None:
             collective.parent = record.phase
             record.collectives.append(collective)
+        else:
+            self._outside(collective)

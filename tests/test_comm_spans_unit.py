@@ -4,6 +4,7 @@ collectives of a step; the emitter counts them and keeps their spans within the 
 from __future__ import annotations
 
 import pytest
+import torch.distributed
 from opentelemetry.metrics import NoOpMeterProvider
 
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
@@ -95,3 +96,16 @@ def test_metrics_mode_counts_collectives_without_spans_or_drops(observed):
     (step,) = named(spans, "training.step")
     assert step.attributes["comm.count"] == 3 and "comm.spans_dropped" not in step.attributes
     assert not named(spans, "comm.all_reduce")
+
+
+def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are():
+    """A rank outside a group calls its collectives too (torch returns at once); a probe may call one before the
+    process group exists. Neither may turn collective tracing off for the training that follows."""
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=True)
+    spec = OpSpec.of("all_reduce", all_reduce)
+    outside = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    assert observer.issued(spec, (CpuTensor(),), {"group": outside}) is None
+    assert not observer.broken
+    observer._groups[id(None)] = _Group("0", 2, "gloo")  # the default group, once it exists
+    call = observer.issued(spec, (CpuTensor(),), {})
+    assert call is not None and call.sequence == 0 and not observer.broken

@@ -128,6 +128,8 @@ class CommObserver(Component):
         # The usual case inline (a group and a dtype seen before, one engine): a collective is the
         # most frequent call of a step, and each function call costs about as much as its body.
         group = self._groups.get(id(group)) or self._group(group)
+        if group is None:
+            return None
         route = group.routes.get(id(spec)) or self._route(spec, group)
         dtype = "" if tensor is None else self._dtypes.get(tensor.dtype) or self._dtype(tensor)
         call = Collective(route, group.sequence, data_bytes, dtype, is_async, time.time_ns(), self._spans)
@@ -232,18 +234,24 @@ class CommObserver(Component):
 
         return observing(self, observe)
 
-    def _group(self, group) -> _Group:
+    def _group(self, group) -> _Group | None:
+        """What ``group`` is; None where torch cannot say: a call before the process group exists, or on a group
+        this rank is not a member of (torch returns from it at once). Such a call is not observed, and not cached:
+        the default group comes later."""
         found = self._groups.get(id(group))
         if found is None:
             dist = sys.modules["torch.distributed"]
-            pg = group if group is not None else dist.distributed_c10d._get_default_group()
-            # group=None and the default group object are one group: one sequence of collectives.
-            found = self._groups.get(id(pg))
-            if found is None:
-                name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
-                found = _Group(str(name), dist.get_world_size(pg), str(dist.get_backend(pg)))
-                self._groups[id(pg)] = found
-                self._group_objects.append(pg)
+            try:
+                pg = group if group is not None else dist.distributed_c10d._get_default_group()
+                # group=None and the default group object are one group: one sequence of collectives.
+                found = self._groups.get(id(pg))
+                if found is None:
+                    name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
+                    found = _Group(str(name), dist.get_world_size(pg), str(dist.get_backend(pg)))
+                    self._groups[id(pg)] = found
+                    self._group_objects.append(pg)
+            except (ValueError, RuntimeError):  # torch's word for both (distributed_c10d, torch 2.x)
+                return None
             self._groups[id(group)] = found
         return found
 

@@ -270,3 +270,30 @@ def test_each_phase_span_says_how_much_of_it_the_training_thread_waited_for_a_cp
               if s.name in ("training.forward", "training.backward", "training.optimizer.step")]
     assert len(phases) == 6
     assert all(0 <= s.attributes["training.phase.thread.cpu.wait"] <= 1 for s in phases)
+
+
+class _AttributesRaiseKeyError:
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+def test_a_forward_argument_not_foreseen_turns_off_its_reading_not_the_steps(monkeypatch, caplog):
+    import torch
+
+    from opentelemetry_instrumentation_deepspeed.recording import batches
+    from tests.test_state_machine import recorder
+
+    monkeypatch.setattr(batches._reading, "broken", False)  # whatever this test does to it is undone after
+    jagged = torch.nested.nested_tensor([torch.arange(3), torch.arange(5)], layout=torch.jagged)
+    strided = torch.nested.nested_tensor([torch.arange(3), torch.arange(5)])
+    ids = torch.ones(4, 6, dtype=torch.long)
+    rec, engine, records = recorder()
+    for argument in (ids, jagged, strided, _AttributesRaiseKeyError(), ids):
+        rec.phase_ended(rec.forward_started(engine, (argument,), {}))
+        rec.phase_ended(rec.backward_started(engine))
+        engine.step(rec)
+    assert not rec.broken and not rec.builder.broken and len(records) == 5
+    assert (records[0].samples, records[0].tokens) == (4, 24)
+    assert (records[1].samples, records[1].tokens) == (2, 0), "a jagged batch's samples; its tokens are symbolic"
+    assert caplog.text.count("batch shape reading failed") == 1, "the strided one's shape raises: once"
+    assert records[4].tokens == 0, "the reading stays off"

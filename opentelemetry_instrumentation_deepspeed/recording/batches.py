@@ -4,26 +4,39 @@ from __future__ import annotations
 
 import math
 
+from opentelemetry_instrumentation_deepspeed.runtime.safety import Component
+
+_reading = Component("batch shape reading")
+
 
 def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
     """(samples, tokens) of a forward's batch, from its token ids if it has any.
 
     Token ids: the ``input_ids`` keyword, an ``input_ids`` entry of a dict argument, or else the
     first positional tensor of an integer dtype. Tokens are its element count, padding included
-    (counting a mask would need the device); samples its first dimension.
+    (counting a mask would need the device); samples its first dimension. An argument of a kind not
+    foreseen (a nested tensor, an object whose attributes raise) turns this reading off, not the step's.
     """
-    ids = kwargs.get("input_ids")
-    if ids is None and args:
-        first = args[0]
-        ids = first.get("input_ids") if isinstance(first, dict) else first
-    shape = getattr(ids, "shape", None)
-    if not shape or not hasattr(ids, "is_floating_point"):  # a torch tensor, not an array or a list
+    if _reading.broken:
         return None, None
-    dtype = ids.dtype
-    is_integer = _INTEGER_DTYPES.get(dtype)
-    if is_integer is None:
-        is_integer = _INTEGER_DTYPES[dtype] = not dtype.is_floating_point and not dtype.is_complex
-    return int(shape[0]), (math.prod(shape) if is_integer else None)
+    try:
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            first = args[0]
+            ids = first.get("input_ids") if isinstance(first, dict) else first
+        shape = getattr(ids, "shape", None)
+        if not shape or not hasattr(ids, "is_floating_point"):  # a torch tensor, not an array or a list
+            return None, None
+        dtype = ids.dtype
+        is_integer = _INTEGER_DTYPES.get(dtype)
+        if is_integer is None:
+            is_integer = _INTEGER_DTYPES[dtype] = not dtype.is_floating_point and not dtype.is_complex
+        tokens = math.prod(shape) if is_integer else None
+        # A jagged dimension is symbolic: no count to record.
+        return int(shape[0]), (tokens if type(tokens) is int else None)
+    except Exception:  # noqa: BLE001 - ours only: the forward has not started yet
+        _reading.fail("batches.batch_shape")
+        return None, None
 
 
 _INTEGER_DTYPES: dict = {}  # torch dtype -> whether it holds integers: two tensor calls fewer per forward

@@ -125,3 +125,74 @@ def test_a_grad_scaler_skipping_an_overflow_step_still_ends_it(traced, name_the_
     assert [step.attributes.get("training.step.skipped", False) for step in steps] == [False, True, False, False]
     assert [span.name for span in spans].count("training.optimizer.step") == 4
     assert micro_steps(spans, "training.forward") == micro_steps(spans, "training.backward") == [0] * 4
+
+
+def test_a_forward_called_while_the_loop_handles_an_exception_succeeds(traced):
+    """An out-of-memory fallback calls the forward again inside ``except``: that forward did not raise."""
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    for _ in range(2):
+        try:
+            raise torch.OutOfMemoryError("the large batch did not fit")
+        except torch.OutOfMemoryError:
+            loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        optimizer.step()
+    spans = traced()
+    assert [span.name for span in spans].count("training.step") == 2
+    assert all(span.status.is_ok for span in spans), [(span.name, span.status.description) for span in spans]
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        try:
+            raise KeyError("handled")
+        except KeyError:
+            model(torch.randn(2, 5))  # a forward that raises there fails, as anywhere
+    failed = [span for span in traced() if span.name == "training.forward" and not span.status.is_ok]
+    assert len(failed) == 1
+
+
+def test_a_module_that_takes_no_hooks_leaves_trace_training_running(traced, caplog):
+    model = torch.jit.script(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)  # a TorchScript module refuses forward hooks
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    assert "cannot observe the forward of this RecursiveScriptModule" in caplog.text
+    assert [span.name for span in traced()].count("training.step") == 1
+
+
+@pytest.mark.slow  # compiling takes seconds
+@pytest.mark.parametrize("compile_how", ["module", "torch.compile"])
+def test_a_module_compiled_whole_graph_trains_as_without_us(traced, compile_how):
+    """Our forward hooks would run inside the compiled graph, which ``fullgraph=True`` lets nothing break."""
+
+    class Model(nn.Module):  # a user's class: dynamo traces its hooks (torch's own classes it may skip)
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.second(torch.relu(self.first(x)))
+
+    def train(instrumented: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = Model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        if instrumented:
+            trace_training(model, optimizer)
+        if compile_how == "module":
+            model.compile(fullgraph=True, backend="eager")
+            forward = model
+        else:
+            forward = torch.compile(model, fullgraph=True, backend="eager")
+        losses = []
+        for _ in range(3):
+            loss = forward(torch.randn(8, 16)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert train(True) == train(False)
+    assert [span.name for span in traced()].count("training.step") == 3

@@ -157,7 +157,11 @@ def trace_training(module=None, optimizer=None) -> None:
     if optimizer is not None:
         _state.optimizer = optimizer
     if module is not None:
-        _hook_forward(module)
+        try:
+            _hook_forward(module)
+        except Exception:  # a module that takes no hooks (a TorchScript one): its forwards are not seen
+            _logger.warning("opentelemetry-instrumentation-deepspeed: trace_training() cannot observe the forward of "
+                            "this %s; backwards and optimizer steps are traced", type(module).__name__, exc_info=True)
     if not start("none", module, optimizer):
         _logger.info("trace_training(): not started (a DeepSpeed engine is traced, or nothing would record)")
 
@@ -175,6 +179,8 @@ def _ddp_init(init):
 
 def _ddp_forward(forward):
     def wrapper(self, *args, **kwargs):
+        if _compiling():  # traced by torch.compile: nothing of ours in its graph (no break, none that it refuses)
+            return forward(self, *args, **kwargs)
         loop, recorder = _recorder()
         if recorder is None or getattr(_depth, "value", 0):
             return forward(self, *args, **kwargs)
@@ -211,10 +217,16 @@ def _fully_shard(fully_shard):
     return wrapper
 
 
+def _compiling() -> bool:
+    return sys.modules["torch"].compiler.is_compiling()
+
+
 def _hook_forward(module) -> None:
     """Forward hooks on ``module``: its forward is a micro-batch's when no hooked forward encloses it."""
 
     def before(hooked, args, kwargs):
+        if _compiling():  # a compiled module's hooks run in its graph: nothing of ours goes there
+            return
         depth = getattr(_depth, "value", 0)
         _depth.value = depth + 1
         if depth:
@@ -226,17 +238,22 @@ def _hook_forward(module) -> None:
             recorder.not_training()
             return
         _depth.phase = recorder.forward_started(loop, args, kwargs)
+        # The exception being handled where the forward was called (one called in an except block), if any.
+        _depth.handling = sys.exc_info()[1]
 
     def after(_hooked, _args, output):
+        if _compiling():
+            return
         _depth.value = depth = getattr(_depth, "value", 1) - 1
         if depth:
             return
         phase, _depth.phase = getattr(_depth, "phase", None), None
+        handling, _depth.handling = getattr(_depth, "handling", None), None
         _loop, recorder = _recorder()
         if recorder is None or phase is None:
             return
-        error = sys.exc_info()[1]  # always_call: the hook also runs when the forward raised
-        if error is not None:
+        error = sys.exc_info()[1]  # always_call: the hook also runs, in torch's except block, when the forward raised
+        if error is not None and error is not handling:
             recorder.phase_failed(phase, error)
         else:
             recorder.forward_ended(phase, output)

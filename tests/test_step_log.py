@@ -343,6 +343,45 @@ def test_a_collective_another_thread_issues_as_the_step_closes_is_measured_outsi
     assert call in handed, "measured as issued outside any step"
 
 
+def test_the_training_thread_never_waits_for_a_slow_drain_and_a_full_queue_drops_steps(monkeypatch, caplog):
+    """A span processor that exports as each span ends, at a slow endpoint, makes every drain slow: the training
+    thread must go on (it neither waits for the drain nor drains behind it), and the steps past the queue's bound are
+    dropped, said once."""
+    from opentelemetry_instrumentation_deepspeed.recording import recorder as recorder_module
+
+    inside, go = threading.Event(), threading.Event()
+    sink = emitter_module.Emitter()
+    monkeypatch.setattr(sink, "_start", lambda: None)
+    sink._thread = threading.current_thread()
+    emitted = []
+
+    def slow_step(record, _writers):  # the first step's export does not return until told
+        inside.set()
+        go.wait(30)
+        emitted.append(record.number)
+
+    monkeypatch.setattr(sink, "_step", slow_step)
+    engine = Engine(1)
+    rec = StepRecorder(engine, "facts", sink.submit)
+    micro_batch(rec, engine)  # step 1 closes: the recorder is queued
+    drain = threading.Thread(target=sink.drain, daemon=True)
+    drain.start()
+    assert inside.wait(30)
+    monkeypatch.setattr(emitter_module, "LIMIT", 0)  # every hand-over would drain
+    monkeypatch.setattr(emitter_module, "MAX_QUEUED", 3)
+    monkeypatch.setattr(recorder_module, "LOG_LIMIT", 0)  # every close builds its record on the training thread
+    training = threading.Thread(target=lambda: [micro_batch(rec, engine) for _ in range(6)], daemon=True)
+    training.start()
+    training.join(10)
+    assert not training.is_alive(), "six steps closed while the drain was stuck"
+    assert sink.dropped_records == 4, "steps 4 to 7: steps 2 and 3 were queued, past them the queue was full"
+    go.set()
+    drain.join(30)
+    sink.drain()
+    assert emitted == [1, 2, 3]
+    assert caplog.text.count("the telemetry of some steps is dropped") == 1
+
+
 def test_a_failed_builder_leaves_the_collectives_it_dropped_measured(monkeypatch, caplog):
     """Collectives logged in a step the builder could not build are measured as if issued outside any step: those
     completed are handed over now, the others by their wrappers once they complete; later ones stay outside."""

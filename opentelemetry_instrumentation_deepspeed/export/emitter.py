@@ -50,6 +50,7 @@ _logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 0.5
 LIMIT = 1024  # items waiting past which the submitting thread drains (the emitter's thread could not run)
+MAX_QUEUED = 4 * LIMIT  # items waiting past which steps and collectives are dropped (a drain runs, slower than them)
 MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _YIELD_EVERY = 8  # records emitted between two releases of the GIL
 SCALARS_WAIT_SECONDS = 30.0  # a step whose loss copies have not completed by then is emitted without them
@@ -175,26 +176,36 @@ class Emitter(Component):
         self._scalars = Component("loss and gradient norm copies")
         self._starting = threading.Lock()
         self.dropped = 0  # incomplete intervals given up beyond MAX_PENDING
+        self.dropped_records = 0  # steps and collectives let go past MAX_QUEUED
 
     # -- any thread -----------------------------------------------------------------------------
 
     def submit(self, item: StepRecord | StepRecorder | Collective) -> None:
         if self.broken:
             return
-        self._queue.append(item)
+        queue = self._queue
+        if len(queue) >= MAX_QUEUED and (type(item) is StepRecord or type(item) is Collective):
+            self._drop(item)
+            return
+        queue.append(item)
         if self._thread is None:
             with self._starting:  # an autograd thread may submit too
                 if self._thread is None:
                     self._start()
-        # Past LIMIT the submitter drains. The recorder's own hand-over holds no lock: it waits for a drain running
-        # elsewhere, which keeps a training thread from outrunning its emitter. Any other submitter may hold a
-        # builder's lock (a failed builder hands over the collectives it drops): it leaves the queue to a running
-        # drain, which may be waiting for that lock to replay. A record comes from a replay: it drains nothing.
-        if len(self._queue) > LIMIT and type(item) is not StepRecord:
-            if type(item) is StepRecorder:
-                self.drain()
-            elif not self._draining:  # nor inside a drain on this thread
-                self.drain(blocking=False)
+        # Past LIMIT the submitter drains, unless a drain runs (it empties the queue): the training thread never
+        # waits for one (a span processor that exports as spans end, at a slow collector, would stop it for as long),
+        # and a submitter that holds a builder's lock (a failed builder hands over the collectives it drops) never
+        # meets one that waits for that lock to replay. A record comes from a replay: it drains nothing.
+        if len(queue) > LIMIT and type(item) is not StepRecord and not self._draining:
+            self.drain(blocking=False)
+
+    def _drop(self, item) -> None:
+        """``item`` is let go: the queue is full, its drain running elsewhere slower than the steps close."""
+        self.dropped_records += 1
+        if self.dropped_records == 1:
+            _logger.warning("opentelemetry-instrumentation-deepspeed: the telemetry of some steps is dropped: it is "
+                            "made more slowly than the steps close (%s items waiting; a span processor that exports "
+                            "as each span ends, to a slow endpoint?)", len(self._queue))
 
     def watch_collections(self, meter) -> None:
         """Drain whenever ``meter``'s reader collects: its totals and histograms then include every record."""

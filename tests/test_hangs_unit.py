@@ -611,3 +611,28 @@ def test_the_reader_follows_a_drifting_clock_from_its_sync_spans():
                                    **{semconv.TRAINING_CLOCK_OFFSET: offset}), clocks))
     (step,) = spans_of_request(line("training.step", 25_000_000_000, 26_000_000_000), clocks)
     assert (step.start, step.end) == (25_000_000_000 - 2_150_000_000, 26_000_000_000 - 2_150_000_000)
+
+
+def test_a_flush_that_does_not_return_holds_the_watchdog_for_its_bound_at_most(monkeypatch):
+    """The SDK's batch processor exports all it holds whatever force_flush's timeout says: at a collector that does
+    not answer, the watchdog must still come back to its signals."""
+    recorder, engine, _ = recorder_on(0, job="stuck-flush")
+    released, flushes = threading.Event(), []
+
+    def stuck_flush(_timeout_millis=None):
+        flushes.append(threading.current_thread().name)
+        released.wait(30)
+        return True
+
+    monkeypatch.setattr(recorder.facts.writer.provider, "force_flush", stuck_flush)
+    monkeypatch.setattr(watchdog, "FLUSH_MILLIS", 100)
+    dog = watchdog.Watchdog(floor=1.0)
+    dog.watch(recorder, start=False)
+    recorder.forward_started(engine)
+    start = recorder.open.start
+    try:
+        assert len(_check_from_another_thread(dog, start + int(20e9))) == 1, "reported, and back"
+        assert len(_check_from_another_thread(dog, start + int(60e9))) == 1, "back again"
+        assert flushes == ["otel-deepspeed-watchdog-flush"], "the stuck flush takes the second report too"
+    finally:
+        released.set()

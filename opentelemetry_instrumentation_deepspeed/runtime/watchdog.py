@@ -102,6 +102,7 @@ class Watchdog(Component):
         self._signals: socket.socket | None = None
         self._meters: list = []
         self.reports = 0
+        self._flushing: threading.Thread | None = None
 
     # -- the training thread, once per engine -------------------------------------------------------
 
@@ -251,11 +252,9 @@ class Watchdog(Component):
         for report in reports:
             sink.submit(report)
             self.reports += 1
-        sink.drain()
-        for provider in {id(r.facts.writer.provider): r.facts.writer.provider for r in reports}.values():
-            flush = getattr(provider, "force_flush", None)
-            if flush is not None:
-                flush(FLUSH_MILLIS)
+        sink.drain(blocking=False)  # a drain running elsewhere (slowed by its exports) writes them
+        providers = {id(r.facts.writer.provider): r.facts.writer.provider for r in reports}.values()
+        self._flush([provider for provider in providers if hasattr(provider, "force_flush")])
         for report in reports:
             where = hangs.where_text(report)
             if report.reason == semconv.HANG_REASON_RESUMED:
@@ -268,6 +267,24 @@ class Watchdog(Component):
             _logger.warning("opentelemetry-instrumentation-deepspeed: no step progress for %.0f s (threshold %.0f s): "
                             "the training thread is in %s; its stack is in the training.hang span",
                             (report.at - report.step_start) / 1e9, report.threshold, where)
+
+    def _flush(self, providers: list) -> None:
+        """The reports' providers flushed, on a thread of their own, waited for ``FLUSH_MILLIS`` at most: the SDK's
+        batch processor exports everything it holds whatever its timeout says, while a signal that came meanwhile
+        (a launcher stopping the stuck job) waits for this thread. A flush still running takes the new reports."""
+        if self._flushing is not None and self._flushing.is_alive():
+            return
+
+        def flush():
+            for provider in providers:
+                try:
+                    provider.force_flush(FLUSH_MILLIS)
+                except Exception:  # the SDK's: the reports stay in its queue
+                    _logger.debug("flushing the hang reports failed", exc_info=True)
+
+        self._flushing = threading.Thread(target=flush, daemon=True, name="otel-deepspeed-watchdog-flush")
+        self._flushing.start()
+        self._flushing.join(FLUSH_MILLIS / 1000)
 
     def _signalled(self, signum: int) -> None:
         """A signal arrived; if its handler cannot run (the training thread is blocked in native code),

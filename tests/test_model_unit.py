@@ -195,6 +195,24 @@ def test_a_step_whose_copies_never_complete_is_emitted_without_them_at_exit():
     assert "training.loss" not in step.attributes and "training.grad_norm" not in step.attributes
 
 
+def test_once_reading_the_copies_failed_no_step_waits_for_them(monkeypatch, caplog):
+    """A CUDA error in the copies' event turns device losses off: the steps are written without them at once, not
+    after SCALARS_WAIT_SECONDS each."""
+
+    def failing_query(_event):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(FakeCudaEvent, "query", failing_query)
+    _cuda, recorder, engine, exporter = cuda_recorder(norm=DeviceScalar(0.75))
+    for loss in (1.5, 2.5):
+        micro_batch(recorder, engine, DeviceScalar(loss))
+        emitter().drain()
+    steps = steps_of(exporter)
+    assert len(steps) == 2, "neither step waits for copies nobody can read"
+    assert all("training.loss" not in step.attributes for step in steps)
+    assert caplog.text.count("loss and gradient norm copies failed") == 1
+
+
 def test_an_overwritten_ring_slot_reads_as_unknown_not_wrong():
     ring = DeviceScalars(torch, FakeCuda(), pin_memory=False)
     first = ring.copy(DeviceScalar(1.0))

@@ -307,7 +307,7 @@ class Emitter(Component):
 
     def _scalars_wait(self, record: StepRecord, behind: int) -> bool:
         """Whether ``record``'s loss copies are still running on the GPU and worth waiting for."""
-        if record.scalars_copied is None or behind >= LIMIT:
+        if record.scalars_copied is None or behind >= LIMIT or self._scalars.broken:  # broken: never readable
             return False
         return not self._scalars_readable(record) and time.time_ns() - record.end < SCALARS_WAIT_SECONDS * 1e9
 

@@ -22,6 +22,7 @@ its own; its exposed part is inside the last micro-batch's backward.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -218,7 +219,17 @@ def _fully_shard(fully_shard):
 
 
 def _compiling() -> bool:
-    return sys.modules["torch"].compiler.is_compiling()
+    return _is_compiling()()
+
+
+@functools.cache
+def _is_compiling():
+    compiler = sys.modules["torch"].compiler
+    if hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling
+    from torch._dynamo import is_compiling  # torch < 2.3
+
+    return is_compiling
 
 
 def _hook_forward(module) -> None:

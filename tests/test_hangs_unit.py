@@ -636,3 +636,42 @@ def test_a_flush_that_does_not_return_holds_the_watchdog_for_its_bound_at_most(m
         assert flushes == ["otel-deepspeed-watchdog-flush"], "the stuck flush takes the second report too"
     finally:
         released.set()
+
+
+def test_a_look_between_steps_waits_for_a_slow_drain_elsewhere_a_second_at_most(monkeypatch):
+    """A drain running on another thread (the emitter's, slowed by a span processor that exports as spans end)
+    must not hold the watchdog, which reads the signals between its looks. Not knowing whether steps closed
+    meanwhile, it makes no report in that look."""
+    release = threading.Event()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        release.wait(30)
+
+    thread, made = _training_thread(train)
+    dog, sink = made["dog"], emitter()
+    inside, go = threading.Event(), threading.Event()
+    real = sink._drain
+
+    def slow_drain(final, read_waits):
+        inside.set()
+        go.wait(30)
+        return real(final, read_waits)
+
+    try:
+        assert len(_looks(dog, [0, 25])) == 1, "a report between steps"
+        monkeypatch.setattr(sink, "_drain", slow_drain)
+        elsewhere = threading.Thread(target=sink.drain, daemon=True)
+        elsewhere.start()
+        assert inside.wait(10)
+        monkeypatch.setattr(sink, "_drain", real)
+        found = []
+        looking = threading.Thread(target=lambda: found.extend(dog.check(time.time_ns() + int(200e9))), daemon=True)
+        looking.start()
+        looking.join(10)  # DRAIN_WAIT is 1 s: two drains' waits, and the look's own work
+        assert not looking.is_alive(), "the look came back while the drain elsewhere ran"
+        assert found == [], "no new report while steps closed meanwhile would be unknown"
+    finally:
+        go.set()
+        release.set()
+        thread.join(10)

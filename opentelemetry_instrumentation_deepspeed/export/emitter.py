@@ -235,18 +235,21 @@ class Emitter(Component):
         self._pending.clear()
 
     @fail_open
-    def drain(self, final: bool = False, read_waits: bool = True, *, blocking: bool = True) -> None:
+    def drain(self, final: bool = False, read_waits: bool = True, *, blocking: bool = True,
+              timeout: float = -1) -> bool:
         """Emit everything submitted so far; ``final``: also what never completed (host times, or nothing);
         ``read_waits`` False (a flush, a collection): a step closed unread does not wait for the read after it;
-        ``blocking`` False: nothing where another thread drains now."""
-        if not self._lock.acquire(blocking=blocking):
-            return
+        ``blocking`` False: nothing where another thread drains now, ``timeout``: where it still does then.
+        Whether this drain ran."""
+        if not self._lock.acquire(blocking, timeout if blocking else -1):
+            return False
         draining, self._draining = self._draining, True
         try:
             self._drain(final, read_waits)
         finally:
             self._draining = draining
             self._lock.release()
+        return True
 
     def _drain(self, final: bool, read_waits: bool) -> None:
         writers: set = set()
@@ -405,9 +408,10 @@ class Emitter(Component):
         if record.failure is None:
             # A plain PyTorch loop has no configured micro-batch size: its samples are counted per forward.
             micro_batch_size = facts.static.get(semconv.TRAINING_MICRO_BATCH_SIZE)
-            more.update({semconv.TRAINING_STEP_SAMPLES: record.micro_batches * micro_batch_size
-                         if micro_batch_size is not None else record.samples,
-                         semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
+            samples = record.micro_batches * micro_batch_size if micro_batch_size is not None else record.samples
+            if samples:  # none: no forward's batch was seen (a compiled forward, batches of no known shape)
+                more[semconv.TRAINING_STEP_SAMPLES] = samples
+            more.update({semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
                          semconv.TRAINING_STEP_SKIPPED: record.skipped})
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)
             self._model(record, more)

@@ -61,6 +61,8 @@ WINDOW = 64  # closed steps whose durations set the threshold
 MAX_POLL = 1.0  # seconds between two looks at the open records
 STACK_LIMIT = 64  # innermost frames kept of the training thread's stack
 FLUSH_MILLIS = 5000
+# Seconds a look waits for a drain running elsewhere (the watchdog must come back to its signals).
+DRAIN_WAIT = 1.0
 
 
 def threshold(recent: list[float] | deque, floor: float) -> float:
@@ -202,7 +204,9 @@ class Watchdog(Component):
         if watched.reported is not None:
             from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 
-            emitter().drain()  # a step written since the report is the news that it went on
+            # A step written since the report is the news that it went on (a drain running elsewhere, slowed by
+            # its exports, may be late with it: this look does not wait for it, the next one sees it).
+            emitter().drain(timeout=DRAIN_WAIT)
         resumed = [] if watched.idle_since is None else _stepped_since(watched, sharing, now)
         frame = sys._current_frames().get(watched.thread)
         if frame is None:
@@ -222,7 +226,10 @@ class Watchdog(Component):
             return resumed
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 
-        emitter().drain()  # steps closed since the emitter's last round, if any, are progress
+        # Steps closed since the emitter's last round, if any, are progress: no report before they are known (False:
+        # a drain running elsewhere has them; None: the emitter is off, and nothing will know them).
+        if emitter().drain(timeout=DRAIN_WAIT) is False:
+            return resumed
         resumed += _stepped_since(watched, sharing, now)
         if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
             return resumed

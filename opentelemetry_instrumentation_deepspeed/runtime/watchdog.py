@@ -228,10 +228,10 @@ class Watchdog(Component):
 
         # Steps closed since the emitter's last round, if any, are progress: no report before they are known (False:
         # a drain running elsewhere has them; None: the emitter is off, and nothing will know them).
-        if emitter().drain(timeout=DRAIN_WAIT) is False:
-            return resumed
-        resumed += _stepped_since(watched, sharing, now)
-        if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
+        known = emitter().drain(timeout=DRAIN_WAIT) is not False
+        if known:
+            resumed += _stepped_since(watched, sharing, now)
+        if not known or (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
             return resumed
         idle = (now - watched.idle_since) / 1e9
         watched.next_report = 2 * max(idle, limit)

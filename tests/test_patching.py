@@ -181,3 +181,25 @@ def test_patches_follow_copies_bound_elsewhere_and_put_everything_back():
 
     patches.restore()
     assert home.all_reduce is all_reduce and copy.all_reduce is all_reduce and not patches.active
+
+
+def test_a_patch_that_fails_leaves_the_users_import_going_on(tmp_path, monkeypatch, caplog):
+    """A patch runs inside the user's import (of torch, which imports DDP's module itself): its failure must not
+    fail that import."""
+    import sys
+
+    from opentelemetry_instrumentation_deepspeed.instrumentors.patching import when_imported
+
+    (tmp_path / "a_module_of_theirs.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def failing_patch(_module):
+        raise AttributeError("partially initialized module 'torch' has no attribute 'compiler'")
+
+    when_imported("a_module_of_theirs", failing_patch)
+    try:
+        import a_module_of_theirs
+    finally:
+        sys.modules.pop("a_module_of_theirs", None)
+    assert a_module_of_theirs.VALUE == 7
+    assert "could not instrument a_module_of_theirs" in caplog.text

@@ -196,3 +196,48 @@ def test_a_module_compiled_whole_graph_trains_as_without_us(traced, compile_how)
 
     assert train(True) == train(False)
     assert [span.name for span in traced()].count("training.step") == 3
+
+
+def test_a_forward_that_re_raises_the_exception_being_handled_fails(traced):
+    class Reraises(nn.Linear):
+        def forward(self, x):
+            if x.shape[-1] != self.in_features:
+                raise  # noqa: PLE0704 - the exception its caller handles: this forward fails with it
+            return super().forward(x)
+
+    model = Reraises(4, 1)
+    trace_training(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(KeyError):
+        try:
+            raise KeyError("handled")
+        except KeyError:
+            model(torch.randn(2, 5))
+    (forward,) = [span for span in traced() if span.name == "training.forward"]
+    assert not forward.status.is_ok
+
+
+def test_an_interrupted_forward_leaves_the_next_steps_forwards_seen(traced):
+    """A KeyboardInterrupt (a notebook's stop) skips torch's always-called hooks: the forward it left must not
+    hide every later one."""
+
+    class Interrupted(nn.Linear):
+        calls = 0
+
+        def forward(self, x):
+            Interrupted.calls += 1
+            if Interrupted.calls == 1:
+                raise KeyboardInterrupt
+            return super().forward(x)
+
+    model = Interrupted(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 4))
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    spans = traced()
+    steps = [span for span in spans if span.name == "training.step"]
+    assert not steps[0].status.is_ok, "the interrupted step ends at the next optimizer step, interrupted"
+    assert [span.name for span in spans].count("training.forward") == 3, "the last two steps see their forwards"

@@ -27,11 +27,20 @@ _INHERITED = "_opentelemetry_inherited"  # the class had no method of its own by
 
 
 def when_imported(module_name: str, patch: Callable[[object], None]) -> None:
+    """``patch(module)`` now if it is imported, else as soon as it is. A patch that fails leaves its module as it is:
+    the user's import (it may run inside torch's own) goes on."""
+    def guarded(module) -> None:
+        try:
+            patch(module)
+        except Exception:
+            _logger.exception("opentelemetry-instrumentation-deepspeed could not instrument %s; training is not "
+                              "affected", module_name)
+
     module = sys.modules.get(module_name)
     if module is not None:
-        patch(module)
+        guarded(module)
     else:
-        wrapt.register_post_import_hook(patch, module_name)
+        wrapt.register_post_import_hook(guarded, module_name)
 
 
 def original_of(value):

@@ -22,7 +22,6 @@ its own; its exposed part is inside the last micro-batch's backward.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import threading
@@ -90,6 +89,19 @@ class TorchLoop:
         return None
 
 
+def _never() -> bool:
+    return False
+
+
+def _is_compiling():
+    compiler = sys.modules["torch"].compiler
+    if hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling
+    from torch._dynamo import is_compiling  # torch < 2.3
+
+    return is_compiling
+
+
 class _State:
     def __init__(self):
         self.loop: TorchLoop | None = None
@@ -99,6 +111,9 @@ class _State:
         self.patches: Patches | None = None
         self.hooks: list = []  # torch.optim's global hook handles, and module hook handles
         self.optimizer = None  # named by trace_training() before the loop started
+        # torch's test for a graph being traced by torch.compile: looked up at run time (a DDP built, a module
+        # hooked), not while torch imports, nor by code of ours that dynamo would meet in a graph.
+        self.compiling = _never
 
 
 _state = _State()
@@ -173,6 +188,7 @@ def trace_training(module=None, optimizer=None) -> None:
 def _ddp_init(init):
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
+        _state.compiling = _is_compiling()
         start("ddp", getattr(self, "module", None))
 
     return wrapper
@@ -180,7 +196,7 @@ def _ddp_init(init):
 
 def _ddp_forward(forward):
     def wrapper(self, *args, **kwargs):
-        if _compiling():  # traced by torch.compile: nothing of ours in its graph (no break, none that it refuses)
+        if _state.compiling():  # traced by torch.compile: nothing of ours in its graph (no break, none it refuses)
             return forward(self, *args, **kwargs)
         loop, recorder = _recorder()
         if recorder is None or getattr(_depth, "value", 0):
@@ -218,25 +234,13 @@ def _fully_shard(fully_shard):
     return wrapper
 
 
-def _compiling() -> bool:
-    return _is_compiling()()
-
-
-@functools.cache
-def _is_compiling():
-    compiler = sys.modules["torch"].compiler
-    if hasattr(compiler, "is_compiling"):
-        return compiler.is_compiling
-    from torch._dynamo import is_compiling  # torch < 2.3
-
-    return is_compiling
-
-
 def _hook_forward(module) -> None:
     """Forward hooks on ``module``: its forward is a micro-batch's when no hooked forward encloses it."""
 
+    _state.compiling = _is_compiling()
+
     def before(hooked, args, kwargs):
-        if _compiling():  # a compiled module's hooks run in its graph: nothing of ours goes there
+        if _state.compiling():  # a compiled module's hooks run in its graph: nothing of ours goes there
             return
         depth = getattr(_depth, "value", 0)
         _depth.value = depth + 1
@@ -253,7 +257,7 @@ def _hook_forward(module) -> None:
         _depth.handling = sys.exc_info()[1]
 
     def after(_hooked, _args, output):
-        if _compiling():
+        if _state.compiling():
             return
         _depth.value = depth = getattr(_depth, "value", 1) - 1
         if depth:
@@ -263,8 +267,10 @@ def _hook_forward(module) -> None:
         _loop, recorder = _recorder()
         if recorder is None or phase is None:
             return
-        error = sys.exc_info()[1]  # always_call: the hook also runs, in torch's except block, when the forward raised
-        if error is not None and error is not handling:
+        # always_call: the hook also runs, in torch's except block and with no output, when the forward raised (the
+        # exception its caller handles, re-raised, among others).
+        error = sys.exc_info()[1]
+        if error is not None and (error is not handling or output is None):
             recorder.phase_failed(phase, error)
         else:
             recorder.forward_ended(phase, output)
@@ -302,6 +308,11 @@ def _before_step(optimizer, _args, _kwargs):
         loop.optimizer = weakref.ref(optimizer)
     elif loop.optimizer() is not optimizer:
         return  # another optimizer (a GAN's second one): its step is work inside this step
+    # No forward encloses the step optimizer's step: one still open here was left by an interrupt (a KeyboardInterrupt
+    # skips the always-called hooks). It ends here, or no later forward would be seen.
+    left, _depth.phase, _depth.value = getattr(_depth, "phase", None), None, 0
+    if left is not None:
+        recorder.interrupted("the forward did not complete")
     if loop.phase is not None:  # the last step() raised: its step ended with it
         recorder.interrupted("the optimizer step did not complete")
     loop.phase = recorder.optimizer_step_started(loop)

@@ -89,9 +89,7 @@ class StepBuilder(Component):
         self._end_open(time.time_ns())
 
     def _drop_log(self) -> None:
-        """The log is let go; its collectives are measured still, as issued outside any step (metrics only): their
-        wrappers submit those that complete later, this those that completed (one completing at this very moment may
-        be counted twice)."""
+        """The log is let go; its collectives are measured still, as issued outside any step (metrics only)."""
         log = self.log
         while log:
             entry = log.popleft()
@@ -99,7 +97,8 @@ class StepBuilder(Component):
                 self._outside(entry[3])
 
     def _outside(self, collective) -> None:
-        """``collective`` joins no step: it is measured as issued outside any."""
+        """``collective`` joins no step: it is measured as issued outside any (its wrapper hands it over once it
+        completes, this once it has; one completing at this very moment may be counted twice)."""
         collective.in_step = False
         if collective.end is not None:
             self._submit(collective)

@@ -47,9 +47,9 @@ import threading
 import time
 
 _logger = logging.getLogger(__name__)
-# The pings' moments: a generator of our own, seeded by the OS. The global one belongs to the user's script, whose
-# seeded draws must be those of a run without us.
-_jitter = random.Random()
+# The pings' moments: the OS's randomness. The global generator belongs to the user's script, whose seeded draws must
+# be those of a run without us; a generator of our own would draw the same in ranks forked from one parent.
+_jitter = random.SystemRandom()
 
 ROUNDS = 4
 BUDGET_SECONDS = 3.0

@@ -241,3 +241,26 @@ def test_an_interrupted_forward_leaves_the_next_steps_forwards_seen(traced):
     steps = [span for span in spans if span.name == "training.step"]
     assert not steps[0].status.is_ok, "the interrupted step ends at the next optimizer step, interrupted"
     assert [span.name for span in spans].count("training.forward") == 3, "the last two steps see their forwards"
+
+
+@pytest.mark.slow  # building a DistributedDataParallel and compiling it take seconds
+def test_a_compiled_ddp_meets_none_of_our_code_in_its_graph(traced, request):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        request.addfinalizer(torch.distributed.destroy_process_group)
+    torch._dynamo.reset()
+    counters.clear()
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(3):
+        compiled(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    reasons = [reason for reason in counters["graph_break"] if "time_ns" in reason or "opentelemetry" in reason]
+    assert reasons == [], "graph breaks of ours (torch's own DDP makes some)"
+    steps = [span for span in traced() if span.name == "training.step"]
+    assert len(steps) == 3 and all("training.step.samples" not in step.attributes for step in steps)

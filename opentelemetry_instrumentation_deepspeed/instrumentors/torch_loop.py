@@ -111,7 +111,7 @@ class _State:
         self.patches: Patches | None = None
         self.hooks: list = []  # torch.optim's global hook handles, and module hook handles
         self.optimizer = None  # named by trace_training() before the loop started
-        # torch's test for a graph being traced by torch.compile: looked up at run time (a DDP built, a module
+        # torch's test for a graph being traced by torch.compile: looked up at run time (the loop starting, a module
         # hooked), not while torch imports, nor by code of ours that dynamo would meet in a graph.
         self.compiling = _never
 
@@ -135,6 +135,7 @@ def start(parallelism: str, module=None, optimizer=None) -> bool:
     if registry.all_recorders():
         return False
     try:
+        _state.compiling = _is_compiling()
         loop = TorchLoop(parallelism)
         identity = session.start({semconv.TRAINING_FRAMEWORK: semconv.TRAINING_FRAMEWORK_PYTORCH})
         if session.silent and _state.tracer_provider is None and _state.meter_provider is None:
@@ -188,7 +189,6 @@ def trace_training(module=None, optimizer=None) -> None:
 def _ddp_init(init):
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        _state.compiling = _is_compiling()
         start("ddp", getattr(self, "module", None))
 
     return wrapper

@@ -660,6 +660,7 @@ def test_a_look_between_steps_waits_for_a_slow_drain_elsewhere_a_second_at_most(
 
     try:
         assert len(_looks(dog, [0, 25])) == 1, "a report between steps"
+        monkeypatch.setattr(watchdog, "DRAIN_WAIT", 0.1)
         monkeypatch.setattr(sink, "_drain", slow_drain)
         elsewhere = threading.Thread(target=sink.drain, daemon=True)
         elsewhere.start()
@@ -668,7 +669,7 @@ def test_a_look_between_steps_waits_for_a_slow_drain_elsewhere_a_second_at_most(
         found = []
         looking = threading.Thread(target=lambda: found.extend(dog.check(time.time_ns() + int(200e9))), daemon=True)
         looking.start()
-        looking.join(10)  # DRAIN_WAIT is 1 s: two drains' waits, and the look's own work
+        looking.join(10)  # two drains' waits, and the look's own work
         assert not looking.is_alive(), "the look came back while the drain elsewhere ran"
         assert found == [], "no new report while steps closed meanwhile would be unknown"
     finally:

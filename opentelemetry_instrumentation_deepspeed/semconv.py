@@ -50,6 +50,7 @@ TRAINING_MICRO_STEP = "training.micro_step"
 TRAINING_STEP_SAMPLES = "training.step.samples"
 TRAINING_STEP_MICRO_BATCHES = "training.step.micro_batches"
 TRAINING_STEP_SKIPPED = "training.step.skipped"
+TRAINING_STEP_PHASES_DROPPED = "training.step.phases_dropped"  # past the phases a step keeps: no span, no point
 TRAINING_GRADIENT_ACCUMULATION_STEPS = "training.gradient_accumulation_steps"
 TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
 TRAINING_ZERO_STAGE = "training.zero_stage"

@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch.distributed
 from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
 from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
-from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.recording import builder, inputs, registry
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
+from opentelemetry_instrumentation_deepspeed.runtime import watchdog
 from tests.test_gpu_timing_unit import CudaTensor, all_reduce
 from tests.test_steps_unit import recorder_on
 
@@ -21,12 +24,12 @@ class CpuTensor(CudaTensor):
 
 @pytest.fixture
 def observed(monkeypatch):
-    def observe(span_limit: str, spans: bool = True):
+    def observe(span_limit: str, spans: bool = True, meter=None):
         monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_COMM_SPAN_LIMIT", span_limit)
         env.reset_cache()  # the limit is read once per process: this test's, then the next test's own
         recorder, engine, exporter = recorder_on(0)
         monkeypatch.setattr(registry, "_active", recorder)
-        observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=spans)
+        observer = CommObserver(meter or NoOpMeterProvider().get_meter("test"), spans=spans)
         observer._groups[id(None)] = _Group("0", 2, "gloo")
         spec = OpSpec.of("all_reduce", all_reduce)
 
@@ -96,6 +99,59 @@ def test_metrics_mode_counts_collectives_without_spans_or_drops(observed):
     (step,) = named(spans, "training.step")
     assert step.attributes["comm.count"] == 3 and "comm.spans_dropped" not in step.attributes
     assert not named(spans, "comm.all_reduce")
+
+
+@pytest.mark.parametrize("spans", [True, False])
+def test_a_step_that_does_not_close_keeps_a_bounded_record_and_counts_the_rest(observed, monkeypatch, spans):
+    """A loop that steps only after many micro-batches (or never: a gradient analysis, an optimizer no hook sees)
+    must not grow memory: past the builder's limits, phases and collectives are counted, not kept."""
+    monkeypatch.setattr(builder, "MAX_PHASES", 4)
+    monkeypatch.setattr(builder, "MAX_COLLECTIVES", 5)
+    reader = InMemoryMetricReader()
+    recorder, engine, exporter, collective = observed("64", spans, MeterProvider([reader]).get_meter("test"))
+    for _ in range(6):  # 6 forwards with a collective each, 6 backwards (a loss each), then the optimizer step
+        batch = torch.ones(2, 8, dtype=torch.long)
+        inputs.left_loader(recorder, batch)  # what the data loader's wrapper reads of each batch
+        forward = recorder.forward_started(engine, (batch,))
+        collective()
+        recorder.phase_ended(forward)
+        recorder.phase_ended(recorder.backward_started(engine, loss=1.5))
+        open_record = recorder.open
+        assert len(open_record.phases) <= 4 and len(open_record.collectives) <= 5 and len(open_record.losses) <= 2
+    engine.grad_accum = 6
+    engine.micro_steps = 5
+    engine.step(recorder)
+    spans_out = exporter.get_finished_spans()
+    (step,) = named(spans_out, "training.step")
+    assert step.attributes["training.step.micro_batches"] == 6
+    assert step.attributes["training.step.phases_dropped"] == 13 - 4
+    assert step.attributes["comm.count"] == 6
+    assert step.attributes.get("comm.spans_dropped") == (1 if spans else None), "the sixth one, past the limit"
+    assert "training.loss" not in step.attributes, "two micro-batches' losses are not the step's"
+    assert "training.step.padded_tokens" not in step.attributes and "training.step.tokens" not in step.attributes
+    phases = [s.name for s in spans_out if s.name in {"training.forward", "training.backward"}]
+    assert phases == ["training.forward", "training.backward"] * 2
+    assert len(named(spans_out, "comm.all_reduce")) == (5 if spans else 0)
+    points = [point for metric in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+              if metric.name == "training.comm.duration" for point in metric.data.data_points]
+    assert sum(point.count for point in points) == 6, "each collective measured, the sixth outside the record"
+
+
+def test_the_hang_watchdog_sees_the_collective_in_flight_past_the_collectives_a_step_keeps(observed, monkeypatch):
+    monkeypatch.setattr(builder, "MAX_COLLECTIVES", 2)
+    recorder, engine, _, collective = observed("64")
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=True)
+    observer._groups[id(None)] = _Group("0", 2, "gloo")
+    dog = watchdog.Watchdog(floor=2.0)
+    dog.watch(recorder, start=False)
+    recorder.forward_started(engine)
+    for _ in range(3):
+        collective()
+    stuck = observer.issued(OpSpec.of("all_reduce", all_reduce), (CpuTensor(),), {})  # never completes
+    start = recorder.open.start
+    (report,) = dog.check(start + int(30e9))
+    assert report.collective is stuck and report.number == 1
+    observer.completed(stuck, None)
 
 
 def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are():

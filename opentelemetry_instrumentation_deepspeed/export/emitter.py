@@ -146,6 +146,18 @@ def _comm_attributes(issued: int, dropped: int) -> dict:
     return attributes
 
 
+def _counts(record: StepRecord, kept: int, comm: dict) -> dict:
+    """The step's collectives (``kept`` in its record; ``comm``: ``_comm_counts``'s), those that got no span, and the
+    phases it did not keep. Past the builder's MAX_COLLECTIVES a collective is counted, and has no span (all of them
+    ask for one, or none do: the process's comm mode)."""
+    dropped = record.collectives_dropped
+    spans_dropped = dropped if dropped and record.latest_dropped.spanned else 0
+    attributes = _comm_attributes(kept + dropped, sum(counts[1] for counts in comm.values()) + spans_dropped)
+    if record.phases_dropped:
+        attributes[semconv.TRAINING_STEP_PHASES_DROPPED] = record.phases_dropped
+    return attributes
+
+
 def _status(failure) -> Status | None:
     return None if failure is None else Status(StatusCode.ERROR, failure.description)
 
@@ -341,7 +353,9 @@ class Emitter(Component):
     def _model(self, record: StepRecord, more: dict) -> None:
         """The step's loss, gradient norm and what the numerics watch finds in them."""
         readable = self._scalars_readable(record)
-        loss = scalars.mean_loss(record.losses) if readable or record.scalars_copied is None else None
+        # A step past MAX_PHASES kept the losses of its first phases only: its mean is not the step's.
+        loss = scalars.mean_loss(record.losses) if (readable or record.scalars_copied is None) \
+            and not record.phases_dropped else None
         grad_norm = record.grad_norm
         grad_norm = scalars.value(grad_norm) if readable or type(grad_norm) is not scalars.Pending else None
         if loss is not None:
@@ -404,7 +418,7 @@ class Emitter(Component):
 
         facts.metrics.batches(record.samples, record.tokens)
         facts.metrics.inputs(counted, record.end, step.context)
-        more = dict(batch_sums)
+        more = {} if record.phases_dropped else dict(batch_sums)  # sums of some of its batches would read as a drop
         if record.failure is None:
             # A plain PyTorch loop has no configured micro-batch size: its samples are counted per forward.
             micro_batch_size = facts.static.get(semconv.TRAINING_MICRO_BATCH_SIZE)
@@ -428,7 +442,7 @@ class Emitter(Component):
                 more[semconv.TRAINING_STEP_THREAD_CPU_WAIT] = round(waited, 3)
             if cpus[4] is not None:
                 more[semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT] = round(cpus[4], 3)
-        more.update(_comm_attributes(len(collectives), sum(kept[1] for kept in comm.values())))
+        more.update(_counts(record, len(collectives), comm))
         if intervals is not None and not self._kernels.broken:
             try:
                 more.update(kernels.emit(writer, record.profile, intervals, step.context, facts.profile_top))

@@ -37,6 +37,11 @@ _LOSS_TAKEN = (Event.BACKWARD, Event.DIRECT_BACKWARD)  # their payload: the loss
 BACKWARD_NOT_COMPLETED = "backward did not complete"
 TRACING_FAILED = "step tracing failed; see the log"
 COLLECTIVE = "collective"  # not an event of the table: a collective issued in the open step joins it
+# A step that does not close (a loop that never calls engine.step(), an optimizer no hook sees) must not grow
+# without bound: past these, its phases and collectives are counted, not kept (a step of 4,096 micro-batches, or of
+# 16,384 collectives, keeps all of its own).
+MAX_PHASES = 8192
+MAX_COLLECTIVES = 16384
 
 
 class StepBuilder(Component):
@@ -187,13 +192,16 @@ class StepBuilder(Component):
             record.backwards += 1
         else:
             micro_step = max(record.micro_batches - 1, 0)
-        if payload is not None and event in _LOSS_TAKEN:
-            record.losses.append(payload)
         phase = Phase(_PHASE_NAMES[event], micro_step, entry[2], gpu_start, event == Event.DIRECT_BACKWARD)
         phase.schedstat_start = schedstat
         if event == Event.FORWARD:
             phase.inputs = inputs
-        record.phases.append(phase)
+        if len(record.phases) < MAX_PHASES:
+            record.phases.append(phase)
+            if payload is not None and event in _LOSS_TAKEN:
+                record.losses.append(payload)
+        else:  # it still ends, and its collectives join the step
+            record.phases_dropped += 1
         record.phase = phase
 
     def _end_phase(self, entry) -> None:
@@ -228,8 +236,12 @@ class StepBuilder(Component):
         """A collective issued in the open step joins it, under the phase running when it was issued; one that
         another thread issued as the step closed, logged after the close, is measured as issued outside any."""
         record, collective = self.open, entry[3]
-        if record is not None:
+        if record is None:
+            self._outside(collective)
+        elif len(record.collectives) < MAX_COLLECTIVES:
             collective.parent = record.phase
             record.collectives.append(collective)
-        else:
+        else:  # counted in the step, measured as issued outside any
+            record.collectives_dropped += 1
+            record.latest_dropped = collective
             self._outside(collective)

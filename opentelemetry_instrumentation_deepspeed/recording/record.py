@@ -137,6 +137,11 @@ class StepRecord:
     # The training thread's schedstat as the step closed, raw (recording/host_cpu.py); None where unreadable, or
     # not read (a quiet host's short steps: the read after it covers it).
     schedstat: bytes | None = None
+    # Past the builder's MAX_PHASES and MAX_COLLECTIVES (a step that does not close), counted, not kept; the latest
+    # collective not kept, for the hang watchdog's collective in flight.
+    phases_dropped: int = 0
+    collectives_dropped: int = 0
+    latest_dropped: Collective | None = None
 
     @property
     def closed(self) -> bool:

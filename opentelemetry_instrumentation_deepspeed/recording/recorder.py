@@ -40,6 +40,8 @@ _STEP_CLOSED = "StepProfiler.step_closed"
 # emitter: a loop that never steps (an evaluation) must not grow the log.
 IDLE_LOG_LIMIT = 256
 # Entries past which the training thread builds the records itself (about a thousand steps': the emitter's LIMIT).
+# A step that does not close (a loop that never calls engine.step()) hands the recorder over past it too: the
+# builder keeps its record bounded (builder.MAX_PHASES), and the log must not grow either.
 LOG_LIMIT = 8192
 _ENDS = {state.END_PHASE, state.FAIL_PHASE, state.INTERRUPT_PHASE}
 
@@ -59,7 +61,8 @@ class StepRecorder(Component):
         self._forward_output = None  # a weak reference to the last forward's scalar output (a direct backward's loss)
         max_waits = max(1, engine.gradient_accumulation_steps())
         self.builder = StepBuilder(facts, submit, max_waits, engine.train_micro_batch_size_per_gpu(), gpu)
-        self._append = self.builder.log.append
+        self._log = self.builder.log
+        self._append = self._log.append
         self._joining = self.builder.joining
         self._on_cuda = gpu is not None or memory is not None
         # Handed to the emitter, which has not replayed it yet: a step's close need not hand it over again.
@@ -119,7 +122,7 @@ class StepRecorder(Component):
         if self.state == State.IDLE:
             if self._fetch_start is None:
                 self._fetch_start = start
-            if len(self.builder.log) >= IDLE_LOG_LIMIT:
+            if len(self._log) >= IDLE_LOG_LIMIT:
                 self._hand_over()
         self._append((Event.DATA_WAIT, self._rows[self.state, Event.DATA_WAIT][1], end, (start, end), None, None,
                       None))
@@ -130,7 +133,7 @@ class StepRecorder(Component):
         self.inputs.clear()
         self._fetch_start = None
         self._fire(Event.EVALUATION)
-        if self.state == State.IDLE and len(self.builder.log) >= IDLE_LOG_LIMIT:
+        if self.state == State.IDLE and len(self._log) >= IDLE_LOG_LIMIT:
             self._hand_over()
 
     @fail_open
@@ -292,7 +295,7 @@ class StepRecorder(Component):
         step = self._close(engine, now, ended[0]) if row[4] else None
         self._append((event, row[1], now, None, ended, None, step))
         self.state = row[0]
-        if step is not None:
+        if step is not None or len(self._log) > LOG_LIMIT:
             self._hand_over()
 
     def _fire(self, event: str, data=None, engine=None) -> None:
@@ -322,7 +325,7 @@ class StepRecorder(Component):
         if not self.queued:
             self.queued = True
             self._submit(self)
-        elif len(self.builder.log) > LOG_LIMIT:
+        elif len(self._log) > LOG_LIMIT:
             self._replay_here()
         if self.builder.broken:  # it failed on another thread (its log says where): the recorder is off too
             self._turn_off()

@@ -245,7 +245,9 @@ class Watchdog(Component):
 
     def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:
         phase = record.phase
-        collective = next((c for c in reversed(list(record.collectives)) if c.end is None), None)
+        latest = record.latest_dropped  # issued past the collectives a step keeps: after all of those
+        collective = latest if latest is not None and latest.end is None else next(
+            (c for c in reversed(list(record.collectives)) if c.end is None), None)
         return HangReport(record.facts, record.number, record.start, now, reason, limit,
                           None if phase is None else phase.name, None if phase is None else phase.micro_step,
                           None if phase is None else phase.start, collective, _comm("last_sequences", {}),

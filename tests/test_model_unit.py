@@ -16,6 +16,7 @@ from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import AllocatorMemory
 from opentelemetry_instrumentation_deepspeed.recording.scalars import DeviceScalars
+from opentelemetry_instrumentation_deepspeed.runtime import watchdog
 from tests.test_steps_unit import recorder_on
 
 
@@ -193,6 +194,22 @@ def test_a_step_whose_copies_never_complete_is_emitted_without_them_at_exit():
     emitter().drain(final=True)
     step = next(s for s in exporter.exporter.get_finished_spans() if s.name == "training.step")
     assert "training.loss" not in step.attributes and "training.grad_norm" not in step.attributes
+
+
+def test_a_hang_report_does_not_wait_behind_a_step_whose_copies_have_not_completed():
+    """A collective that hangs on the GPU keeps the last closed step's loss copies from completing (they run after it
+    on the stream): the hang report must not wait SCALARS_WAIT_SECONDS behind that step, which keeps its place."""
+    cuda, recorder, engine, exporter = cuda_recorder(norm=DeviceScalar(0.75))
+    micro_batch(recorder, engine, DeviceScalar(1.5))  # step 1 closes; its copies are stuck behind the collective
+    dog = watchdog.Watchdog(floor=2.0)
+    dog.watch(recorder, start=False)
+    recorder.forward_started(engine)  # step 2 opens, and the training thread blocks
+    assert len(dog.check(recorder.open.start + int(30e9))) == 1
+    names = [s.name for s in exporter.exporter.get_finished_spans()]
+    assert "training.hang" in names and "training.step" not in names
+    cuda.run()
+    emitter().drain()
+    assert steps_of(exporter)[0].attributes["training.loss"] == 1.5, "step 1 written once its copies completed"
 
 
 def test_once_reading_the_copies_failed_no_step_waits_for_them(monkeypatch, caplog):

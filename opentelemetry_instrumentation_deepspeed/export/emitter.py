@@ -276,6 +276,7 @@ class Emitter(Component):
                 if not final and (self._scalars_wait(item, len(queue))
                                   or (uncovered and read_waits and self._read_wait(item, len(queue)))):
                     queue.appendleft(item)  # its successors wait with it: steps stay in order
+                    self._reports_behind(queue, writers)
                     break
                 self._step(item, writers)
             elif type(item) is StepRecorder:  # a step closed: its records are built here, and queued
@@ -295,6 +296,22 @@ class Emitter(Component):
                 self._end_root(facts, writers)
         for writer in writers:
             writer.flush()
+
+    @staticmethod
+    def _reports_behind(queue: deque, writers: set) -> None:
+        """Hang reports do not wait behind a step held for its loss copies: on a GPU that hangs, the last step's
+        copies may not complete (they run after the stuck collective), and it is held SCALARS_WAIT_SECONDS. The rest
+        keep their order: other threads only append meanwhile, and what was taken goes back in front of that."""
+        if not any(type(item) is HangReport for item in list(queue)):  # a copy: the training thread appends
+            return
+        kept = []
+        for _ in range(len(queue)):
+            item = queue.popleft()
+            if type(item) is HangReport:
+                hangs.emit(item, writers)
+            else:
+                kept.append(item)
+        queue.extendleft(reversed(kept))
 
     # -- the emitter's thread ---------------------------------------------------------------------
 

@@ -67,6 +67,19 @@ def test_what_is_not_a_batch_of_token_ids_queues_a_placeholder():
     assert counted("text") is None
 
 
+def test_a_jagged_nested_batch_queues_a_placeholder_and_its_step_is_emitted():
+    """Its length is symbolic: summed on the emitter's thread, it broke the drain and turned all telemetry off."""
+    ids = torch.nested.nested_tensor([torch.arange(1, 4), torch.arange(1, 7)], layout=torch.jagged)
+    assert counted({"input_ids": ids}) is None
+    recorder, engine, exporter = recorder_on(0)
+    inputs.left_loader(recorder, {"input_ids": ids})
+    recorder.phase_ended(recorder.forward_started(engine, (), {"input_ids": ids}))
+    recorder.phase_ended(recorder.backward_started(engine))
+    engine.step(recorder)
+    (step,) = [span for span in exporter.get_finished_spans() if span.name == "training.step"]
+    assert "training.step.padded_tokens" not in step.attributes and not emitter().broken
+
+
 def test_a_batch_already_on_a_device_keeps_its_shape_and_is_not_counted():
     # A meta tensor stands for device memory: any read of its values would fail here, as it would sync there.
     ids = torch.empty(4, 64, dtype=torch.long, device="meta")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import pytest
@@ -67,6 +69,21 @@ def test_an_accelerate_loader_is_one_wait_per_batch_it_hands_over(recorded, load
     # DataLoaderShard fetches batch 3 while the loop waits for batch 2 (step 2's first): that wait is batch 2's.
     assert max(waits)[1:] == (1, 0 if loader == "DataLoaderShard" else 1)
     assert isinstance(iter(batches), type(iter(batches).__wrapped__)), "still the loader's generator to its users"
+
+
+def test_a_background_thread_s_fetches_are_no_waits_of_the_loop(recorded):
+    """A prefetcher thread fills a queue from the loader (the BackgroundGenerator pattern): the loop never waited in
+    those fetches; counted, they made the steps start at the prefetcher's first fetch."""
+    engine, records = recorded
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, collate_fn=collate)
+    fetched = queue.Queue()
+    prefetcher = threading.Thread(target=lambda: [fetched.put(batch) for batch in loader])
+    prefetcher.start()
+    prefetcher.join()
+    for _ in range(4):
+        fetched.get()
+        train_micro_batch(registry.active(), engine)
+    assert len(records) == 2 and [record.waits for record in records] == [[], []]
 
 
 def test_diagnose_counts_a_wait_fetched_ahead_in_the_step_it_blocked():

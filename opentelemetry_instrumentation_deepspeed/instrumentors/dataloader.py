@@ -6,7 +6,8 @@ own loaders (``DeepSpeedDataLoader``, ``RepeatingLoader``), which wrap one, and 
 generator: the iterator it returns is timed. Only the outermost ``__next__`` on a thread is timed,
 so a loader around a DataLoader counts once, and one wait is one batch handed to the loop: the
 batch Accelerate fetches ahead, or the batches rank 0 fetches to dispatch, are inside it.
-A ``next()`` that ends the iteration (``StopIteration``) is the end of an epoch, not a wait.
+A ``next()`` that ends the iteration (``StopIteration``) is the end of an epoch, not a wait, and
+one made on another thread than the training thread (a background prefetcher's) is not the loop's.
 
 Once training starts, the CPU and memory of the rank's child processes (its DataLoader workers,
 and any other child) are observed at collection, summed: ``training.data.workers.*``.
@@ -46,6 +47,7 @@ _GENERATORS = (
 )
 
 _nesting = threading.local()
+_get_ident = threading.get_ident
 # data_waited()'s fail-open guard inline in _next: the same check and report, a frame fewer per batch.
 _data_waited = StepRecorder.data_waited.__wrapped__
 
@@ -54,7 +56,9 @@ def _next(original):
     def __next__(self):
         # registry.active() inline for one engine: a frame fewer per batch.
         recorder = registry.active() if registry._several else registry._active
-        if recorder is None or getattr(_nesting, "inside", False):
+        # Another thread's fetch (a background prefetcher's) does not block the loop: the loop's wait, if any, is
+        # on that thread's queue, which is not seen.
+        if recorder is None or recorder.thread != _get_ident() or getattr(_nesting, "inside", False):
             return original(self)
         _nesting.inside = True
         start = time.time_ns()

@@ -16,6 +16,7 @@ per step than when it built the records itself, and the open step is built where
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -53,6 +54,7 @@ class StepRecorder(Component):
                  device_scalars=None):
         super().__init__("step tracing")
         self.facts = facts  # carried by every record, for the emitter: static attributes, where spans go
+        self.thread = threading.get_ident()  # the training thread: the one that builds the engine
         self._submit = submit
         self.profiler = profiler
         self._gpu = gpu  # a GpuTimeline on CUDA: each phase also gets its GPU-side interval

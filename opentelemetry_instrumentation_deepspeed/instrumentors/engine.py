@@ -145,7 +145,10 @@ def _forward(forward):
         if recorder is None or recorder.broken:
             return forward(self, *args, **kwargs)
         if not (self.training and sys.modules["torch"].is_grad_enabled()):
-            recorder.not_training()
+            # No phase. An evaluation (eval mode) was fed by the waits since the last step; a pass without
+            # gradients in training mode (pseudo-labels, a probe) takes the batch the step trains on next.
+            if not self.training:
+                recorder.not_training()
             return forward(self, *args, **kwargs)
         try:
             phase = _forward_started(recorder, self, args, kwargs)

@@ -202,7 +202,10 @@ def _ddp_forward(forward):
         if recorder is None or getattr(_depth, "value", 0):
             return forward(self, *args, **kwargs)
         if not (self.training and sys.modules["torch"].is_grad_enabled()):
-            recorder.not_training()
+            # No phase. An evaluation (eval mode) was fed by the waits since the last step; a pass without
+            # gradients in training mode (pseudo-labels, a probe) takes the batch the step trains on next.
+            if not self.training:
+                recorder.not_training()
             return forward(self, *args, **kwargs)
         _depth.value = 1
         phase = recorder.forward_started(loop, args, kwargs)
@@ -250,7 +253,8 @@ def _hook_forward(module) -> None:
         if recorder is None:
             return
         if not (hooked.training and sys.modules["torch"].is_grad_enabled()):
-            recorder.not_training()
+            if not hooked.training:  # as in _ddp_forward
+                recorder.not_training()
             return
         _depth.phase = recorder.forward_started(loop, args, kwargs)
         # The exception being handled where the forward was called (one called in an except block), if any.

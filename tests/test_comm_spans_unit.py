@@ -3,6 +3,9 @@ collectives of a step; the emitter counts them and keeps their spans within the 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch.distributed
 from opentelemetry.metrics import NoOpMeterProvider
@@ -14,6 +17,7 @@ from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObser
 from opentelemetry_instrumentation_deepspeed.recording import builder, inputs, registry
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+from tests.conftest import free_port
 from tests.test_gpu_timing_unit import CudaTensor, all_reduce
 from tests.test_steps_unit import recorder_on
 
@@ -152,6 +156,25 @@ def test_the_hang_watchdog_sees_the_collective_in_flight_past_the_collectives_a_
     (report,) = dog.check(start + int(30e9))
     assert report.collective is stuck and report.number == 1
     observer.completed(stuck, None)
+
+
+def test_a_group_the_program_destroys_is_not_kept_alive(request):
+    """Its threads and sockets go with it: 30 groups made, used and destroyed kept 150 open files and 91 threads."""
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                             world_size=1)
+        request.addfinalizer(torch.distributed.destroy_process_group)
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=False)
+    spec = OpSpec.of("all_reduce", all_reduce)
+    group = torch.distributed.new_group([0])
+    observer.completed(observer.issued(spec, (CpuTensor(),), {"group": group}), None)
+    observer.completed(observer.issued(spec, (CpuTensor(),), {}), None)  # the default group, as group=None
+    assert len(observer._groups) == 3
+    gone = weakref.ref(group)
+    torch.distributed.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert gone() is None and len(observer._groups) == 2, "the default group stays, as itself and as None"
 
 
 def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are():

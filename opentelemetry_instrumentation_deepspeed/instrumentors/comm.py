@@ -89,8 +89,9 @@ class CommObserver(Component):
         self._spans = spans
         self.explicit = False  # set by the instrumentor: providers were handed to instrument()
         self._cuda = cuda  # torch.cuda, looked up at the first CUDA tensor; a fake in tests
+        # id(group object) -> what it is. Not the objects: a group the program destroys must go, with its threads and
+        # sockets; its entries leave as it is collected, before its id can be reused (``_forget``).
         self._groups: dict[int, _Group] = {}
-        self._group_objects: list = []  # ids above stay valid while the groups live
         self._dtypes: dict[object, str] = {}
         # Async work handles until their wait(); weak, so a handle dropped unwaited takes its entry along.
         self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -249,11 +250,17 @@ class CommObserver(Component):
                     name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
                     found = _Group(str(name), dist.get_world_size(pg), str(dist.get_backend(pg)))
                     self._groups[id(pg)] = found
-                    self._group_objects.append(pg)
+                    weakref.finalize(pg, self._forget, found).atexit = False
             except (ValueError, RuntimeError):  # torch's word for both (distributed_c10d, torch 2.x)
                 return None
             self._groups[id(group)] = found
         return found
+
+    def _forget(self, gone: _Group) -> None:
+        """A group was collected: its entries go, the default group's alias (``group=None``) among them."""
+        for key, group in list(self._groups.items()):
+            if group is gone:
+                self._groups.pop(key, None)
 
     def _dtype(self, tensor) -> str:
         if tensor is None:

@@ -9,9 +9,11 @@ counts once. The same function objects re-exported elsewhere (``deepspeed.comm``
 
 Each call becomes a ``Collective`` record: of the open step, under the phase that issued it (or
 the step between phases), or on its own outside steps (metrics only). Synchronous calls are timed
-on the host; ``async_op=True`` calls run from issue to ``wait()`` on their work handle. On CUDA
-tensors, CUDA events recorded around the call (and at ``wait()``) give the GPU-side interval
-instead, read by the emitter once they completed (``gpu_timing``).
+on the host; ``async_op=True`` calls run from issue to ``wait()`` on their work handle, to the first
+``is_completed()`` that returns True, or to the completion of its ``get_future()`` (how a DDP
+communication hook waits). On CUDA tensors, CUDA events recorded around the call (and at its
+completion) give the GPU-side interval instead, read by the emitter once they completed
+(``gpu_timing``).
 """
 
 from __future__ import annotations
@@ -354,6 +356,37 @@ def _wait_wrapper(observer: CommObserver, original):
     return wrapper
 
 
+def _is_completed_wrapper(observer: CommObserver, original):
+    def wrapper(self, *args, **kwargs):
+        done = original(self, *args, **kwargs)
+        if done and observer._pending_async:
+            observer.waited(self)
+        return done
+
+    return wrapper
+
+
+def _get_future_wrapper(observer: CommObserver, original):
+    def wrapper(self, *args, **kwargs):
+        future = original(self, *args, **kwargs)
+        if observer._pending_async and self in observer._pending_async:
+            # Run where the future completes (a backend's thread, or here if it has): on CUDA, on streams that wait
+            # for the collective, so the end event recorded there lies after it.
+            future.add_done_callback(functools.partial(_future_done, observer, self))
+        return future
+
+    return wrapper
+
+
+def _future_done(observer: CommObserver, work, future) -> None:
+    try:
+        future.value()  # raises what the collective raised; the value is not kept
+    except Exception as error:  # noqa: BLE001 - the collective's own error, which the future's waiter sees
+        observer.wait_failed(work, error)
+        return
+    observer.waited(work)
+
+
 class CommInstrumentor(BaseInstrumentor):
     """Every collective of ``deepspeed.comm`` and ``torch.distributed``, observed once.
 
@@ -395,7 +428,11 @@ class CommInstrumentor(BaseInstrumentor):
         def follow_waits(c10d):
             with waits_lock:  # two threads' first async collectives must not stack two wrappers
                 if patches.active:
+                    # A handle completes at its wait(), at the first is_completed() that says so, or when its future
+                    # does (a DDP communication hook hands the future to the reducer, which waits for it in C++).
                     patches.wrap(c10d.Work, "wait", functools.partial(_wait_wrapper, observer))
+                    patches.wrap(c10d.Work, "is_completed", functools.partial(_is_completed_wrapper, observer))
+                    patches.wrap(c10d.Work, "get_future", functools.partial(_get_future_wrapper, observer))
                 observer.follow_waits = None
 
         def patch_torch(c10d):

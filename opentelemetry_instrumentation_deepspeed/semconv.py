@@ -105,6 +105,8 @@ COMM_BYTES = "comm.bytes"
 COMM_DTYPE = "comm.dtype"
 COMM_ASYNC = "comm.async"
 COMM_SEQUENCE = "comm.sequence"
+# Point-to-point ops: only the ranks at their two ends issue them, so they count apart from the group's collectives
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
 COMM_ALGBW = "comm.algbw"
 COMM_BUSBW = "comm.busbw"
 COMM_TIMING = "comm.timing"

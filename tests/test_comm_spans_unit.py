@@ -210,6 +210,19 @@ def test_an_async_collective_completes_however_its_handle_is_waited_for(one_rank
         instrumentor.uninstrument()
 
 
+def test_point_to_point_calls_are_numbered_per_peer_apart_from_the_group_s_collectives():
+    """Ranks that take no part in a send keep the group's count: (group, sequence) still names one collective."""
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=False)
+    observer._groups[id(None)] = _Group("0", 3, "gloo")
+    send, recv = OpSpec.of("send", torch.distributed.send), OpSpec.of("recv", torch.distributed.recv)
+    reduce = OpSpec.of("all_reduce", all_reduce)
+    issued = [observer.issued(send, (CpuTensor(), 1), {}), observer.issued(recv, (CpuTensor(),), {"src": 1}),
+              observer.issued(send, (CpuTensor(),), {"dst": 2}), observer.issued(reduce, (CpuTensor(),), {}),
+              observer.issued(recv, (CpuTensor(), 1), {})]
+    assert [(call.sequence, call.peer) for call in issued] == [(0, 1), (1, 1), (0, 2), (0, None), (2, 1)]
+    assert observer._groups[id(None)].sequence == 1, "what a hang report's last sequences read: one collective"
+
+
 def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are():
     """A rank outside a group calls its collectives too (torch returns at once); a probe may call one before the
     process group exists. Neither may turn collective tracing off for the training that follows."""

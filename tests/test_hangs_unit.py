@@ -207,6 +207,21 @@ def test_hang_names_the_rank_that_stopped_and_the_one_that_waits_for_it():
     assert finding["stacks"][0]["where"].startswith("train.py:152 in block_forever")
 
 
+def test_point_to_point_calls_do_not_count_as_the_group_s_collectives():
+    """Ranks 0 and 1 exchange tensors (numbered per peer, up to 59); rank 2 does not. Rank 1 stops, with no report
+    of its own, before all-reduce 49, in which ranks 0 and 2 wait: its sends and receives reached no collective of
+    the group."""
+    hangs = Hangs()
+    for rank in (0, 1, 2):
+        p2p = [(sequence, "send" if rank == 0 else "recv", 64, "float32") for sequence in range(60)] if rank < 2 else []
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32"), *p2p])
+    for rank in (0, 2):
+        hangs.add(_report(rank, phase="backward", collective=("all_reduce", 49), sequences=["1:49"]))
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] == 1
+    assert finding["summary"].startswith("rank 1 stopped in step 8 before collective (group: sequence) 1: 49")
+
+
 def test_the_html_report_shows_a_hangs_stacks_escaped():
     hangs = Hangs()
     for rank in (0, 1):

@@ -168,7 +168,8 @@ class Analysis:
                 group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
                 if not attributes.get(semconv.COMM_ASYNC):
                     self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
-                if sequence is not None:
+                # Joined by sequence across the group's ranks; a send or recv is numbered per peer (semconv.P2P_OPS).
+                if sequence is not None and span.name.removeprefix(semconv.SPAN_COMM_PREFIX) not in semconv.P2P_OPS:
                     self._collectives[(span.job, group, sequence)][span.rank] = span.start
                 if attributes.get(semconv.COMM_BUSBW):
                     self._busbw[span.name.removeprefix(semconv.SPAN_COMM_PREFIX)].append(

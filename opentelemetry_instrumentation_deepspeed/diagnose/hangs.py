@@ -28,9 +28,9 @@ _OURS = "opentelemetry_instrumentation_deepspeed"
 _LIBRARIES = ("site-packages", "dist-packages", "/lib/python")
 MAX_MISMATCHES = 100  # DESYNC evidence kept
 STACK_FRAMES = 6  # innermost frames shown per rank
-# Point-to-point calls pair different ops (send with recv) and advance a group's sequence on some ranks
-# only: a group that carries them cannot be joined by sequence.
-_P2P = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+# Point-to-point calls pair different ops (send with recv), and are numbered per peer (files written before that,
+# with the group's collectives, on some ranks only): they are not joined by the group's sequence.
+_P2P = semconv.P2P_OPS
 # Ops whose per-rank sizes may legitimately differ (uneven splits, objects, lists).
 _SIZE_MAY_DIFFER = frozenset({"all_to_all_single", "all_to_all", "all_gather", "all_gather_object",
                               "broadcast_object_list", "all_gather_coalesced", "reduce_scatter"})
@@ -117,11 +117,11 @@ class Hangs:
     def _collective(self, span: Span) -> None:
         attributes = span.attributes
         group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes[semconv.COMM_SEQUENCE]
-        self._reach(span.job, group, span.rank, sequence)
         op = attributes.get(semconv.COMM_OP) or span.name.removeprefix(semconv.SPAN_COMM_PREFIX)
         if op in _P2P:
             self._p2p.add((span.job, group))
             return
+        self._reach(span.job, group, span.rank, sequence)
         size = None if op in _SIZE_MAY_DIFFER else attributes.get(semconv.COMM_BYTES)
         signature = (op, size, attributes.get(semconv.COMM_DTYPE))
         key = (span.job, group, sequence)
@@ -159,6 +159,8 @@ class Hangs:
         waiting = {rank: r for rank, r in latest.items() if r.attributes.get(semconv.COMM_SEQUENCE) is not None}
         missing: dict[int, set] = defaultdict(set)  # stopped rank -> collectives it never reached
         for rank, report in waiting.items():
+            if report.attributes.get(semconv.COMM_OP) in _P2P:
+                continue  # it waits for its peer (named in its report), not for a collective of the group
             group = report.attributes.get(semconv.COMM_GROUP_NAME, "0")
             sequence = report.attributes[semconv.COMM_SEQUENCE]
             for other in ranks:
@@ -273,8 +275,10 @@ def _plural(ranks: list[int]) -> str:
 def _collective_text(report: Span) -> str:
     attributes = report.attributes
     seconds = attributes.get(semconv.HANG_COMM_DURATION)
+    peer = attributes.get(semconv.COMM_PEER_RANK)
     return (f"{attributes.get(semconv.COMM_OP)} (group {attributes.get(semconv.COMM_GROUP_NAME, '0')}, sequence "
-            f"{attributes.get(semconv.COMM_SEQUENCE)}, {attributes.get(semconv.COMM_BYTES)} bytes)"
+            f"{attributes.get(semconv.COMM_SEQUENCE)}, {attributes.get(semconv.COMM_BYTES)} bytes"
+            + (f", peer rank {peer}" if peer is not None else "") + ")"
             + (f" for {seconds:.0f} s" if seconds is not None else ""))
 
 

@@ -36,6 +36,8 @@ def attributes(report: HangReport) -> dict:
                       semconv.COMM_SEQUENCE: collective.sequence, semconv.COMM_BYTES: collective.bytes,
                       semconv.COMM_DTYPE: collective.dtype,
                       semconv.HANG_COMM_DURATION: (report.at - collective.start) / 1e9})
+        if collective.peer is not None:
+            found[semconv.COMM_PEER_RANK] = collective.peer
     return found
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from opentelemetry_instrumentation_deepspeed import semconv
+
 # op -> (candidate names of the parameter that carries this rank's data, bus factor kind)
 _OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "all_reduce": (("tensor",), "all_reduce"),
@@ -116,7 +118,8 @@ class OpSpec:
     async_index: int
     always_async: bool
     peer_index: int = -1
-    peer_name: str | None = None  # None: not a point-to-point op
+    peer_name: str | None = None  # the parameter that names the rank at the other end (send, recv, isend, irecv)
+    p2p: bool = False  # a point-to-point op: numbered per peer, apart from the group's collectives
 
     @classmethod
     def of(cls, name: str, function) -> OpSpec:
@@ -129,7 +132,7 @@ class OpSpec:
 
         peer_name = _PEERS.get(name) if _PEERS.get(name) in parameters else None
         return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"), name in ALWAYS_ASYNC,
-                   index(peer_name), peer_name)
+                   index(peer_name), peer_name, name in semconv.P2P_OPS)
 
     def peer(self, args, kwargs) -> int | None:
         """The global rank at the other end of a send or recv (None: any source)."""

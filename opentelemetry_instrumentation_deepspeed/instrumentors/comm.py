@@ -66,8 +66,11 @@ class _Group:
     name: str
     size: int
     backend: str
-    sequence: int = 0
+    sequence: int = 0  # collectives issued on it so far (point-to-point calls apart)
     routes: dict = field(default_factory=dict)  # id(OpSpec) -> _Route
+    # Peer (its global rank; None for a batch_isend_irecv) -> sends and receives exchanged with it so far: a send and
+    # the recv that takes it carry the same number, and the ranks that do not take part keep the group's in step.
+    p2p: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -135,10 +138,16 @@ class CommObserver(Component):
             return None
         route = group.routes.get(id(spec)) or self._route(spec, group)
         dtype = "" if tensor is None else self._dtypes.get(tensor.dtype) or self._dtype(tensor)
-        call = Collective(route, group.sequence, data_bytes, dtype, is_async, time.time_ns(), self._spans)
-        group.sequence += 1
-        if spec.peer_name is not None:
-            call.peer = spec.peer(args, kwargs)
+        if spec.p2p:
+            peer = spec.peer(args, kwargs) if spec.peer_name is not None else None
+            sequence = group.p2p.get(peer, 0)
+            group.p2p[peer] = sequence + 1
+        else:
+            sequence = group.sequence
+            group.sequence = sequence + 1
+        call = Collective(route, sequence, data_bytes, dtype, is_async, time.time_ns(), self._spans)
+        if spec.p2p:
+            call.peer = peer
         # registry.active() inline for one engine: a frame fewer per collective.
         recorder = registry.active() if registry._several else registry._active
         if recorder is not None:

@@ -150,6 +150,28 @@ def test_a_grad_scaler_skipping_an_overflow_step_still_ends_it(traced, name_the_
     assert micro_steps(spans, "training.forward") == micro_steps(spans, "training.backward") == [0] * 4
 
 
+def test_the_step_loss_is_the_loop_s_own_under_accumulation_and_a_grad_scaler(traced):
+    """The usual recipe: each micro-batch's loss divided by the accumulation count, scaled for the backward. The step
+    reports what the loop prints, not the scaled (x 65536) or divided (/ 2) value its backwards get."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    trace_training(model, optimizer)
+    printed = []
+    for _ in range(3):
+        total = 0.0
+        for _ in range(2):
+            loss = model(torch.randn(3, 4)).pow(2).mean() / 2
+            scaler.scale(loss).backward()
+            total += loss.item()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        printed.append(total)
+    steps = [span for span in traced() if span.name == "training.step"]
+    assert [step.attributes["training.loss"] for step in steps] == printed
+
+
 def test_a_forward_called_while_the_loop_handles_an_exception_succeeds(traced):
     """An out-of-memory fallback calls the forward again inside ``except``: that forward did not raise."""
     model = nn.Linear(4, 1)

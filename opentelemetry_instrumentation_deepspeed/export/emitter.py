@@ -78,6 +78,7 @@ class StepFacts:
         }
         self.profile_top = profile_top
         self.comm_span_limit = comm_span_limit  # collective spans per step; the others are counted
+        self.summed_losses = getattr(engine, "summed_losses", False)  # a plain loop's backwards get loss / G
         self.host_cpu = HostCpu()
         self.peer_stages: dict | None = None  # a pipeline stage's {global rank: stage} of its pipeline
         # The root of a step that raised, kept open for its retry (same number) until the next step.
@@ -371,8 +372,8 @@ class Emitter(Component):
         """The step's loss, gradient norm and what the numerics watch finds in them."""
         readable = self._scalars_readable(record)
         # A step past MAX_PHASES kept the losses of its first phases only: its mean is not the step's.
-        loss = scalars.mean_loss(record.losses) if (readable or record.scalars_copied is None) \
-            and not record.phases_dropped else None
+        loss = scalars.step_loss(record.losses, record.facts.summed_losses) \
+            if (readable or record.scalars_copied is None) and not record.phases_dropped else None
         grad_norm = record.grad_norm
         grad_norm = scalars.value(grad_norm) if readable or type(grad_norm) is not scalars.Pending else None
         if loss is not None:

@@ -51,6 +51,10 @@ _depth = threading.local()  # forwards of hooked modules running on this thread:
 class TorchLoop:
     """The engine-shaped facts the step recorder and the emitter read, for a loop without an engine."""
 
+    # A step's loss is the sum of what its backwards were given: each micro-batch's loss divided by the accumulation
+    # count, in PyTorch's, Accelerate's and the Trainer's recipes (DeepSpeed's engine.backward() takes it undivided).
+    summed_losses = True
+
     def __init__(self, parallelism: str):
         self.parallelism = parallelism
         self.global_steps = 0  # steps closed so far: the next one is number global_steps + 1
@@ -289,7 +293,11 @@ def _backward(backward):
         if recorder is None:
             return backward(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
-        phase = recorder.backward_started(loop, loss=tensors if getattr(tensors, "ndim", None) == 0 else None)
+        loss = tensors if getattr(tensors, "ndim", None) == 0 else None
+        scaled = getattr(_depth, "scaled", None)
+        if scaled is not None and loss is not None and scaled[0]() is loss:
+            loss = scaled[1]()  # the loss GradScaler.scale() was given: its value does not move with the scale
+        phase = recorder.backward_started(loop, loss=loss)
         try:
             result = backward(*args, **kwargs)
         except BaseException as error:
@@ -360,6 +368,18 @@ def _scaler_step(step):
     return wrapper
 
 
+def _scaler_scale(scale):
+    """``GradScaler.scale(loss)``: the scaled loss is what the backward gets; the loss is what the step reports."""
+
+    def wrapper(self, outputs, *args, **kwargs):
+        result = scale(self, outputs, *args, **kwargs)
+        if getattr(outputs, "ndim", None) == 0:
+            _depth.scaled = (weakref.ref(result), weakref.ref(outputs))  # weak: the user's tensors, not ours
+        return result
+
+    return wrapper
+
+
 def _observe_steps_and_backwards() -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -370,6 +390,7 @@ def _observe_steps_and_backwards() -> None:
     def patch_scaler(module):
         if _state.patches is not None and _state.patches.active:
             _state.patches.wrap(module.GradScaler, "step", _scaler_step)
+            _state.patches.wrap(module.GradScaler, "scale", _scaler_scale)
 
     when_imported("torch.amp.grad_scaler", patch_scaler)
 

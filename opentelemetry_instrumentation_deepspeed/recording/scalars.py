@@ -75,13 +75,14 @@ def value(taken) -> float | None:
     return taken
 
 
-def mean_loss(losses: list) -> float | None:
+def step_loss(losses: list, summed: bool = False) -> float | None:
     """The step's loss: each micro-batch's over their number, summed in order, as a loop that prints
-    ``sum(loss.item() / accumulation)`` computes it (so the two agree to the bit)."""
+    ``sum(loss.item() / accumulation)`` computes it (so the two agree to the bit); ``summed``: each was divided
+    already (a plain loop's ``(loss / accumulation).backward()``), and they are summed in order."""
     values = [value(taken) for taken in losses]
     if not values or any(v is None for v in values):
         return None
     total = 0.0
     for each in values:
-        total += each / len(values)
+        total += each if summed else each / len(values)
     return total

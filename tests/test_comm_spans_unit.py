@@ -210,8 +210,30 @@ def test_an_async_collective_completes_however_its_handle_is_waited_for(one_rank
         instrumentor.uninstrument()
 
 
+class _Work:
+    """An async handle as the observer follows it."""
+
+
+def test_a_handle_that_is_completed_then_fails_its_wait_keeps_the_error_and_host_times():
+    """is_completed() says True of a failed collective too (a gloo timeout): the wait() after it raises, and the
+    collective keeps that error. It is timed on the host: the current stream does not wait for the collective there,
+    so an end event recorded then would lie behind whatever the stream had queued."""
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=False)
+    observer._groups[id(None)] = _Group("0", 2, "gloo")
+    call = observer.issued(OpSpec.of("all_reduce", all_reduce), (CpuTensor(),), {"async_op": True})
+    call.gpu_start, call.timeline = "an event", None  # as on CUDA: an end event would be recorded on the timeline
+    work = _Work()
+    observer.completed(call, work)
+    observer.polled(work)
+    assert call.end is not None and call.gpu_end is None and not observer.broken
+    observer.wait_failed(work, RuntimeError("Timed out waiting 2000ms for recv operation to complete"))
+    assert call.failure is not None and call.failure.type == "RuntimeError"
+
+
 def test_point_to_point_calls_are_numbered_per_peer_apart_from_the_group_s_collectives():
-    """Ranks that take no part in a send keep the group's count: (group, sequence) still names one collective."""
+    """Ranks that take no part in a send keep the group's count: (group, sequence) still names one collective; a
+    rank's k-th send to a peer and the peer's k-th receive from it carry one number, however the two interleave them
+    (a pipeline's 1F1B sends activations one way and gradients the other)."""
     observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=False)
     observer._groups[id(None)] = _Group("0", 3, "gloo")
     send, recv = OpSpec.of("send", torch.distributed.send), OpSpec.of("recv", torch.distributed.recv)
@@ -219,7 +241,7 @@ def test_point_to_point_calls_are_numbered_per_peer_apart_from_the_group_s_colle
     issued = [observer.issued(send, (CpuTensor(), 1), {}), observer.issued(recv, (CpuTensor(),), {"src": 1}),
               observer.issued(send, (CpuTensor(),), {"dst": 2}), observer.issued(reduce, (CpuTensor(),), {}),
               observer.issued(recv, (CpuTensor(), 1), {})]
-    assert [(call.sequence, call.peer) for call in issued] == [(0, 1), (1, 1), (0, 2), (0, None), (2, 1)]
+    assert [(call.sequence, call.peer) for call in issued] == [(0, 1), (0, 1), (0, 2), (0, None), (1, 1)]
     assert observer._groups[id(None)].sequence == 1, "what a hang report's last sequences read: one collective"
 
 

@@ -193,7 +193,9 @@ class Emitter(Component):
 
     # -- any thread -----------------------------------------------------------------------------
 
-    def submit(self, item: StepRecord | StepRecorder | Collective) -> None:
+    def submit(self, item: StepRecord | StepRecorder | Collective, drain: bool = True) -> None:
+        """``drain`` False: the submitting thread never drains, whatever waits (a backend's thread, in a future's
+        callback, must not export)."""
         if self.broken:
             return
         queue = self._queue
@@ -209,7 +211,7 @@ class Emitter(Component):
         # waits for one (a span processor that exports as spans end, at a slow collector, would stop it for as long),
         # and a submitter that holds a builder's lock (a failed builder hands over the collectives it drops) never
         # meets one that waits for that lock to replay. A record comes from a replay: it drains nothing.
-        if len(queue) > LIMIT and type(item) is not StepRecord and not self._draining:
+        if len(queue) > LIMIT and type(item) is not StepRecord and not self._draining and drain:
             self.drain(blocking=False)
 
     def _drop(self, item) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from opentelemetry_instrumentation_deepspeed import semconv
-
 # op -> (candidate names of the parameter that carries this rank's data, bus factor kind)
 _OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "all_reduce": (("tensor",), "all_reduce"),
@@ -43,6 +41,8 @@ _OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "monitored_barrier": ((), "one"),
 }
 ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
+# Point-to-point ops (semconv.P2P_OPS) by direction: a rank's k-th send to a peer is that peer's k-th receive from it
+_DIRECTIONS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "batch_isend_irecv": "batch"}
 # Point-to-point ops: the parameter that names the rank at the other end
 _PEERS = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 
@@ -119,7 +119,7 @@ class OpSpec:
     always_async: bool
     peer_index: int = -1
     peer_name: str | None = None  # the parameter that names the rank at the other end (send, recv, isend, irecv)
-    p2p: bool = False  # a point-to-point op: numbered per peer, apart from the group's collectives
+    p2p: str | None = None  # a point-to-point op's direction (send, recv, batch): numbered per direction and peer
 
     @classmethod
     def of(cls, name: str, function) -> OpSpec:
@@ -132,7 +132,7 @@ class OpSpec:
 
         peer_name = _PEERS.get(name) if _PEERS.get(name) in parameters else None
         return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"), name in ALWAYS_ASYNC,
-                   index(peer_name), peer_name, name in semconv.P2P_OPS)
+                   index(peer_name), peer_name, _DIRECTIONS.get(name))
 
     def peer(self, args, kwargs) -> int | None:
         """The global rank at the other end of a send or recv (None: any source)."""

@@ -68,8 +68,8 @@ class _Group:
     backend: str
     sequence: int = 0  # collectives issued on it so far (point-to-point calls apart)
     routes: dict = field(default_factory=dict)  # id(OpSpec) -> _Route
-    # Peer (its global rank; None for a batch_isend_irecv) -> sends and receives exchanged with it so far: a send and
-    # the recv that takes it carry the same number, and the ranks that do not take part keep the group's in step.
+    # (direction, peer's global rank) -> point-to-point calls so far: a rank's k-th send to a peer and that peer's k-th
+    # receive from it carry the same number, and the ranks that take no part keep the group's count in step.
     p2p: dict = field(default_factory=dict)
 
 
@@ -100,6 +100,7 @@ class CommObserver(Component):
         self._dtypes: dict[object, str] = {}
         # Async work handles until their wait(); weak, so a handle dropped unwaited takes its entry along.
         self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._polled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ended by is_completed(), until wait()
         # Wraps Work.wait, once, at the first async collective (set by the instrumentor): a synchronous
         # collective waits for its own work inside torch, and a wrapper there would pass every such wait
         # through for nothing (two per ZeRO-2 step).
@@ -138,15 +139,16 @@ class CommObserver(Component):
             return None
         route = group.routes.get(id(spec)) or self._route(spec, group)
         dtype = "" if tensor is None else self._dtypes.get(tensor.dtype) or self._dtype(tensor)
-        if spec.p2p:
+        if spec.p2p is not None:
             peer = spec.peer(args, kwargs) if spec.peer_name is not None else None
-            sequence = group.p2p.get(peer, 0)
-            group.p2p[peer] = sequence + 1
+            key = (spec.p2p, peer)
+            sequence = group.p2p.get(key, 0)
+            group.p2p[key] = sequence + 1
         else:
             sequence = group.sequence
             group.sequence = sequence + 1
         call = Collective(route, sequence, data_bytes, dtype, is_async, time.time_ns(), self._spans)
-        if spec.p2p:
+        if spec.p2p is not None:
             call.peer = peer
         # registry.active() inline for one engine: a frame fewer per collective.
         recorder = registry.active() if registry._several else registry._active
@@ -196,21 +198,54 @@ class CommObserver(Component):
 
     @fail_open
     def wait_failed(self, work, error: BaseException) -> None:
-        """``wait()`` raised (a timeout, an aborted communicator): the collective ends with the error."""
+        """``wait()`` raised (a timeout, an aborted communicator): the collective ends with the error; one that
+        ``is_completed()`` ended already takes the error (while its step is open, the step's span shows it)."""
         call = self._pending_async.pop(work, None)
         if call is not None:
             call.failure = Failure.of(error)
             self._finish(call)
+            return
+        call = self._polled.pop(work, None)
+        if call is not None:
+            call.failure = Failure.of(error)
 
-    def _finish(self, call: Collective) -> None:
-        if call.gpu_start is not None and call.failure is None:
-            # Recorded after the call (or its wait()): the current stream waits for the collective there.
+    @fail_open
+    def polled(self, work) -> None:
+        """``is_completed()`` returned True: the handle's end, on the host's clock (the current stream does not wait
+        for the collective there, so an event recorded now would lie behind whatever the stream queued). It says the
+        same of a failed collective: a ``wait()`` that raises later still gives it its error."""
+        call = self._pending_async.pop(work, None)
+        if call is not None:
+            self._polled[work] = call
+            call.remaining -= 1
+            if call.remaining == 0:
+                self._finish(call, on_stream=False)
+
+    @fail_open
+    def future_done(self, work, error) -> None:
+        """The handle's future completed, on whichever thread completed it (a backend's): the end, or its error; and
+        nothing that could wait or export there."""
+        call = self._pending_async.pop(work, None)
+        if call is None:
+            return
+        if error is not None:
+            call.failure = Failure.of(error)
+            self._finish(call, drain=False)
+            return
+        call.remaining -= 1
+        if call.remaining == 0:
+            self._finish(call, drain=False)
+
+    def _finish(self, call: Collective, on_stream: bool = True, drain: bool = True) -> None:
+        """``on_stream``: the current stream waits for the collective here (after the call, its ``wait()``, or in its
+        future's callbacks), so its end event can be recorded; ``drain`` False: a thread that must not export."""
+        if on_stream and call.gpu_start is not None and call.failure is None:
             call.gpu_end = call.timeline.event()
         call.end = time.time_ns()  # last: the emitter takes a set end as complete
         # Outside any step: its metrics only; none before the SDK is set up (the engine's own
         # start-up broadcasts), as the API would drop them.
         if not call.in_step and self._sdk_behind():
-            self._emitter.submit(call)
+            self._emitter.submit(call, drain)
 
     def _sdk_behind(self) -> bool:
         if not self._sdk_seen:
@@ -355,7 +390,7 @@ def _wait_wrapper(observer: CommObserver, original):
         try:
             result = original(self, *args, **kwargs)
         except BaseException as error:
-            if observer._pending_async:
+            if observer._pending_async or observer._polled:
                 observer.wait_failed(self, error)
             raise
         if observer._pending_async:
@@ -369,7 +404,7 @@ def _is_completed_wrapper(observer: CommObserver, original):
     def wrapper(self, *args, **kwargs):
         done = original(self, *args, **kwargs)
         if done and observer._pending_async:
-            observer.waited(self)
+            observer.polled(self)
         return done
 
     return wrapper
@@ -391,9 +426,9 @@ def _future_done(observer: CommObserver, work, future) -> None:
     try:
         future.value()  # raises what the collective raised; the value is not kept
     except Exception as error:  # noqa: BLE001 - the collective's own error, which the future's waiter sees
-        observer.wait_failed(work, error)
+        observer.future_done(work, error)
         return
-    observer.waited(work)
+    observer.future_done(work, None)
 
 
 class CommInstrumentor(BaseInstrumentor):

@@ -271,6 +271,28 @@ def test_exposed_communication_over_its_share_is_communication():
     assert analyse(synthetic_job(8, transfer=2.0))["verdict"]["layer"] == "none"
 
 
+def test_a_send_is_not_joined_with_the_collective_that_shares_its_number():
+    """Sends and receives are numbered per peer: send 3 of rank 0 is not all-reduce 3 of the group, and rank 0's wait
+    in that all-reduce is rank 1's late arrival (400 ns), not the send's time."""
+
+    def span(name, rank, start, end, parent="", **attributes):
+        return Span(name, f"t{rank}", f"{name}-{rank}-{start}", parent, start, end, "job", rank, attributes)
+
+    spans = []
+    for rank in (0, 1):
+        root = f"training.step-{rank}-0"
+        spans += [span("training.step", rank, 0, 2000, **{semconv.TRAINING_STEP: 1}),
+                  span("training.forward", rank, 0, 1500, root),
+                  span("comm.all_reduce", rank, 1000 + 400 * rank, 1500, root,
+                       **{semconv.COMM_SEQUENCE: 3, semconv.COMM_OP: "all_reduce"})]
+    spans.append(span("comm.send", 0, 100, 900, "training.step-0-0",
+                      **{semconv.COMM_SEQUENCE: 3, semconv.COMM_OP: "send", semconv.COMM_PEER_RANK: 2}))
+    analysis = Analysis()
+    analysis.add(spans)
+    parts = analysis.result()["ranks"][0]["typical"]["parts"]
+    assert parts["comm_wait"] == pytest.approx(400e-9)
+
+
 def test_findings_are_ranked_by_the_time_they_cost():
     stall = every(5, 200, rank=1)
     report = analyse(synthetic_job(25, extra=lambda r, s: {**stall(r, s), **({"forward": 15} if r == 0 else {})}))

@@ -222,6 +222,20 @@ def test_point_to_point_calls_do_not_count_as_the_group_s_collectives():
     assert finding["summary"].startswith("rank 1 stopped in step 8 before collective (group: sequence) 1: 49")
 
 
+def test_a_rank_waiting_in_recv_names_the_peer_that_stopped_without_a_report():
+    """A pipeline: rank 0 waits in a recv from rank 1, which stopped with no report of its own (dead, or not yet
+    past its threshold). Sends and receives are numbered per peer: no collective of the group names rank 1."""
+    hangs = Hangs()
+    _steps(hangs, 0, 7, [(10, "send", 64, "float32"), (11, "recv", 64, "float32")])
+    _steps(hangs, 1, 7, [(10, "recv", 64, "float32"), (11, "send", 64, "float32")])
+    report = _report(0, phase="forward", collective=("recv", 12))
+    report.attributes[semconv.COMM_PEER_RANK] = 1
+    hangs.add(report)
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] == 1 and finding["summary"].startswith("rank 1 stopped in step 8, with no hang report")
+    assert "rank 0 waits for rank 1 in recv (group 1, sequence 12, 540160 bytes, peer rank 1)" in finding["summary"]
+
+
 def test_the_html_report_shows_a_hangs_stacks_escaped():
     hangs = Hangs()
     for rank in (0, 1):

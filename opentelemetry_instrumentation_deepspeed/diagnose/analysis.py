@@ -166,10 +166,12 @@ class Analysis:
             elif span.name.startswith(semconv.SPAN_COMM_PREFIX) and not pipeline.is_transfer(span):  # pipeline: bubble
                 attributes = span.attributes
                 group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
+                # Joined by sequence across the group's ranks; a send or recv is numbered per peer (semconv.P2P_OPS).
+                if span.name.removeprefix(semconv.SPAN_COMM_PREFIX) in semconv.P2P_OPS:
+                    sequence = None
                 if not attributes.get(semconv.COMM_ASYNC):
                     self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
-                # Joined by sequence across the group's ranks; a send or recv is numbered per peer (semconv.P2P_OPS).
-                if sequence is not None and span.name.removeprefix(semconv.SPAN_COMM_PREFIX) not in semconv.P2P_OPS:
+                if sequence is not None:
                     self._collectives[(span.job, group, sequence)][span.rank] = span.start
                 if attributes.get(semconv.COMM_BUSBW):
                     self._busbw[span.name.removeprefix(semconv.SPAN_COMM_PREFIX)].append(

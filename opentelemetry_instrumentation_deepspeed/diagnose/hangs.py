@@ -160,7 +160,11 @@ class Hangs:
         missing: dict[int, set] = defaultdict(set)  # stopped rank -> collectives it never reached
         for rank, report in waiting.items():
             if report.attributes.get(semconv.COMM_OP) in _P2P:
-                continue  # it waits for its peer (named in its report), not for a collective of the group
+                # It waits for its peer, not for the group: a peer with no report of its own is the one stopped.
+                peer = report.attributes.get(semconv.COMM_PEER_RANK)
+                if peer is not None and peer != rank and peer not in latest:
+                    missing.setdefault(peer, set())  # named stopped, with no collective of the group to name
+                continue
             group = report.attributes.get(semconv.COMM_GROUP_NAME, "0")
             sequence = report.attributes[semconv.COMM_SEQUENCE]
             for other in ranks:
@@ -196,9 +200,10 @@ class Hangs:
             reached = ", ".join(f"{group}: {sequence}" for group, sequence in sorted(never or ()))
             last = self._last_step.get((job, rank))
             in_step = f" in step {last + 1}" if last is not None else ""
-            return (f"rank {rank} stopped{in_step} before {'collective' if len(never or ()) == 1 else 'collectives'} "
-                    f"(group: sequence) {reached}, with no hang report of its own (not yet past its threshold, "
-                    "dead, or its watchdog off)")
+            before = (f" before {'collective' if len(never) == 1 else 'collectives'} (group: sequence) {reached}"
+                      if never else "")  # none: a peer a send or recv waits for
+            return (f"rank {rank} stopped{in_step}{before}, with no hang report of its own (not yet past its "
+                    "threshold, dead, or its watchdog off)")
         text = f"rank {rank} stopped {_place(report.attributes)}"
         attributes = report.attributes
         if attributes.get(semconv.COMM_SEQUENCE) is not None:

@@ -150,19 +150,29 @@ def test_a_grad_scaler_skipping_an_overflow_step_still_ends_it(traced, name_the_
     assert micro_steps(spans, "training.forward") == micro_steps(spans, "training.backward") == [0] * 4
 
 
-def test_the_step_loss_is_the_loop_s_own_under_accumulation_and_a_grad_scaler(traced):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_step_loss_is_the_loop_s_own_under_accumulation_and_a_grad_scaler(traced, request, sharded):
     """The usual recipe: each micro-batch's loss divided by the accumulation count, scaled for the backward. The step
-    reports what the loop prints, not the scaled (x 65536) or divided (/ 2) value its backwards get."""
+    reports what the loop prints, not the scaled (x 65536) or divided (/ 2) value its backwards get; also where the
+    loss handed to the scaler is a temporary, gone by the backward, and under FSDP's own scaler."""
     model = nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
+    if sharded:  # its unscaling all-reduces the overflow flag: a process group of one
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+            request.addfinalizer(torch.distributed.destroy_process_group)
+        scaler = ShardedGradScaler("cpu")
+    else:
+        scaler = torch.amp.GradScaler("cpu")
     trace_training(model, optimizer)
     printed = []
     for _ in range(3):
         total = 0.0
-        for _ in range(2):
+        for micro in range(2):
             loss = model(torch.randn(3, 4)).pow(2).mean() / 2
-            scaler.scale(loss).backward()
+            scaler.scale(loss if micro else loss * 1.0).backward()  # micro-batch 0: a temporary
             total += loss.item()
         scaler.step(optimizer)
         scaler.update()

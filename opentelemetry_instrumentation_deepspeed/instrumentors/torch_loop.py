@@ -296,7 +296,7 @@ def _backward(backward):
         loss = tensors if getattr(tensors, "ndim", None) == 0 else None
         scaled = getattr(_depth, "scaled", None)
         if scaled is not None and loss is not None and scaled[0]() is loss:
-            loss = scaled[1]()  # the loss GradScaler.scale() was given: its value does not move with the scale
+            loss = scaled[1]  # the loss GradScaler.scale() was given, as taken then: it does not move with the scale
         phase = recorder.backward_started(loop, loss=loss)
         try:
             result = backward(*args, **kwargs)
@@ -369,12 +369,16 @@ def _scaler_step(step):
 
 
 def _scaler_scale(scale):
-    """``GradScaler.scale(loss)``: the scaled loss is what the backward gets; the loss is what the step reports."""
+    """``GradScaler.scale(loss)``: the scaled loss is what the backward gets; the loss is what the step reports. It
+    is taken here (a host float, or a pending copy on CUDA), as the backward would have taken it: the loss may be a
+    temporary that no one references by the backward (``scaler.scale(compute_loss()).backward()``)."""
 
     def wrapper(self, outputs, *args, **kwargs):
         result = scale(self, outputs, *args, **kwargs)
         if getattr(outputs, "ndim", None) == 0:
-            _depth.scaled = (weakref.ref(result), weakref.ref(outputs))  # weak: the user's tensors, not ours
+            _loop, recorder = _recorder()
+            if recorder is not None:
+                _depth.scaled = (weakref.ref(result), recorder.take(outputs))  # weak: the user's tensor
         return result
 
     return wrapper
@@ -392,7 +396,12 @@ def _observe_steps_and_backwards() -> None:
             _state.patches.wrap(module.GradScaler, "step", _scaler_step)
             _state.patches.wrap(module.GradScaler, "scale", _scaler_scale)
 
+    def patch_sharded_scaler(module):  # FSDP's scaler has a scale() of its own
+        if _state.patches is not None and _state.patches.active:
+            _state.patches.wrap(module.ShardedGradScaler, "scale", _scaler_scale)
+
     when_imported("torch.amp.grad_scaler", patch_scaler)
+    when_imported("torch.distributed.fsdp.sharded_grad_scaler", patch_sharded_scaler)
 
 
 class TorchTrainingInstrumentor(BaseInstrumentor):

@@ -238,6 +238,10 @@ class StepRecorder(Component):
     def step_number(self) -> int | None:
         return self._number
 
+    def take(self, tensor):
+        """A scalar as a backward's loss is kept (``scalars.take``), taken ahead of it (a plain loop's scaled loss)."""
+        return scalars.take(tensor, self._device_scalars)
+
     def comm_issued(self, collective) -> None:
         """A collective issued now joins the open step, under the running phase (the emitter counts them,
         and keeps their spans within the span limit). Any thread may call this (backward hooks run on autograd's)."""

@@ -56,8 +56,9 @@ class DeviceScalars:
 
 
 def take(tensor, ring: DeviceScalars | None):
-    """A host float now, a ``Pending`` copy of a CUDA scalar, or None (another device, not a tensor)."""
-    if isinstance(tensor, float):
+    """A host float now, a ``Pending`` copy of a CUDA scalar, or None (another device, not a tensor); one taken
+    already is kept as it is."""
+    if isinstance(tensor, (float, Pending)):
         return tensor
     if getattr(tensor, "is_cuda", None):
         if ring is None or (tensor.ndim and tensor.numel() != 1):  # more than one element is no loss or norm

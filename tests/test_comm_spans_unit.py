@@ -131,7 +131,8 @@ def test_a_step_that_does_not_close_keeps_a_bounded_record_and_counts_the_rest(o
     spans_out = exporter.get_finished_spans()
     (step,) = named(spans_out, "training.step")
     assert step.attributes["training.step.micro_batches"] == 6
-    assert step.attributes["training.step.phases_dropped"] == 13 - 4
+    assert step.attributes["training.step.phases_dropped"] == 12 - 4, "forwards and backwards; the optimizer's kept"
+    assert len(named(spans_out, "training.optimizer.step")) == 1
     assert step.attributes["comm.count"] == 6
     assert step.attributes.get("comm.spans_dropped") == (1 if spans else None), "the sixth one, past the limit"
     assert "training.loss" not in step.attributes, "two micro-batches' losses are not the step's"

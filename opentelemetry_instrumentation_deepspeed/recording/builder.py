@@ -196,7 +196,7 @@ class StepBuilder(Component):
         phase.schedstat_start = schedstat
         if event == Event.FORWARD:
             phase.inputs = inputs
-        if len(record.phases) < MAX_PHASES:
+        if len(record.phases) < MAX_PHASES or event == Event.OPTIMIZER:  # the step's close: always its own span
             record.phases.append(phase)
             if payload is not None and event in _LOSS_TAKEN:
                 record.losses.append(payload)

@@ -86,6 +86,23 @@ def test_a_background_thread_s_fetches_are_no_waits_of_the_loop(recorded):
     assert len(records) == 2 and [record.waits for record in records] == [[], []]
 
 
+def test_an_engine_built_on_one_thread_and_trained_on_another_keeps_its_waits(recorded):
+    """A harness builds the engine on its main thread and trains on a worker's: the thread that opens the steps is the
+    training thread from then on (the first step's fetches before it opened were the builder's thread's to make)."""
+    engine, records = recorded
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, collate_fn=collate)
+
+    def train():
+        for _batch in loader:
+            train_micro_batch(registry.active(), engine)
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    assert [len(record.waits) for record in records] == [1, 2]
+    assert registry.active().thread == worker.ident
+
+
 def test_diagnose_counts_a_wait_fetched_ahead_in_the_step_it_blocked():
     """Step 2's first micro-batch was fetched during step 1: its wait is step 2's child, step 1's time."""
     from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis

@@ -33,6 +33,7 @@ from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fa
 
 __all__ = ["TRACING_FAILED", "StepRecorder"]
 
+_get_ident = threading.get_ident
 # The profiler's per-step calls are guarded here, where the recorder calls them, not by fail_open: a frame fewer at
 # each step's opening and close. What the log names on a failure:
 _STEP_OPENED = "StepProfiler.step_opened"
@@ -54,7 +55,9 @@ class StepRecorder(Component):
                  device_scalars=None):
         super().__init__("step tracing")
         self.facts = facts  # carried by every record, for the emitter: static attributes, where spans go
-        self.thread = threading.get_ident()  # the training thread: the one that builds the engine
+        # The training thread: the one that builds the engine, until one opens its steps (a harness may build it on
+        # one thread and train on another). The data loader's wrapper times its fetches only; the watchdog reads it.
+        self.thread = threading.get_ident()
         self._submit = submit
         self.profiler = profiler
         self._gpu = gpu  # a GpuTimeline on CUDA: each phase also gets its GPU-side interval
@@ -344,6 +347,7 @@ class StepRecorder(Component):
 
     def _open(self, engine) -> tuple[int, bool, int]:
         number = self._number = engine.global_steps + 1
+        self.thread = _get_ident()
         fetched, self._fetch_start = self._fetch_start, None
         # Where the step starts: its first fetch, else here, before the profiler starts (the clock is read only then).
         start = self._step_start = fetched if fetched is not None else time.time_ns()

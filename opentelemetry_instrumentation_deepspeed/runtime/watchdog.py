@@ -76,11 +76,10 @@ def threshold(recent: list[float] | deque, floor: float) -> float:
 class _Watched:
     """The watchdog's view of one recorder."""
 
-    __slots__ = ("durations", "engine", "idle_since", "last", "next_report", "recorder", "reported", "thread", "where")
+    __slots__ = ("durations", "engine", "idle_since", "last", "next_report", "recorder", "reported", "where")
 
-    def __init__(self, recorder, thread: int, engine=None):
+    def __init__(self, recorder, engine=None):
         self.recorder = recorder
-        self.thread = thread  # the thread that built the engine: the one that trains
         # Its engine, weakly: once it is gone the entry leaves (a sweep or an evaluation harness builds engine
         # after engine, each recorder holding its facts, a file descriptor among them). None: watched for good.
         self.engine = None if engine is None else weakref.ref(engine)
@@ -92,6 +91,11 @@ class _Watched:
         self.idle_since: int | None = None
         self.where = None
         self.reported: HangReport | None = None  # the last report made with no step open, until the thread moves
+
+    @property
+    def thread(self) -> int:
+        """The training thread: the one that built the engine, until one opens its steps (``StepRecorder.thread``)."""
+        return self.recorder.thread
 
 
 class Watchdog(Component):
@@ -112,7 +116,7 @@ class Watchdog(Component):
     def watch(self, recorder, meter=None, start: bool = True, engine=None) -> None:
         """``start``: the thread and the signals (False: tests call ``check`` themselves); ``engine``: the one
         ``recorder`` records, whose end ends the watch."""
-        self._watched.append(_Watched(recorder, threading.get_ident(), engine))
+        self._watched.append(_Watched(recorder, engine))
         if meter is not None and not any(known is meter for known in self._meters):
             self._meters.append(meter)
             meter.create_observable_gauge(

@@ -90,24 +90,31 @@ def test_a_custom_loop_opts_in_and_names_its_step_optimizer(traced):
 
 def test_a_pass_without_gradients_in_training_mode_keeps_the_wait_an_evaluation_drops(traced):
     """Pseudo-labelling runs the model without gradients on the batch the step then trains on; an evaluation (eval
-    mode) was fed by the waits before it, which no training step had."""
+    mode, or an evaluation loop under no_grad alone: a fetch follows its passes) was fed by the waits before it."""
     model = nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trace_training(model, optimizer)
     recorder = registry.active()
-    for evaluation in (False, True):
+
+    def fetch():  # as the loader's wrapper reports one
         now = time.time_ns()
-        recorder.data_waited(now - 1_000_000, now)  # as the loader's wrapper reports a fetch
-        model.train(not evaluation)
-        with torch.no_grad():
-            model(torch.randn(3, 4))
+        recorder.data_waited(now - 1_000_000, now)
+
+    for before in ("pseudo-labels", "evaluation", "evaluation in training mode"):
+        for _ in range(1 if before == "pseudo-labels" else 3):
+            fetch()
+            model.train(before != "evaluation")
+            with torch.no_grad():
+                model(torch.randn(3, 4))
+        if before != "pseudo-labels":
+            fetch()  # the step's own batch
         model.train()
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
     spans = traced()
     steps = {span.context.span_id: span.attributes["training.step"] for span in spans if span.name == "training.step"}
-    assert sorted(steps.values()) == [1, 2]
-    assert [steps[span.parent.span_id] for span in spans if span.name == "training.data.wait"] == [1]
+    assert sorted(steps.values()) == [1, 2, 3]
+    assert sorted(steps[span.parent.span_id] for span in spans if span.name == "training.data.wait") == [1, 2, 3]
 
 
 def test_no_loop_beside_a_deepspeed_engine(traced):

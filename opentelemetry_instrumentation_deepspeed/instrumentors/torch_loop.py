@@ -207,8 +207,11 @@ def _ddp_forward(forward):
             return forward(self, *args, **kwargs)
         if not (self.training and sys.modules["torch"].is_grad_enabled()):
             # No phase. An evaluation (eval mode) was fed by the waits since the last step; a pass without
-            # gradients in training mode (pseudo-labels, a probe) takes the batch the step trains on next.
-            if not self.training:
+            # gradients in training mode is one if a fetch follows it, else a pseudo-labelling pass on the batch the
+            # step trains on next.
+            if self.training:
+                recorder.without_gradients()
+            else:
                 recorder.not_training()
             return forward(self, *args, **kwargs)
         _depth.value = 1
@@ -257,7 +260,9 @@ def _hook_forward(module) -> None:
         if recorder is None:
             return
         if not (hooked.training and sys.modules["torch"].is_grad_enabled()):
-            if not hooked.training:  # as in _ddp_forward
+            if hooked.training:  # as in _ddp_forward
+                recorder.without_gradients()
+            else:
                 recorder.not_training()
             return
         _depth.phase = recorder.forward_started(loop, args, kwargs)

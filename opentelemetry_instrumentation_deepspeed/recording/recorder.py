@@ -80,6 +80,9 @@ class StepRecorder(Component):
         self.inputs: deque = deque(maxlen=max_waits + 1)
         self.pad_token_id = input_batches.pad_token_id(engine, env.pad_token_id())
         self._skipped_before = 0
+        # A forward without gradients in training mode ran since the last fetch: a pseudo-labelling pass if a forward
+        # with gradients comes next, an evaluation's (whose fetches fed no step) if a fetch does.
+        self._no_grad_pass = False
         self._losses = False  # a loss was taken in the open step (on CUDA its copy needs the step's event)
         # The training thread's schedstat, read as steps close (on a quiet host, a close QUIET_READS_EVERY after the
         # last read): its wait for a CPU; and as each phase starts and ends while the emitter's figures say it
@@ -124,6 +127,8 @@ class StepRecorder(Component):
 
     @fail_open
     def data_waited(self, start: int, end: int) -> None:
+        if self._no_grad_pass:
+            self.not_training()
         if self.state == State.IDLE:
             if self._fetch_start is None:
                 self._fetch_start = start
@@ -135,15 +140,21 @@ class StepRecorder(Component):
     @fail_open
     def not_training(self) -> None:
         """An evaluation forward: waits (and batches) so far fed it, not the next step."""
+        self._no_grad_pass = False
         self.inputs.clear()
         self._fetch_start = None
         self._fire(Event.EVALUATION)
         if self.state == State.IDLE and len(self._log) >= IDLE_LOG_LIMIT:
             self._hand_over()
 
+    def without_gradients(self) -> None:
+        """A forward without gradients in training mode: no phase; what it was is known at the next forward or fetch."""
+        self._no_grad_pass = True
+
     @fail_open
     def forward_started(self, engine, args=(), kwargs=None) -> int | None:
         """The forward's phase (a number to hand back at its end); None where it is no phase of its own."""
+        self._no_grad_pass = False
         row = self._rows[self.state, Event.FORWARD]
         if row is None:
             return None

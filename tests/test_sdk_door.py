@@ -5,8 +5,12 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import io
 import json
 import logging
+import os
+import signal
+import time
 from pathlib import Path
 
 import opentelemetry
@@ -14,7 +18,13 @@ import pytest
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.metrics._internal import _ProxyMeterProvider
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, ObservableCounter, UpDownCounter
-from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader, MetricsData
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    ConsoleMetricExporter,
+    InMemoryMetricReader,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -326,3 +336,33 @@ def test_a_new_attribute_dict_per_point_is_counted_and_does_not_grow_the_door():
     assert sum(point.count for point in points) == 3000
     kept = [cell.cell_contents for cell in record.__closure__ if isinstance(cell.cell_contents, dict)]
     assert kept and all(len(routes) <= sdk._ROUTES_KEPT for routes in kept)
+
+
+def test_a_forked_child_stops_the_export_threads_without_an_event_a_parent_s_thread_held():
+    """A parent's thread inside an Event (a reader's ticker waking, a span ending) holds its lock at the fork, for
+    good in the child: setting that Event there waited forever (a DataLoader worker that never started)."""
+    reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=io.StringIO()), export_interval_millis=60_000)
+    meter_provider = MeterProvider([reader])
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
+    try:
+        with reader._shutdown_event._cond:  # held at the fork, as by a parent's thread inside the Event
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    sdk.stop_threads_in_child(tracer_provider, meter_provider)
+                    code = 0
+                finally:
+                    os._exit(code)
+        deadline = time.monotonic() + 20
+        while (finished := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if finished[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child hung stopping the export threads")
+        assert os.waitstatus_to_exitcode(finished[1]) == 0
+    finally:
+        tracer_provider.shutdown()
+        meter_provider.shutdown()

@@ -366,33 +366,40 @@ def otlp_aggregation(preferred: dict | None) -> dict:
 # -- forked children -------------------------------------------------------------------------------
 
 
-def stop_threads_in_child(tracer_provider, meter_provider) -> None:
+def stop_threads_in_child(tracer_provider, meter_provider, logger_provider=None) -> None:
     """In a forked child: stop the export threads the SDK's own at-fork hooks restart, exporting nothing.
 
     Whether those hooks ran before this or run after it (they registered when the SDK's objects
     were built), the threads end at once: a batch processor's worker sees it is shut down, a
     reader's ticker sees its event set and its last collection is a no-op (it would take locks a
     parent's thread may have held at fork). No public API stops them without a last export.
+
+    Nothing made in the parent is waited on or set: a parent's thread may have held an Event's lock at
+    the fork, and setting it would wait forever (a DataLoader worker that never starts, 2 forks in 1,000
+    under load). A batch processor's worker is woken only where the SDK's hook made it, with a fresh
+    Event, already; a reader's Event is replaced by a set one, which its ticker reads at each turn.
     """
     if not _internals():
         return
-    threads = []
-    for processor in span_processors(tracer_provider):
+    multi = getattr(logger_provider, "_multi_log_record_processor", None)
+    woken = []
+    for processor in (*span_processors(tracer_provider), *getattr(multi, "_log_record_processors", ())):
         batch = getattr(processor, "_batch_processor", None)
         if batch is not None:
             batch._shutdown = True
-            batch._worker_awaken.set()
-            threads.append(getattr(batch, "_worker_thread", None))
+            worker = getattr(batch, "_worker_thread", None)
+            if worker is not None and worker.is_alive():  # the child's own: the SDK's hook ran first
+                batch._worker_awaken.set()
+                woken.append(worker)
     for reader in metric_readers(meter_provider):
-        stop = getattr(reader, "_shutdown_event", None)
-        if stop is not None:
+        if getattr(reader, "_shutdown_event", None) is not None:
             reader.collect = _nothing
-            stop.set()
-            threads.append(getattr(reader, "_daemon_thread", None))
+            stopped = threading.Event()
+            stopped.set()
+            reader._shutdown_event = stopped
     # Their last export is dropped (wrong pid).
-    for thread in threads:
-        if thread is not None and thread.is_alive():
-            thread.join(timeout=1.0)
+    for thread in woken:
+        thread.join(timeout=1.0)
 
 
 def _nothing(*_args, **_kwargs) -> None:

@@ -359,5 +359,5 @@ def _default_sigterm() -> None:
 def _stop_sdk() -> None:
     from opentelemetry_instrumentation_deepspeed.export import sdk
 
-    sdk.stop_threads_in_child(*_providers[:2])
+    sdk.stop_threads_in_child(*_providers)
     sdk.reset_global_providers()

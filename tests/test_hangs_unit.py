@@ -109,6 +109,33 @@ def test_an_engine_dropped_leaves_the_watch_and_its_recorder_goes(monkeypatch):
     assert len(dog._watched[0].durations) == 1, "the engine that lives is watched still"
 
 
+@pytest.mark.parametrize("reported", [False, True])
+def test_sigint_in_a_long_native_call_is_taken_over_only_once_reported_stuck(monkeypatch, reported):
+    """Ctrl-C while the training thread is in a long native call (a large matmul, a slow save): KeyboardInterrupt comes
+    as it returns, and the program's own handling (a last checkpoint) runs, as without us. Only a thread the watchdog
+    reported stuck past its threshold (a collective waiting for a dead peer) has its telemetry written by the
+    watchdog's thread, which then dies by the signal."""
+    recorder, _engine, _ = recorder_on(0)
+    dog = watchdog.Watchdog(floor=2.0)
+    dog.watch(recorder, start=False)
+    release = threading.Event()
+    blocked = threading.Thread(target=release.wait)  # in native code, where no handler runs
+    blocked.start()
+    taken_over = []
+    monkeypatch.setattr(lifecycle, "GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(lifecycle, "finish_elsewhere", lambda signum, reason, spent: taken_over.append(reason))
+    monkeypatch.setattr(watchdog.signal, "getsignal", lambda _signum: watchdog.signal.default_int_handler)
+    try:
+        recorder.thread = blocked.ident
+        if reported:
+            dog._watched[0].next_report = 60.0  # a report was made for the open step, which has not moved since
+        dog._signalled(watchdog.signal.SIGINT)
+    finally:
+        release.set()
+        blocked.join()
+    assert taken_over == ([lifecycle.INTERRUPTED] if reported else [])
+
+
 def test_a_failed_step_does_not_count_as_a_step_time():
     recorder, engine, _ = recorder_on(0, job="failed-step")
     dog = watchdog.Watchdog(floor=1.0)

@@ -317,12 +317,19 @@ class Watchdog(Component):
             time.sleep(0.05)
         if lifecycle.finishing() or not any(before):
             return
-        if signum == signal.SIGINT and self._positions() != before:
-            return  # the training thread moved: KeyboardInterrupt reached it, the program decides
+        if signum == signal.SIGINT and (self._positions() != before or not self._stuck()):
+            # The training thread moved (KeyboardInterrupt reached it), or it is in a long native call it has not
+            # been reported stuck in (a large matmul, a slow save): KeyboardInterrupt comes as the call returns,
+            # and the program's own handling (a last checkpoint) runs, as without us.
+            return
         # SIGTERM: its handler did not start within the grace period; the default action is death anyway.
         _logger.warning("opentelemetry-instrumentation-deepspeed: %s while the training thread is blocked; "
                         "writing the telemetry from the watchdog's thread", signal.Signals(signum).name)
         lifecycle.finish_elsewhere(signum, reason, spent=time.monotonic() - arrived)  # the budget runs from the signal
+
+    def _stuck(self) -> bool:
+        """Whether a watched thread has been reported stuck (past its threshold) and has not moved since."""
+        return any(watched.next_report > 0 or watched.reported is not None for watched in list(self._watched))
 
     def _positions(self) -> list:
         """Where each watched thread is (its innermost frame and instruction; None once it ended), step

@@ -170,6 +170,27 @@ def test_a_forked_child_runs_its_stages_in_order_and_none_of_the_exit():
     assert {pid for pid, _ in _lines(result, "exit")} == {parent}
 
 
+def test_a_multiprocessing_child_that_trains_runs_its_stages_though_it_ends_in_os_exit():
+    """A rank in a child that multiprocessing forked (torch's start_processes, Accelerate's notebook_launcher): its
+    Process ends in os._exit, past atexit; its final flush ran nowhere (0 files written)."""
+    result = _run("""
+        import multiprocessing
+
+        def rank():
+            lifecycle.install(Provider("traces"), Provider("metrics"))  # the child builds its engine
+
+        child = multiprocessing.get_context("fork").Process(target=rank)
+        child.start()
+        child.join()
+        say("child", child.pid, "exit code", child.exitcode)
+    """)
+    assert result.returncode == 0, result.stderr
+    (_, said), = [line for line in _lines(result, "child") if "exit code" in line[1]]
+    child, code = said.split()[0], said.split()[-1]
+    assert code == "0"
+    assert [rest for pid, rest in _lines(result, "shutdown") if pid == child] == ["traces", "metrics"]
+
+
 def test_stages_are_checked():
     with pytest.raises(ValueError, match="not one of the stages"):
         lifecycle.at_exit("flush", print)

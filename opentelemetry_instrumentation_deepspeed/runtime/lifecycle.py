@@ -42,7 +42,9 @@ its handlers under a stage, and the order is the list's, not the order of regist
   counts from the signal, grace period included), then the process dies by the signal
   (``finish_elsewhere``), with its telemetry out.
 
-The exit stages run once, in the process that registered them (never in a forked child). In a
+The exit stages run once, in the process that registered them (never in a forked child), at its
+``atexit``; in a child that multiprocessing started and that trains (registered there), also at its
+Process's end, which ``os._exit`` follows past ``atexit``. In a
 process whose SDK the application set up, ``install`` is not called: handlers registered there
 (the profiler's stop, the collectives' last GPU times) still run at exit, and the stages that
 need this project's providers have none. Importing this module registers nothing, and it
@@ -104,6 +106,7 @@ _in_child: dict[str, list[Callable[[], None]]] = {stage: [] for stage in FORK_OR
 _providers: tuple = (None, None, None)
 _pid: int | None = None  # the process whose exit this is: set when the first exit handler registers
 _fork_hooked = False
+_finalized: int | None = None  # the multiprocessing child whose finalizers run the exit stages
 _wired = False
 _finished = threading.Lock()
 _done = threading.Event()
@@ -262,11 +265,17 @@ def _run_exit_stage(stage: str, reason: str) -> None:
 
 
 def _hook_exit() -> None:
-    global _pid  # noqa: PLW0603
+    global _pid, _finalized  # noqa: PLW0603
     _pid = os.getpid()
     # Handlers run last registered first: moved to the end, ours runs before anything registered until now.
     atexit.unregister(finish)
     atexit.register(finish, EXITED)
+    # A multiprocessing child started by fork (torch's start_processes, Accelerate's notebook_launcher) ends in
+    # os._exit, past atexit: its Process bootstrap runs multiprocessing's finalizers as it returns.
+    multiprocessing = sys.modules.get("multiprocessing")
+    if _finalized != _pid and multiprocessing is not None and multiprocessing.parent_process() is not None:
+        _finalized = _pid
+        sys.modules["multiprocessing.util"].Finalize(None, finish, args=(EXITED,), exitpriority=100)
 
 
 def _hook_fork() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import pytest
 from opentelemetry.context import Context
@@ -109,8 +110,9 @@ def test_step_ids_are_deterministic_and_distinct():
 
 
 def test_ranks_join_one_trace_under_rank_0s_root():
-    rank0, engine0, spans0 = recorder_on(0)
-    rank1, engine1, spans1 = recorder_on(1)
+    job = uuid.uuid4().hex  # a job of its own: this process built other tests' engines on "its" ranks
+    rank0, engine0, spans0 = recorder_on(0, job=job)
+    rank1, engine1, spans1 = recorder_on(1, job=job)
     for _ in range(3):
         train_step(rank0, engine0)
         train_step(rank1, engine1)
@@ -125,8 +127,9 @@ def test_ranks_join_one_trace_under_rank_0s_root():
 
 def test_sampling_decision_is_the_same_on_every_rank():
     sampler = ParentBased(TraceIdRatioBased(0.5))
-    rank0, engine0, spans0 = recorder_on(0, sampler)
-    rank1, engine1, spans1 = recorder_on(1, sampler)
+    job = uuid.uuid4().hex  # as above
+    rank0, engine0, spans0 = recorder_on(0, sampler, job=job)
+    rank1, engine1, spans1 = recorder_on(1, sampler, job=job)
     for _ in range(40):
         train_step(rank0, engine0)
         train_step(rank1, engine1)
@@ -136,6 +139,22 @@ def test_sampling_decision_is_the_same_on_every_rank():
 
     assert kept(spans0) == kept(spans1)
     assert 5 < len(kept(spans0)) < 35
+
+
+def test_a_ranks_second_engine_traces_its_steps_apart_from_the_first_s_alike_on_every_rank():
+    """An RL job's actor and critic, or an engine rebuilt in the same process: its step 1 is not the first engine's
+    (one trace and one root span id for both); every rank counts its engines alike."""
+    job = uuid.uuid4().hex
+    built = [[recorder_on(rank, job=job) for rank in (0, 1)] for _engine in range(2)]
+    roots = []
+    for engine_recorders in built:
+        for rank, (recorder, engine, spans) in enumerate(engine_recorders):
+            train_step(recorder, engine)
+            (step,) = [span for span in spans.get_finished_spans() if span.name == "training.step"]
+            roots.append((step.context.trace_id, step.parent.span_id, rank))
+    (first0, first1), (second0, second1) = roots[:2], roots[2:]
+    assert first0[:2] == first1[:2] and second0[:2] == second1[:2], "each engine's step 1: one trace on every rank"
+    assert first0[0] != second0[0] and first0[1] != second0[1]
 
 
 @pytest.mark.parametrize("sampler", [ParentBased(TraceIdRatioBased(0.3)), TraceIdRatioBased(0.7), ALWAYS_OFF,

@@ -68,7 +68,8 @@ class StepFacts:
         _flush_first(writer.provider)
         self.metrics = metrics
         self.emits_root = identity.rank == 0  # rank 0 emits each step's root, under the ids every rank derives
-        self.step_ids = trace_ids.StepIds(identity.job_id, trace_ids.root_decision(writer.sampler))
+        self.step_ids = trace_ids.StepIds(identity.job_id, trace_ids.root_decision(writer.sampler),
+                                          trace_ids.engine_ordinal(identity.job_id, identity.rank))
         self.root_attributes = {semconv.TRAINING_STEP_SAMPLES: engine.train_batch_size(),
                                 semconv.TRAINING_WORLD_SIZE: identity.world_size}
         self.static = {

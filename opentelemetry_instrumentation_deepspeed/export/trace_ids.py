@@ -19,12 +19,25 @@ SAMPLED = TraceFlags(TraceFlags.SAMPLED | _RANDOM)
 NOT_SAMPLED = TraceFlags(_RANDOM)
 
 
-def step_ids(job_id: str, step: int) -> tuple[int, int]:
-    """(trace id, root span id) of global step ``step`` of job ``job_id``."""
-    digest = hashlib.blake2b(f"{job_id}\0{step}".encode(), digest_size=24, person=b"otel-ds-step").digest()
+def step_ids(job_id: str, step: int, engine: int = 0) -> tuple[int, int]:
+    """(trace id, root span id) of global step ``step`` of job ``job_id``; of the rank's ``engine``-th engine after
+    its first (a second engine's step 1, or a rebuilt one's, is another step than the first's)."""
+    key = f"{job_id}\0{step}" if not engine else f"{job_id}\0{step}\0{engine}"
+    digest = hashlib.blake2b(key.encode(), digest_size=24, person=b"otel-ds-step").digest()
     trace_id = int.from_bytes(digest[:16], "big") or 1
     span_id = int.from_bytes(digest[16:], "big") or 1
     return trace_id, span_id
+
+
+_engines: dict[tuple[str, int], int] = {}  # (job id, rank) -> engines whose steps it traced so far
+
+
+def engine_ordinal(job_id: str, rank: int) -> int:
+    """How many engines this rank built before this one: engines are built collectively, in one order on every rank,
+    so each rank counts the same."""
+    ordinal = _engines.get((job_id, rank), 0)
+    _engines[job_id, rank] = ordinal + 1
+    return ordinal
 
 
 class StepIds:
@@ -34,8 +47,9 @@ class StepIds:
 
     _BLOCK = 64
 
-    def __init__(self, job_id: str, decide=None):
+    def __init__(self, job_id: str, decide=None, engine: int = 0):
         self._job_id = job_id
+        self._engine = engine
         self._decide = decide  # from root_decision(); None: the sampler is asked at each step
         self._first = 0
         self._block: list[tuple[int, int, bool | None]] = []
@@ -47,7 +61,7 @@ class StepIds:
             self._first, index = step, 0
             decide = self._decide
             self._block = [(trace_id, span_id, None if decide is None else decide(trace_id))
-                           for trace_id, span_id in (step_ids(self._job_id, number)
+                           for trace_id, span_id in (step_ids(self._job_id, number, self._engine)
                                                      for number in range(step, step + self._BLOCK))]
         return self._block[index]
 

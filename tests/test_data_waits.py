@@ -75,7 +75,7 @@ def test_a_background_thread_s_fetches_are_no_waits_of_the_loop(recorded):
     """A prefetcher thread fills a queue from the loader (the BackgroundGenerator pattern): the loop never waited in
     those fetches; counted, they made the steps start at the prefetcher's first fetch."""
     engine, records = recorded
-    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(list(range(10, 18)), batch_size=2, collate_fn=collate)  # none slow
     fetched = queue.Queue()
     prefetcher = threading.Thread(target=lambda: [fetched.put(batch) for batch in loader])
     prefetcher.start()
@@ -90,7 +90,7 @@ def test_an_engine_built_on_one_thread_and_trained_on_another_keeps_its_waits(re
     """A harness builds the engine on its main thread and trains on a worker's: the thread that opens the steps is the
     training thread from then on (the first step's fetches before it opened were the builder's thread's to make)."""
     engine, records = recorded
-    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(list(range(10, 18)), batch_size=2, collate_fn=collate)  # none slow
 
     def train():
         for _batch in loader:

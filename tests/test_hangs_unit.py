@@ -122,7 +122,7 @@ def test_sigint_in_a_long_native_call_is_taken_over_only_once_reported_stuck(mon
     blocked = threading.Thread(target=release.wait)  # in native code, where no handler runs
     blocked.start()
     taken_over = []
-    monkeypatch.setattr(lifecycle, "GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(lifecycle, "GRACE_SECONDS", 0.05)
     monkeypatch.setattr(lifecycle, "finish_elsewhere", lambda signum, reason, spent: taken_over.append(reason))
     monkeypatch.setattr(watchdog.signal, "getsignal", lambda _signum: watchdog.signal.default_int_handler)
     try:

@@ -67,6 +67,7 @@ def test_what_is_not_a_batch_of_token_ids_queues_a_placeholder():
     assert counted("text") is None
 
 
+@pytest.mark.slow  # the first jagged nested tensor of a process imports 2 s of torch
 def test_a_jagged_nested_batch_queues_a_placeholder_and_its_step_is_emitted():
     """Its length is symbolic: summed on the emitter's thread, it broke the drain and turned all telemetry off."""
     ids = torch.nested.nested_tensor([torch.arange(1, 4), torch.arange(1, 7)], layout=torch.jagged)

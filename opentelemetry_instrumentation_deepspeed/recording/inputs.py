@@ -52,10 +52,10 @@ def left_loader(recorder, batch) -> None:
             recorder.inputs.append(None)
             return
         samples, length = shape
-        if type(samples) is not int or type(length) is not int:  # a jagged nested tensor's length is symbolic
+        padded = samples * length
+        if type(padded) is not int:  # a jagged nested tensor's length is symbolic
             recorder.inputs.append(None)
             return
-        padded = samples * length
         if mask is not None and getattr(mask, "shape", None) == shape and hasattr(mask, "is_cpu"):  # a torch mask
             tokens = int(mask.count_nonzero()) if mask.is_cpu else None
         elif recorder.pad_token_id is not None:

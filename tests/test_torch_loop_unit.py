@@ -100,21 +100,23 @@ def test_a_pass_without_gradients_in_training_mode_keeps_the_wait_an_evaluation_
         now = time.time_ns()
         recorder.data_waited(now - 1_000_000, now)
 
-    for before in ("pseudo-labels", "evaluation", "evaluation in training mode"):
-        for _ in range(1 if before == "pseudo-labels" else 3):
+    for before in ("pseudo-labels", "evaluation", "evaluation in training mode", "pseudo-labels, two loaders"):
+        for _ in range(3 if before.startswith("evaluation") else 1):
             fetch()
             model.train(before != "evaluation")
             with torch.no_grad():
                 model(torch.randn(3, 4))
         if before != "pseudo-labels":
-            fetch()  # the step's own batch
+            fetch()  # the step's own batch (its unlabelled one, with two loaders)
         model.train()
         model(torch.randn(3, 4)).sum().backward()
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # a metric after the backward, in training mode: nothing dropped by it
         optimizer.step()
     spans = traced()
     steps = {span.context.span_id: span.attributes["training.step"] for span in spans if span.name == "training.step"}
-    assert sorted(steps.values()) == [1, 2, 3]
-    assert sorted(steps[span.parent.span_id] for span in spans if span.name == "training.data.wait") == [1, 2, 3]
+    assert sorted(steps.values()) == [1, 2, 3, 4]
+    assert sorted(steps[span.parent.span_id] for span in spans if span.name == "training.data.wait") == [1, 2, 3, 4, 4]
 
 
 def test_no_loop_beside_a_deepspeed_engine(traced):

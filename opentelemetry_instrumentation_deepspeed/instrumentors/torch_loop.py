@@ -206,9 +206,9 @@ def _ddp_forward(forward):
         if recorder is None or getattr(_depth, "value", 0):
             return forward(self, *args, **kwargs)
         if not (self.training and sys.modules["torch"].is_grad_enabled()):
-            # No phase. An evaluation (eval mode) was fed by the waits since the last step; a pass without
-            # gradients in training mode is one if a fetch follows it, else a pseudo-labelling pass on the batch the
-            # step trains on next.
+            # No phase. An evaluation (eval mode) was fed by the waits since the last step; passes without
+            # gradients in training mode are an evaluation loop's where a fetch comes between two of them, else a
+            # pseudo-labelling pass (or a probe) on what the step trains on next.
             if self.training:
                 recorder.without_gradients()
             else:

@@ -80,9 +80,10 @@ class StepRecorder(Component):
         self.inputs: deque = deque(maxlen=max_waits + 1)
         self.pad_token_id = input_batches.pad_token_id(engine, env.pad_token_id())
         self._skipped_before = 0
-        # A forward without gradients in training mode ran since the last fetch: a pseudo-labelling pass if a forward
-        # with gradients comes next, an evaluation's (whose fetches fed no step) if a fetch does.
-        self._no_grad_pass = False
+        # Forwards without gradients in training mode since the last with them (or the last step's close): 0 none, 1
+        # one (a pseudo-labelling pass, a probe, or an evaluation's), 2 one and a fetch after it. Another then makes
+        # it an evaluation loop, whose fetches fed no step.
+        self._no_grad = 0
         self._losses = False  # a loss was taken in the open step (on CUDA its copy needs the step's event)
         # The training thread's schedstat, read as steps close (on a quiet host, a close QUIET_READS_EVERY after the
         # last read): its wait for a CPU; and as each phase starts and ends while the emitter's figures say it
@@ -127,8 +128,8 @@ class StepRecorder(Component):
 
     @fail_open
     def data_waited(self, start: int, end: int) -> None:
-        if self._no_grad_pass:
-            self.not_training()
+        if self._no_grad == 1:
+            self._no_grad = 2
         if self.state == State.IDLE:
             if self._fetch_start is None:
                 self._fetch_start = start
@@ -140,7 +141,7 @@ class StepRecorder(Component):
     @fail_open
     def not_training(self) -> None:
         """An evaluation forward: waits (and batches) so far fed it, not the next step."""
-        self._no_grad_pass = False
+        self._no_grad = 0
         self.inputs.clear()
         self._fetch_start = None
         self._fire(Event.EVALUATION)
@@ -148,13 +149,16 @@ class StepRecorder(Component):
             self._hand_over()
 
     def without_gradients(self) -> None:
-        """A forward without gradients in training mode: no phase; what it was is known at the next forward or fetch."""
-        self._no_grad_pass = True
+        """A forward without gradients in training mode: no phase. After another and a fetch (an evaluation loop under
+        no_grad alone), an evaluation forward; else nothing yet (a pseudo-labelling pass keeps its batch's wait)."""
+        if self._no_grad == 2:
+            self.not_training()
+        self._no_grad = 1
 
     @fail_open
     def forward_started(self, engine, args=(), kwargs=None) -> int | None:
         """The forward's phase (a number to hand back at its end); None where it is no phase of its own."""
-        self._no_grad_pass = False
+        self._no_grad = 0
         row = self._rows[self.state, Event.FORWARD]
         if row is None:
             return None
@@ -405,7 +409,7 @@ class StepRecorder(Component):
         copied = None
         if self._device_scalars is not None and (type(grad_norm) is scalars.Pending or self._losses):
             copied = self._device_scalars.event()
-        self._number, self._losses = None, False
+        self._number, self._losses, self._no_grad = None, False, 0  # no-grad passes before the close were training's
         return skipped, grad_norm, copied, schedstat, profile
 
     def _schedstat(self) -> bytes | None:

@@ -191,6 +191,25 @@ def test_the_step_loss_is_the_loop_s_own_under_accumulation_and_a_grad_scaler(tr
     assert [step.attributes["training.loss"] for step in steps] == printed
 
 
+def test_a_loss_the_scaler_s_copy_refuses_turns_step_tracing_off_not_the_loop(traced, monkeypatch, caplog):
+    """Taken as GradScaler.scale() scales it, on the user's call: a failure there (a tensor subclass the CUDA copy
+    refuses, a DTensor) is logged once and turns step tracing off; scale() returns its result."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    trace_training(model, optimizer)
+    recorder = registry.active()
+
+    def refuse(_tensor):
+        raise AssertionError("a DTensor's copy into a plain tensor")
+
+    monkeypatch.setattr(recorder, "take", refuse)
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    scaled = scaler.scale(loss)
+    assert torch.equal(scaled, loss * 4.0) and recorder.broken
+    assert "_scaler_scale" in caplog.text
+
+
 def test_a_forward_called_while_the_loop_handles_an_exception_succeeds(traced):
     """An out-of-memory fallback calls the forward again inside ``except``: that forward did not raise."""
     model = nn.Linear(4, 1)

@@ -382,8 +382,11 @@ def _scaler_scale(scale):
         result = scale(self, outputs, *args, **kwargs)
         if getattr(outputs, "ndim", None) == 0:
             _loop, recorder = _recorder()
-            if recorder is not None:
-                _depth.scaled = (weakref.ref(result), recorder.take(outputs))  # weak: the user's tensor
+            if recorder is not None and not recorder.broken:
+                try:
+                    _depth.scaled = (weakref.ref(result), recorder.take(outputs))  # weak: the user's tensor
+                except Exception:  # noqa: BLE001 - ours (a tensor subclass the copy refuses): step tracing goes off
+                    recorder.fail(_scaler_scale.__qualname__)
         return result
 
     return wrapper

@@ -136,6 +136,38 @@ def test_sigint_in_a_long_native_call_is_taken_over_only_once_reported_stuck(mon
     assert taken_over == ([lifecycle.INTERRUPTED] if reported else [])
 
 
+def test_sigint_after_the_thread_moved_on_from_a_reported_stop_is_the_program_s(monkeypatch):
+    """Reported stuck in a long save between steps, the thread then moves to another long native call, not reported
+    (yet): a Ctrl-C there is the program's KeyboardInterrupt, not a takeover."""
+    first, second = threading.Event(), threading.Event()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        first.wait()  # a slow checkpoint, past the threshold: reported
+        second.wait()  # then another long native call, just started
+
+    thread, made = _training_thread(train)
+    dog = made["dog"]
+    taken_over = []
+    monkeypatch.setattr(lifecycle, "GRACE_SECONDS", 0.05)
+    monkeypatch.setattr(lifecycle, "finish_elsewhere", lambda signum, reason, spent: taken_over.append(reason))
+    monkeypatch.setattr(watchdog.signal, "getsignal", lambda _signum: watchdog.signal.default_int_handler)
+    try:
+        (report,) = _looks(dog, [0, 25])
+        assert report.between_steps
+        first.set()
+        deadline = time.monotonic() + 10
+        while dog._watched[0].next_report and time.monotonic() < deadline:  # the watchdog sees it moved
+            dog.check(time.time_ns() + int(26e9))
+            time.sleep(0.01)
+        dog._signalled(watchdog.signal.SIGINT)
+    finally:
+        first.set()
+        second.set()
+        thread.join(10)
+    assert taken_over == []
+
+
 def test_a_failed_step_does_not_count_as_a_step_time():
     recorder, engine, _ = recorder_on(0, job="failed-step")
     dog = watchdog.Watchdog(floor=1.0)

@@ -328,8 +328,9 @@ class Watchdog(Component):
         lifecycle.finish_elsewhere(signum, reason, spent=time.monotonic() - arrived)  # the budget runs from the signal
 
     def _stuck(self) -> bool:
-        """Whether a watched thread has been reported stuck (past its threshold) and has not moved since."""
-        return any(watched.next_report > 0 or watched.reported is not None for watched in list(self._watched))
+        """Whether a watched thread has been reported stuck (past its threshold) and has not moved since: a report
+        sets its next time, which a step opening or closing, or the thread moving between steps, sets back to 0."""
+        return any(watched.next_report > 0 for watched in list(self._watched))
 
     def _positions(self) -> list:
         """Where each watched thread is (its innermost frame and instruction; None once it ended), step

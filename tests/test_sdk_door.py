@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import io
@@ -338,21 +339,24 @@ def test_a_new_attribute_dict_per_point_is_counted_and_does_not_grow_the_door():
     assert kept and all(len(routes) <= sdk._ROUTES_KEPT for routes in kept)
 
 
-def test_a_forked_child_stops_the_export_threads_without_an_event_a_parent_s_thread_held():
+@pytest.mark.parametrize("held", [True, False])
+def test_a_forked_child_stops_the_export_threads_without_an_event_a_parent_s_thread_held(held):
     """A parent's thread inside an Event (a reader's ticker waking, a span ending) holds its lock at the fork, for
-    good in the child: setting that Event there waited forever (a DataLoader worker that never started)."""
+    good in the child: setting that Event there waited forever (a DataLoader worker that never started). Where none
+    held it, the reader's ticker, which the SDK's own at-fork hook restarted on it, ends at once."""
     reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=io.StringIO()), export_interval_millis=60_000)
     meter_provider = MeterProvider([reader])
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
     try:
-        with reader._shutdown_event._cond:  # held at the fork, as by a parent's thread inside the Event
+        with reader._shutdown_event._cond if held else contextlib.nullcontext():
             pid = os.fork()
             if pid == 0:
                 code = 1
                 try:
                     sdk.stop_threads_in_child(tracer_provider, meter_provider)
-                    code = 0
+                    reader._daemon_thread.join(2)
+                    code = 0 if held or not reader._daemon_thread.is_alive() else 3
                 finally:
                     os._exit(code)
         deadline = time.monotonic() + 20

@@ -392,11 +392,18 @@ def stop_threads_in_child(tracer_provider, meter_provider, logger_provider=None)
                 batch._worker_awaken.set()
                 woken.append(worker)
     for reader in metric_readers(meter_provider):
-        if getattr(reader, "_shutdown_event", None) is not None:
+        inherited = getattr(reader, "_shutdown_event", None)
+        if inherited is not None:
             reader.collect = _nothing
             stopped = threading.Event()
             stopped.set()
             reader._shutdown_event = stopped
+            # A ticker the SDK's hook started already waits on the parent's Event: woken where no parent's thread
+            # held its lock at the fork (else it ends at its next turn, its collection a no-op).
+            lock = getattr(getattr(inherited, "_cond", None), "_lock", None)
+            if lock is not None and lock.acquire(False):
+                lock.release()
+                inherited.set()
     # Their last export is dropped (wrong pid).
     for thread in woken:
         thread.join(timeout=1.0)

@@ -138,6 +138,16 @@ def test_a_step_that_does_not_close_keeps_the_log_bounded_too():
     assert record.micro_batches == LOG_LIMIT and len(record.phases) + record.phases_dropped == 2 * LOG_LIMIT
 
 
+def test_a_direct_backward_opening_a_step_on_autograd_s_thread_leaves_the_training_thread_as_it_was():
+    """A forward nothing saw (a compiled one), then loss.backward(): DeepSpeed's backward prologue opens the step on
+    the thread autograd runs it on (a device's, on CUDA), which is no training thread."""
+    rec, engine, _records = recorder()
+    prologue = threading.Thread(target=lambda: rec.backward_started(engine, direct=True))
+    prologue.start()
+    prologue.join()
+    assert rec.thread == threading.get_ident() and rec.state == State.DIRECT_BACKWARD
+
+
 # What a training loop may do next: the wrappers' calls, handing back the phase the latest start returned.
 _ACTIONS = {
     "wait": lambda rec, engine, started: rec.data_waited(1, 2),

@@ -288,7 +288,7 @@ class StepRecorder(Component):
 
     def _start(self, event: str, row: tuple, engine, payload) -> int:
         """A phase starts (``row`` its event's, not None): its entry, and its number for the wrapper to hand back."""
-        step = self._open(engine) if row[2] else None
+        step = self._open(engine, event) if row[2] else None
         now = time.time_ns()
         # A direct backward that never reached its epilogue ends, interrupted, where this phase starts.
         ended = self._ended() if row[3] and self._phase is not None else None
@@ -328,7 +328,7 @@ class StepRecorder(Component):
         if row is None:
             return
         next_state, actions, opens, ends, closes, fails = row
-        step = self._open(engine) if opens else None
+        step = self._open(engine, event) if opens else None
         now = time.time_ns()
         ended = self._ended() if ends and self._phase is not None else None
         if closes:
@@ -360,9 +360,10 @@ class StepRecorder(Component):
         self.queued = True
         self._submit(self)
 
-    def _open(self, engine) -> tuple[int, bool, int]:
+    def _open(self, engine, event: str) -> tuple[int, bool, int]:
         number = self._number = engine.global_steps + 1
-        self.thread = _get_ident()
+        if event != Event.DIRECT_BACKWARD:  # its prologue runs on autograd's thread (a device's, on CUDA)
+            self.thread = _get_ident()
         fetched, self._fetch_start = self._fetch_start, None
         # Where the step starts: its first fetch, else here, before the profiler starts (the clock is read only then).
         start = self._step_start = fetched if fetched is not None else time.time_ns()

@@ -1,5 +1,6 @@
 """The clock offset's exchange (``runtime/clock.py``) with many ranks on one real TCPStore: every rank
-answered within the budget, the store asked a bounded number of times, its keys removed."""
+answered within the budget, the store asked a bounded number of times, its keys removed. The 32-rank
+tests are the slow lane's (their connections take 5 s); two ranks' are the fast lane's."""
 
 from __future__ import annotations
 
@@ -30,12 +31,23 @@ class Counting:
         return getattr(self.store, name)
 
 
+def _connected(world: int) -> list:
+    server = TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    return [Counting(server)] + [
+        Counting(TCPStore("127.0.0.1", server.port, world, False, timeout=timedelta(seconds=20)))
+        for _ in range(1, world)]
+
+
 @pytest.fixture(scope="module")
-def stores():  # one set of connections for the module: a TCPStore connect takes up to 0.3 s here
-    server = TCPStore("127.0.0.1", 0, WORLD, True, timeout=timedelta(seconds=20), wait_for_workers=False)
-    clients = [Counting(server)] + [
-        Counting(TCPStore("127.0.0.1", server.port, WORLD, False, timeout=timedelta(seconds=20)))
-        for _ in range(1, WORLD)]
+def stores():  # one set of connections for the module: a TCPStore connect takes up to 0.3 s here (5 s for 32)
+    clients = _connected(WORLD)
+    yield clients
+    del clients
+
+
+@pytest.fixture(scope="module")
+def pair():  # two ranks' connections: the fast lane's
+    clients = _connected(2)
     yield clients
     del clients
 
@@ -63,6 +75,7 @@ def _clock_keys(store):
     return [key for key in store.store.list_keys() if key.startswith(clock._PREFIX)]
 
 
+@pytest.mark.slow  # 32 connections: 5 s of the fast lane's minute
 def test_32_ranks_asking_at_once_all_get_an_offset_within_the_budget_polling_with_a_backoff(stores):
     found = _all_at_once(stores, lambda rank, store: clock.estimate(store, "job", rank, WORLD))
     assert found[0][0] == (0, 0) and found[0][1] < clock.BUDGET_SECONDS, "rank 0 stops once all are answered"
@@ -76,6 +89,7 @@ def test_32_ranks_asking_at_once_all_get_an_offset_within_the_budget_polling_wit
     assert _clock_keys(stores[0]) == [], "pings and answers removed"
 
 
+@pytest.mark.slow  # as above
 def test_a_refresh_round_at_scale_asks_a_share_of_the_ranks_in_turns(stores, monkeypatch):
     monkeypatch.setattr(clock, "REFRESH_SHARE", 8)  # 31 ranks in turns of 8: each asks every 4th round
     refreshers = {rank: clock.Refresher(stores[rank], "refreshed", rank, WORLD, interval=1e6) for rank in range(WORLD)}
@@ -96,7 +110,8 @@ def test_a_refresh_round_at_scale_asks_a_share_of_the_ranks_in_turns(stores, mon
     assert _clock_keys(stores[0]) == []
 
 
-def test_a_rank_waiting_for_a_late_rank_0_asks_the_store_at_most_every_2_ms(stores):
+def test_a_rank_waiting_for_a_late_rank_0_asks_the_store_at_most_every_2_ms(pair):
+    stores = pair
     # Rank 0 builds its engine 0.3 s after rank 1 (one rank of many, all waiting so): rank 1's first
     # ping waits that long, polling 0.2 ms, then twice as long after each miss, 2 ms at most, so
     # ~150 looks (every 0.2 ms, as before: 956 looks in the 0.3 s on this loaded machine).
@@ -112,14 +127,14 @@ def test_a_rank_waiting_for_a_late_rank_0_asks_the_store_at_most_every_2_ms(stor
     assert checks <= 4 * 6 + waited / 0.002 + 1, (checks, waited)
 
 
-def test_the_exchange_leaves_the_scripts_seeded_random_stream_alone(stores):
+def test_the_exchange_leaves_the_scripts_seeded_random_stream_alone(pair):
     """Every rank but 0 measures at start, on the training thread, and again on the refresher's: a script that
     seeded Python's ``random`` draws what it would without us."""
     random.seed(1234)
     expected = [random.random() for _ in range(3)]
     random.seed(1234)
-    rank_0 = threading.Thread(target=clock.estimate, args=(stores[0], "seeded", 0, 2))
+    rank_0 = threading.Thread(target=clock.estimate, args=(pair[0], "seeded", 0, 2))
     rank_0.start()
-    assert clock.estimate(stores[1], "seeded", 1, 2) is not None, "rank 1 measured an offset"
+    assert clock.estimate(pair[1], "seeded", 1, 2) is not None, "rank 1 measured an offset"
     rank_0.join(clock.BUDGET_SECONDS + 10)
     assert [random.random() for _ in range(3)] == expected

@@ -33,8 +33,9 @@ _engines: dict[tuple[str, int], int] = {}  # (job id, rank) -> engines whose ste
 
 
 def engine_ordinal(job_id: str, rank: int) -> int:
-    """How many engines this rank built before this one: engines are built collectively, in one order on every rank,
-    so each rank counts the same."""
+    """How many engines this rank built before this one: the same on every rank where every rank builds the same
+    engines in the same order (DeepSpeed builds them collectively); docs/telemetry.md says what an engine only some
+    ranks build does to it."""
     ordinal = _engines.get((job_id, rank), 0)
     _engines[job_id, rank] = ordinal + 1
     return ordinal

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
 
@@ -130,3 +132,32 @@ def test_with_no_sdk_every_wrapper_leaves_when_training_starts(train):
             if instrumentor.is_instrumented_by_opentelemetry:
                 instrumentor.uninstrument()
         session.reset()
+
+
+_REINSTRUMENT = """
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry_instrumentation_deepspeed import CommInstrumentor
+from opentelemetry_instrumentation_deepspeed.instrumentors import comm
+
+instrumentor = CommInstrumentor()
+instrumentor.instrument(tracer_provider=TracerProvider())
+import torch
+import torch.distributed as dist  # imported while instrumented, as under opentelemetry-instrument
+
+instrumentor.uninstrument()
+instrumentor.instrument(tracer_provider=TracerProvider())
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+dist.all_reduce(torch.ones(1))
+print("sequences", comm.last_sequences())
+dist.destroy_process_group()
+"""
+
+
+def test_instrumented_again_after_uninstrument_observes_collectives():
+    """torch.distributed's ``from .distributed_c10d import *`` copies the replacements after the patch ran; a second
+    instrument() must take those copies over, or every collective passes through the first, disabled one."""
+    result = subprocess.run([sys.executable, "-c", _REINSTRUMENT % free_port()], check=False, capture_output=True,
+                            text=True, timeout=120, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "sequences {'0': 1}" in result.stdout, result.stdout + result.stderr[-2000:]

@@ -183,6 +183,40 @@ def test_patches_follow_copies_bound_elsewhere_and_put_everything_back():
     assert home.all_reduce is all_reduce and copy.all_reduce is all_reduce and not patches.active
 
 
+def test_a_second_instrument_takes_over_the_copies_the_first_left_behind():
+    """A copy bound while instrumented (TorchBackend's cached all_gather_function) keeps the first replacement after
+    restore(); instrumenting again must put the new replacement there, or its calls reach a disabled observer."""
+    def all_gather(tensor):
+        return tensor
+
+    home, late = types.ModuleType("home"), types.ModuleType("late")
+    home.all_gather = all_gather
+    seen = []
+
+    def factory(tag):
+        def make(original):
+            def wrapper(*args):
+                seen.append(tag)
+                return original(*args)
+
+            return wrapper
+
+        return make
+
+    first = Patches()
+    first.wrap(home, "all_gather", factory("first"))
+    late.all_gather = home.all_gather  # bound while instrumented
+    first.restore()
+    assert home.all_gather is all_gather and original_of(late.all_gather) is all_gather
+
+    second = Patches()
+    second.wrap(home, "all_gather", factory("second"))
+    second.rebind([late])
+    assert late.all_gather is home.all_gather and late.all_gather(1) == 1 and seen == ["second"]
+    second.restore()
+    assert late.all_gather is all_gather, "restored to the original, not to the first replacement"
+
+
 def test_a_patch_that_fails_leaves_the_users_import_going_on(tmp_path, monkeypatch, caplog):
     """A patch runs inside the user's import (of torch, which imports DDP's module itself): its failure must not
     fail that import."""

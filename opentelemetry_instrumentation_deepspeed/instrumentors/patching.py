@@ -137,10 +137,14 @@ class Patches:
             names = list(namespace) if attributes is None else [name for name in attributes if name in namespace]
             for name in names:
                 value = namespace.get(name)
-                entry = self._replacements.get(id(value))
-                if entry is not None and entry[0] is value:
+                # A copy of an earlier instrument()'s replacement, bound where restore() could not see it (a module
+                # or object that took it while instrumented), passes calls to its disabled observer: it is replaced
+                # too, and restored to the original.
+                original = original_of(value) or value
+                entry = self._replacements.get(id(original))
+                if entry is not None and entry[0] is original and value is not entry[1]:
                     setattr(target, name, entry[1])
-                    self._applied.append((target, name, value))
+                    self._applied.append((target, name, original))
 
     def restore(self) -> None:
         self.active = False

@@ -145,6 +145,8 @@ import torch
 import torch.distributed as dist  # imported while instrumented, as under opentelemetry-instrument
 
 instrumentor.uninstrument()
+from torch.distributed import distributed_c10d
+assert dist.all_reduce is distributed_c10d.all_reduce, "the copy made after the patch is restored too"
 instrumentor.instrument(tracer_provider=TracerProvider())
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
 dist.all_reduce(torch.ones(1))

@@ -499,7 +499,7 @@ class CommInstrumentor(BaseInstrumentor):
         when_imported("deepspeed", rebind_late_imports)
 
     def _uninstrument(self, **kwargs):
-        self._patches.restore()
+        self._patches.restore(_loaded("torch.distributed") + _loaded("deepspeed"))
         observer = getattr(self, "_observer", None)
         if observer is not None:  # copies of the ops bound after patching, which restore() cannot see, pass calls on
             observer.broken = True

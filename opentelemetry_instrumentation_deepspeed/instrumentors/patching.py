@@ -146,8 +146,17 @@ class Patches:
                     setattr(target, name, entry[1])
                     self._applied.append((target, name, original))
 
-    def restore(self) -> None:
+    def restore(self, objects: Iterable = ()) -> None:
+        """Every original back, also where ``objects`` took a replacement after it was made (torch.distributed's
+        ``from .distributed_c10d import *`` runs after the patch of c10d)."""
         self.active = False
+        replacements = {id(entry[1]): entry[0] for entry in self._replacements.values()}
+        for target in objects:
+            namespace = getattr(target, "__dict__", None) or {}
+            for name, value in list(namespace.items()):
+                original = replacements.get(id(value))
+                if original is not None and original_of(value) is original:
+                    setattr(target, name, original)
         for owner, name, original in reversed(self._applied):
             setattr(owner, name, original)
         self._applied.clear()

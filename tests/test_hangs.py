@@ -193,6 +193,43 @@ def test_sigterm_reaches_a_rank_blocked_in_its_own_barrier_between_steps(workdir
     assert diagnose(workdir)["verdict"]["rank"] == 1, diagnose(workdir)["verdict"]
 
 
+def _last_step_written(workdir: Path, rank: int) -> int:
+    last = 0
+    for path in workdir.glob(f"telemetry/*/traces-rank{rank}.jsonl"):
+        for line in path.read_text().splitlines():
+            for resource in json.loads(line).get("resourceSpans", ()):
+                for scope in resource["scopeSpans"]:
+                    for span in scope["spans"]:
+                        if span["name"] == "training.step":
+                            values = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+                            last = max(last, int(values["training.step"]))
+    return last
+
+
+def test_with_hang_reports_off_sigterm_still_reaches_a_rank_blocked_in_a_collective(workdir):
+    # OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT=0: no hang report, but the SIGTERM handler still cannot run while rank 0
+    # waits in gloo's all-reduce for rank 1; the watchdog's thread still reads the signal, and the rank dies by it.
+    job = start(workdir, "--steps", "90", "--zero-stage", "2", "--hang-rank", "1", "--hang-step", str(HANG_STEP),
+                "--hang-phase", "forward", env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": "0"})
+    try:
+        deadline = time.monotonic() + 240
+        while _last_step_written(workdir, 0) < HANG_STEP - 1:
+            assert job.poll() is None and time.monotonic() < deadline, (workdir / "job.log").read_text()[-3000:]
+            time.sleep(1)
+        time.sleep(3)  # rank 0 is in step HANG_STEP's all-reduce by now, for good
+        rank0 = int(_resources(workdir)[0]["process.pid"])
+        sent = time.monotonic()
+        os.kill(rank0, signal.SIGTERM)
+        job.wait(timeout=90)  # the launcher sees rank 0 die, stops rank 1 and exits
+        took = time.monotonic() - sent
+    finally:
+        output = _stop(job, workdir)
+    assert f"exitcode  : -15 (pid: {rank0})" in output, output[-4000:]
+    assert took < 30, "the watchdog's thread did the exit work, not the launcher's SIGKILL"
+    assert _hang_spans(workdir) == [], "no hang reports with the threshold off"
+    assert _last_step_written(workdir, 0) == HANG_STEP, "the step it was in, ended by the exit stages, went out"
+
+
 def test_a_rank_blocked_in_the_data_loader_is_diagnosed_live_and_the_html_report_shows_the_stacks(workdir):
     # No step is open on rank 1: it blocks fetching step HANG_STEP's batch; rank 0 runs that step up to its first
     # collective and waits there.

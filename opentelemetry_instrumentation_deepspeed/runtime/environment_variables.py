@@ -113,7 +113,8 @@ OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT = "OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT"
 """The hang watchdog's floor, in seconds: a step open longer than the larger of this and 10 times the
 slowest recent step (10 times this before a step has closed) is reported as a hang: the open step, its
 phase, the collective in flight and the training thread's stack (docs/telemetry.md, ``training.hang``).
-0 turns the watchdog off. Default: 30.
+0 turns the reports off; the watchdog's thread still reads signals, so that a SIGTERM reaches a rank blocked in
+native code. Default: 30.
 """
 
 OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW = "OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW"

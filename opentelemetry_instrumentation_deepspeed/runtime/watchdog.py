@@ -25,7 +25,8 @@ A signal that arrives while the training thread is blocked in native code (a col
 for a peer that will never come) does not run its Python handler. The interpreter still writes its
 number to the wakeup fd this thread reads (``lifecycle.wake_on_signals``): after
 ``lifecycle.GRACE_SECONDS`` without the handler starting, this thread runs the lifecycle's exit
-stages (a last report with the stack first) and the process dies by the signal. Never the device:
+stages (a last report with the stack first) and the process dies by the signal. With the reports off
+(``OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT=0``) the thread reads the signals only. Never the device:
 nothing here synchronizes or touches a tensor.
 """
 
@@ -63,6 +64,7 @@ STACK_LIMIT = 64  # innermost frames kept of the training thread's stack
 FLUSH_MILLIS = 5000
 # Seconds a look waits for a drain running elsewhere (the watchdog must come back to its signals).
 DRAIN_WAIT = 1.0
+SIGNALS_ONLY_POLL = 60.0  # hang reports off: the thread wakes for a signal, else rarely
 
 
 def threshold(recent: list[float] | deque, floor: float) -> float:
@@ -102,7 +104,8 @@ class Watchdog(Component):
     def __init__(self, floor: float):
         super().__init__("hang watchdog")
         self.floor = floor
-        self.poll = min(MAX_POLL, floor / 4)
+        self.reporting = floor > 0  # else the signals only
+        self.poll = min(MAX_POLL, floor / 4) if self.reporting else SIGNALS_ONLY_POLL
         self._watched: list[_Watched] = []
         self._thread: threading.Thread | None = None
         self._signals: socket.socket | None = None
@@ -125,7 +128,10 @@ class Watchdog(Component):
                             "long the training thread has stood still with no step written")
         if self._thread is None and start:
             self._listen_for_signals()
-            lifecycle.at_exit(lifecycle.REPORT_HANGS, self._at_exit)
+            if not self.reporting and self._signals is None:
+                return  # another wakeup fd is set: nothing to do
+            if self.reporting:
+                lifecycle.at_exit(lifecycle.REPORT_HANGS, self._at_exit)
             lifecycle.in_forked_child(lifecycle.FORGET, self._forget)
             self._thread = threading.Thread(target=self._run, daemon=True, name="otel-deepspeed-watchdog")
             self._thread.start()
@@ -152,7 +158,8 @@ class Watchdog(Component):
     def _run(self) -> None:
         while not self.broken:
             signals = self._wait(self.poll)
-            self.check()
+            if self.reporting:
+                self.check()
             for signum in signals:
                 self._signalled(signum)
 
@@ -456,11 +463,13 @@ _watchdog: Watchdog | None = None
 
 
 def watch(recorder, meter=None, engine=None) -> None:
-    """Watch ``recorder``'s steps, while ``engine`` lives (call on the thread that trains, when it is built)."""
+    """Watch ``recorder``'s steps, while ``engine`` lives (call on the thread that trains, when it is built).
+
+    With ``OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT=0`` no step is reported, but the thread still reads the signals: the
+    lifecycle's SIGTERM handler, which cannot run while the training thread is blocked in native code, would otherwise
+    hold the rank's death until the call returns (never, for a collective waiting on a dead peer)."""
     global _watchdog  # noqa: PLW0603 - one per process
     floor = env.hang_timeout()
-    if not floor:
-        return
     if _watchdog is None:
         _watchdog = Watchdog(floor)
-    _watchdog.watch(recorder, meter, engine=engine)
+    _watchdog.watch(recorder, meter if _watchdog.reporting else None, engine=engine)

@@ -113,6 +113,7 @@ COMM_TIMING = "comm.timing"
 COMM_PEER_RANK = "comm.peer.rank"  # send / recv: the global rank at the other end
 COMM_PEER_STAGE = "training.pipeline.peer_stage"  # a pipeline's send / recv: the stage at the other end
 COMM_TIMING_GPU = "gpu"  # its value when CUDA events timed the call; absent for host times
+COMM_COALESCED = "comm.coalesced"  # a block of torch's _coalescing_manager: the calls it ran as one
 # On phase and step spans: collectives issued within them, and those beyond the span limit
 COMM_COUNT = "comm.count"
 COMM_SPANS_DROPPED = "comm.spans_dropped"

@@ -257,3 +257,47 @@ def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are
     observer._groups[id(None)] = _Group("0", 2, "gloo")  # the default group, once it exists
     call = observer.issued(spec, (CpuTensor(),), {})
     assert call is not None and call.sequence == 0 and not observer.broken
+
+
+def test_the_collectives_of_a_coalescing_block_are_one_collective_at_its_end(one_rank):
+    """Inside torch's _coalescing_manager the calls only queue their tensors; the block's end runs them as one. They
+    were recorded as finished calls that never ran (0.01-0.05 ms each), and the transfer itself was not seen."""
+    from opentelemetry_instrumentation_deepspeed.export.emitter import span_attributes
+
+    instrumentor = CommInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider())
+    observer = instrumentor._observer
+    try:
+        from torch.distributed.distributed_c10d import _coalescing_manager  # the replacement, as a program imports it
+
+        dist = torch.distributed
+        dist.all_reduce(torch.ones(1))
+        first = observer.between_steps
+        with _coalescing_manager():
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(8))
+            assert observer.between_steps is first, "queued, not run"
+        block = observer.between_steps
+        assert (block.route.span_name, block.coalesced, block.bytes, block.sequence) == ("comm.all_reduce", 2, 48,
+                                                                                         first.sequence + 1)
+        assert block.end is not None and not block.is_async
+        assert span_attributes(block, 1.0, False)["comm.coalesced"] == 2
+
+        with _coalescing_manager(async_ops=True) as works:
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4))
+        pending = observer.between_steps
+        assert pending.is_async and pending.coalesced == 2 and pending.sequence == block.sequence + 1
+        works.wait()
+        assert pending.end is not None and pending.failure is None, "ended at the wait for the block's work"
+
+        with pytest.raises(ZeroDivisionError), _coalescing_manager():
+            dist.all_reduce(torch.ones(4))
+            raise ZeroDivisionError  # the program's own error: no collective ran
+        assert observer.between_steps is pending
+        dist.all_reduce(torch.ones(2))
+        after = observer.between_steps
+        assert (after.coalesced, after.bytes, after.sequence) == (0, 8, pending.sequence + 1), "observed again"
+        assert not observer.broken
+    finally:
+        instrumentor.uninstrument()

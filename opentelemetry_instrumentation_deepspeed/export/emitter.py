@@ -117,6 +117,8 @@ def span_attributes(collective: Collective, seconds: float, on_gpu: bool) -> dic
         attributes[semconv.COMM_PEER_RANK] = collective.peer
         if collective.peer_stage is not None:
             attributes[semconv.COMM_PEER_STAGE] = collective.peer_stage
+    if collective.coalesced:
+        attributes[semconv.COMM_COALESCED] = collective.coalesced
     return attributes
 
 

@@ -357,7 +357,10 @@ _finish = CommObserver._finish
 def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
     def wrapper(*args, **kwargs):
         if (session.silent and not observer.explicit) or getattr(_guard, "inside", False):
-            return original(*args, **kwargs)
+            block = getattr(_guard, "inside", False)
+            if block is True or block is False:  # inside another observed call, or silent
+                return original(*args, **kwargs)
+            return block.member(spec, original, args, kwargs)
         call = None
         if not observer.broken:
             try:
@@ -381,6 +384,83 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
             except Exception:  # noqa: BLE001 - ours only
                 observer.fail(_complete.__qualname__)
         return result
+
+    return wrapper
+
+
+class _Coalescing:
+    """A ``with _coalescing_manager(group, device, async_ops):`` block of torch's (Megatron's bucketed reduce-scatters,
+    DeepSpeed's ``all_gather_coalesced``). The collectives called in it only queue their tensors; the block's end runs
+    them as one (``allreduce_coalesced`` and the like). They are one collective: a sequence number, the bytes they sum,
+    named for the first; from the block's end to its completion (the end itself, or the wait on ``cm.works``).
+
+    While the block is open the thread's guard holds it, so the collective wrappers (whose usual path checks the
+    guard already) hand it their calls instead of recording them."""
+
+    __slots__ = ("_async", "_bytes", "_calls", "_group", "_manager", "_observer", "_spec", "_tensor", "_works")
+
+    def __init__(self, observer: CommObserver, manager, args, kwargs):
+        self._observer, self._manager = observer, manager
+        self._group = args[0] if args else kwargs.get("group")
+        self._async = bool(args[2] if len(args) > 2 else kwargs.get("async_ops", False))
+        self._spec: OpSpec | None = None
+        self._bytes = self._calls = 0
+        self._tensor = None  # the first call's data: its dtype
+        self._works = None
+
+    def __enter__(self):
+        self._works = self._manager.__enter__()  # torch's _CoalescingManager: the block's work, when async
+        _guard.inside = self
+        return self._works
+
+    def member(self, spec: OpSpec, original, args, kwargs):
+        if not self._observer.broken:
+            try:
+                _group, data_bytes, tensor, _async = spec.read(args, kwargs)
+                if self._spec is None:
+                    self._spec, self._tensor = spec, tensor
+                self._bytes += data_bytes
+                self._calls += 1
+            except Exception:  # noqa: BLE001 - ours only: the user's call below is outside this try
+                self._observer.fail(_Coalescing.member.__qualname__)
+        _guard.inside = True  # deepspeed.comm's op calling torch's: one call
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _guard.inside = self
+
+    def __exit__(self, kind, error, traceback):
+        observer, spec, call = self._observer, self._spec, None
+        if kind is None and spec is not None and not observer.broken:
+            try:
+                data = {} if spec.data_name is None else {spec.data_name: self._tensor}
+                call = _issue(observer, spec, (), {**data, "group": self._group, "async_op": self._async})
+                if call is not None:
+                    call.bytes, call.coalesced = self._bytes, self._calls
+            except Exception:  # noqa: BLE001 - ours only
+                observer.fail(_issue.__qualname__)
+        self._tensor = None  # not the program's tensor past its block
+        _guard.inside = True
+        try:
+            suppressed = self._manager.__exit__(kind, error, traceback)
+        except BaseException as failure:
+            observer.failed(call, failure)
+            raise
+        finally:
+            _guard.inside = False
+        if call is not None and not observer.broken:
+            try:
+                _complete(observer, call, list(getattr(self._works, "works", ())) if call.is_async else None)
+            except Exception:  # noqa: BLE001 - ours only
+                observer.fail(_complete.__qualname__)
+        return suppressed
+
+
+def _coalescing_wrapper(observer: CommObserver, original):
+    def wrapper(*args, **kwargs):
+        if (session.silent and not observer.explicit) or getattr(_guard, "inside", False) or observer.broken:
+            return original(*args, **kwargs)  # inside an observed call (batch_isend_irecv's own block): part of it
+        return _Coalescing(observer, original(*args, **kwargs), args, kwargs)
 
     return wrapper
 
@@ -481,6 +561,7 @@ class CommInstrumentor(BaseInstrumentor):
 
         def patch_torch(c10d):
             if patches.active:
+                patches.wrap(c10d, "_coalescing_manager", functools.partial(_coalescing_wrapper, observer))
                 wrap_ops(c10d, TORCH_OPS, "torch.distributed")
                 observer.follow_waits = lambda: follow_waits(c10d)
 

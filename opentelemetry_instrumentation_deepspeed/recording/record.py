@@ -83,8 +83,8 @@ class Collective:
     """One collective call. ``end`` is set when it completed on the host (a synchronous call's return,
     an async one's ``wait()``); the GPU events, when there are any, give the times it ran there."""
 
-    __slots__ = ("bytes", "dtype", "end", "failure", "gpu_end", "gpu_start", "in_step", "is_async", "parent", "peer",
-                 "peer_stage", "remaining", "route", "sequence", "spanned", "start", "timeline")
+    __slots__ = ("bytes", "coalesced", "dtype", "end", "failure", "gpu_end", "gpu_start", "in_step", "is_async",
+                 "parent", "peer", "peer_stage", "remaining", "route", "sequence", "spanned", "start", "timeline")
 
     def __init__(self, route, sequence: int, data_bytes: int, dtype: str, is_async: bool,  # noqa: PLR0917
                  start: int, spanned: bool = False):
@@ -106,6 +106,7 @@ class Collective:
         self.remaining = 1  # async work handles not waited for yet
         self.peer: int | None = None  # send / recv: the global rank at the other end
         self.peer_stage: int | None = None  # ... and its pipeline stage, set by the emitter
+        self.coalesced = 0  # a coalescing block's: the calls torch ran as this one
 
 
 @dataclass(slots=True)

@@ -88,6 +88,99 @@ def test_a_custom_loop_opts_in_and_names_its_step_optimizer(traced):
     assert micro_steps(spans, "training.forward") == [0, 0]
 
 
+class _IgnoresItsClosure(torch.optim.Optimizer):
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    parameter.add_(parameter.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("kind", ["LBFGS", "SGD", "never called"])
+def test_a_step_with_a_closure_is_its_first_call_s_micro_batch_and_loss_then_the_optimizer(traced, kind):
+    """optimizer.step(closure) runs the forward and backward inside step(): they fell into the optimizer phase, with no
+    micro-batch and no loss. The closure's first call is the step's micro-batch; LBFGS's re-evaluations after it are
+    optimizer work."""
+    model = nn.Linear(4, 1)
+    if kind == "LBFGS":
+        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=4)
+    elif kind == "SGD":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        optimizer = _IgnoresItsClosure(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    inputs, targets = torch.randn(8, 4), torch.randn(8, 1)
+    calls, returned = [], []
+    for _ in range(3):
+        def closure():
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            calls.append(loss.item())
+            return loss
+
+        if kind == "never called":
+            model(inputs).sum().backward()  # the step's own forward and backward, outside the closure
+        returned.append(optimizer.step(closure))
+    spans = traced()
+    steps = [span for span in spans if span.name == "training.step"]
+    assert [step.attributes["training.step"] for step in steps] == [1, 2, 3]
+    names = [span.name for span in spans]
+    assert names.count("training.forward") == names.count("training.backward") == 3
+    assert names.count("training.optimizer.step") == 3
+    if kind != "never called":
+        assert all(step.attributes["training.step.samples"] == 8 for step in steps)
+        # What step() returns: the first evaluation's loss (LBFGS's orig_loss), to the bit
+        assert [step.attributes["training.loss"] for step in steps] == [loss.item() for loss in returned]
+    if kind == "LBFGS":
+        assert len(calls) > 3, "re-evaluations, inside the optimizer phase"
+
+
+def test_a_subclass_s_step_calling_its_parent_s_is_one_step(traced):
+    """torch hooks the step() of each optimizer class it makes an instance of: a subclass whose step() calls
+    super().step() runs the hooks twice, nested. Each step was a failed one (its forward and backward) and an empty
+    one (the inner optimizer step); then a step() that raises must still end its step."""
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # an AdamW made anywhere in the process: AdamW.step is hooked
+
+    class Clipped(torch.optim.AdamW):
+        def step(self, closure=None):
+            if getattr(self, "fail", False):
+                raise FloatingPointError("non-finite gradient")
+            return super().step(closure)
+
+    model = nn.Linear(4, 1)
+    optimizer = Clipped(model.parameters())
+    trace_training(model, optimizer)
+    inputs = torch.randn(8, 4)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(inputs).square().mean()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        model(inputs).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.step(closure)
+    optimizer.fail = True
+    model(inputs).sum().backward()
+    with pytest.raises(FloatingPointError):
+        optimizer.step()
+    optimizer.fail = False
+    model(inputs).sum().backward()
+    optimizer.step()
+    spans = traced()
+    steps = [(span.attributes["training.step"], span.status.is_ok) for span in spans if span.name == "training.step"]
+    assert steps == [(1, True), (2, True), (3, True), (4, False), (4, True)]
+    assert [span.name for span in spans].count("training.optimizer.step") == 5
+
+
 def test_a_pass_without_gradients_in_training_mode_keeps_the_wait_an_evaluation_drops(traced):
     """Pseudo-labelling runs the model without gradients on the batch the step then trains on; an evaluation (eval
     mode, or an evaluation loop under no_grad alone: a fetch follows its passes) was fed by the waits before it."""

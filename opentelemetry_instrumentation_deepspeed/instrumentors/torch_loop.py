@@ -8,7 +8,9 @@ those of the model wrapped by ``DistributedDataParallel`` or the outermost ``ful
 are ``torch.autograd.backward`` calls (``loss.backward()``) made while training. Under mixed
 precision, ``GradScaler.step(optimizer)`` is the optimizer phase (unscaling, the overflow check and
 the optimizer's ``step()``), and a step whose overflow made the scaler skip the optimizer still
-ends there, as a skipped step (``training.step.skipped``), as DeepSpeed's fp16 steps do.
+ends there, as a skipped step (``training.step.skipped``), as DeepSpeed's fp16 steps do. With
+``step(closure)`` the closure's first call is the step's forward and backward, and the optimizer
+phase starts as it returns (LBFGS calls it again from there: optimizer work).
 
 Training is detected when a ``DistributedDataParallel`` is built or ``fully_shard`` is applied:
 only then does the process start its telemetry and observe backwards and optimizer steps (through
@@ -45,6 +47,7 @@ _DDP_MODULE = "torch.nn.parallel.distributed"
 _FSDP_MODULES = ("torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed.fsdp._fully_shard",
                  "torch.distributed.fsdp")
 _MAX_MICRO_BATCHES = 1024
+_MAX_STEP_NESTING = 16  # frames between a step() and the step() it calls (super().step() through decorators)
 _depth = threading.local()  # forwards of hooked modules running on this thread: the outermost is the micro-batch's
 
 
@@ -62,6 +65,8 @@ class TorchLoop:
         self.module = None  # set by the training metrics' FLOPs estimate only
         self.optimizer = None  # weak reference to the step optimizer, once known
         self.phase = None  # the optimizer phase running now
+        self.closure = None  # the step(closure) call's closure until its first call returns (_Closure)
+        self.stepping = None  # (id, code) of torch's wrapper frame of the step optimizer's step() running now
         self.scaling = False  # inside GradScaler.step(): the optimizer's own step() opens no phase
         self.stepped = False  # ... and whether it ran
         self.recorder = None
@@ -314,31 +319,94 @@ def _backward(backward):
     return wrapper
 
 
-def _before_step(optimizer, _args, _kwargs):
+def _before_step(optimizer, args, kwargs):
     loop, recorder = _recorder()
     if recorder is None:
-        return
+        return None
     if loop.scaling:
         loop.stepped = True
-        return
+        return None
     if loop.optimizer is None:
         loop.optimizer = weakref.ref(optimizer)
     elif loop.optimizer() is not optimizer:
-        return  # another optimizer (a GAN's second one): its step is work inside this step
+        return None  # another optimizer (a GAN's second one): its step is work inside this step
+    call = sys._getframe(1)  # torch's wrapper of this step() call, which runs the hooks (or GradScaler.step)
+    if loop.stepping is not None and _inside(loop.stepping, call.f_back):
+        return None  # a subclass's step() calling super().step(), each class's step() hooked: one step
+    loop.stepping = (id(call), call.f_code)
+    return _optimizer_started(loop, recorder, args, kwargs)
+
+
+def _optimizer_started(loop: TorchLoop, recorder, args, kwargs):
+    """The step optimizer's step() starts: its phase, or (``step(closure)``) the closure's first call first; what the
+    pre-hook returns (new arguments, or None)."""
     # No forward encloses the step optimizer's step: one still open here was left by an interrupt (a KeyboardInterrupt
     # skips the always-called hooks). It ends here, or no later forward would be seen.
     left, _depth.phase, _depth.value = getattr(_depth, "phase", None), None, 0
     if left is not None:
         recorder.interrupted("the forward did not complete")
-    if loop.phase is not None:  # the last step() raised: its step ended with it
+    if loop.phase is not None or loop.closure is not None:  # the last step() raised: its step ended with it
+        loop.phase = loop.closure = None
         recorder.interrupted("the optimizer step did not complete")
-    loop.phase = recorder.optimizer_step_started(loop)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
+    if closure is None:
+        loop.phase = recorder.optimizer_step_started(loop)
+        return None
+    # step(closure): the closure's first call is the step's forward and backward (its micro-batch and its loss); the
+    # optimizer phase starts as it returns, and holds the calls after it (LBFGS's re-evaluations: optimizer work).
+    loop.closure = closure = _Closure(loop, recorder, closure)
+    if len(args) > 1:
+        return (args[0], closure, *args[2:]), kwargs
+    return args, {**kwargs, "closure": closure}
+
+
+class _Closure:
+    """The closure handed to the step optimizer's ``step()``, which may call it any number of times (LBFGS: once per
+    evaluation of its line search; SGD and Adam: once, first)."""
+
+    __slots__ = ("_closure", "_loop", "_recorder", "pending")
+
+    def __init__(self, loop: TorchLoop, recorder, closure):
+        self._loop, self._recorder, self._closure = loop, recorder, closure
+        self.pending = True
+
+    def __call__(self, *args, **kwargs):
+        result = self._closure(*args, **kwargs)
+        if self.pending:
+            self.optimizer_started()
+        return result
+
+    def optimizer_started(self) -> None:
+        self.pending = False
+        loop = self._loop
+        if loop.closure is self and _recorder()[1] is self._recorder:
+            loop.closure = None
+            loop.phase = self._recorder.optimizer_step_started(loop)
+
+
+def _inside(stepping: tuple, frame) -> bool:
+    """Whether the step() call ``stepping`` names (its wrapper frame's id and code) runs below ``frame``. By id and
+    code: a frame held past a step() that raised would keep the optimizer's arguments (the closure, what it holds)."""
+    ident, code = stepping
+    for _ in range(_MAX_STEP_NESTING):
+        if frame is None:
+            return False
+        if id(frame) == ident and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _after_step(optimizer, _args, _kwargs):
     loop, recorder = _recorder()
     if recorder is None or loop.scaling or loop.optimizer is None or loop.optimizer() is not optimizer:
         return
+    call = sys._getframe(1)
+    if loop.stepping != (id(call), call.f_code):
+        return  # the inner step() of a nested call: the outer one ends the phase
+    loop.stepping = None
+    if loop.closure is not None:  # an optimizer that never called its closure: the step ends with an empty phase
+        loop.closure.optimizer_started()
     phase, loop.phase = loop.phase, None
     if phase is not None:
         loop.global_steps += 1
@@ -355,7 +423,7 @@ def _scaler_step(step):
             return step(self, *args, **kwargs)
         if loop.optimizer is None:
             loop.optimizer = weakref.ref(optimizer)
-        _before_step(optimizer, args, kwargs)
+        _before_step(optimizer, (), {})  # GradScaler refuses a closure
         loop.scaling, loop.stepped = True, False
         try:
             result = step(self, *args, **kwargs)
@@ -367,7 +435,7 @@ def _scaler_step(step):
             loop.scaling = False
         if not loop.stepped:  # an inf or NaN gradient: the scaler skipped the optimizer
             loop.skipped_steps += 1
-        _after_step(optimizer, args, kwargs)
+        _after_step(optimizer, (), {})
         return result
 
     return wrapper

@@ -3,6 +3,7 @@ collectives of a step; the emitter counts them and keeps their spans within the 
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import weakref
@@ -15,6 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
 from opentelemetry_instrumentation_deepspeed import CommInstrumentor
+from opentelemetry_instrumentation_deepspeed.instrumentors import comm
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
 from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
 from opentelemetry_instrumentation_deepspeed.recording import builder, inputs, registry
@@ -299,5 +301,43 @@ def test_the_collectives_of_a_coalescing_block_are_one_collective_at_its_end(one
         after = observer.between_steps
         assert (after.coalesced, after.bytes, after.sequence) == (0, 8, pending.sequence + 1), "observed again"
         assert not observer.broken
+    finally:
+        instrumentor.uninstrument()
+
+
+def test_in_a_coalescing_block_what_torch_runs_at_once_is_observed_at_once(one_rank, monkeypatch):
+    """torch queues only all-reduces, all-gathers and reduce-scatters of a tensor on the block's group: a broadcast in
+    the block, or a call on another group, runs at once. They were counted into the block (its name, its bytes), and a
+    block nested in another on a second group was folded into the outer one."""
+    instrumentor = CommInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider())
+    observer = instrumentor._observer
+    finished = []
+
+    def finish(observer, call, *args, **kwargs):  # the wrapper's own path and completed()'s
+        finished.append(call)
+        CommObserver._finish(observer, call, *args, **kwargs)
+
+    monkeypatch.setattr(comm, "_finish", finish)
+    monkeypatch.setattr(observer, "_finish", functools.partial(finish, observer))
+    try:
+        from torch.distributed.distributed_c10d import _coalescing_manager
+
+        dist = torch.distributed
+        other = dist.new_group([0])
+        with _coalescing_manager():
+            dist.broadcast(torch.ones(1000), 0)
+            dist.all_reduce(torch.ones(4))
+            with _coalescing_manager(other):
+                dist.all_reduce(torch.ones(2), group=other)
+                dist.all_reduce(torch.ones(2), group=other)
+            dist.all_reduce(torch.ones(8))
+        described = [(call.route.span_name, call.route.span_attributes.get("comm.group.name", "0"), call.bytes,
+                      call.coalesced) for call in finished]
+        other_name = dist.distributed_c10d._get_process_group_name(other)
+        assert described == [("comm.broadcast", "0", 4000, 0), ("comm.all_reduce", other_name, 16, 2),
+                             ("comm.all_reduce", "0", 48, 2)]
+        assert [call.sequence for call in finished] == [0, 0, 1]
+        dist.destroy_process_group(other)
     finally:
         instrumentor.uninstrument()

@@ -58,6 +58,10 @@ _DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0
 _DEFAULT_GROUP_NAME = "0"  # torch names the default process group "0"
 
 _guard = threading.local()
+# Ops that torch queues in a coalescing block without a device (distributed_c10d, torch 2.13): by name, as both layers
+# name them
+_QUEUED_IN_BLOCKS = frozenset({"all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+                               "reduce_scatter_single"})
 _observers: weakref.WeakSet = weakref.WeakSet()  # read by the hang watchdog (last_sequences)
 
 
@@ -360,7 +364,7 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
             block = getattr(_guard, "inside", False)
             if block is True or block is False:  # inside another observed call, or silent
                 return original(*args, **kwargs)
-            return block.member(spec, original, args, kwargs)
+            return block.call(spec, original, wrapper, args, kwargs)
         call = None
         if not observer.broken:
             try:
@@ -389,31 +393,66 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
 
 
 class _Coalescing:
-    """A ``with _coalescing_manager(group, device, async_ops):`` block of torch's (Megatron's bucketed reduce-scatters,
-    DeepSpeed's ``all_gather_coalesced``). The collectives called in it only queue their tensors; the block's end runs
-    them as one (``allreduce_coalesced`` and the like). They are one collective: a sequence number, the bytes they sum,
-    named for the first; from the block's end to its completion (the end itself, or the wait on ``cm.works``).
+    """A ``with _coalescing_manager(group, device, async_ops):`` block of torch's (Megatron-style bucketed
+    reduce-scatters and all-gathers). The calls torch queues in it (all-reduces, all-gathers into a tensor and
+    reduce-scatters of a tensor on the block's group; with ``device``, every call on that group) only queue their
+    tensors; the block's end runs them as one (``allreduce_coalesced`` and the like). They are one collective: a
+    sequence number, the bytes they sum, named for the first; from the block's end to its completion (the end itself,
+    or the wait on ``cm.works``). Any other call in the block runs at once and is observed as anywhere else.
 
-    While the block is open the thread's guard holds it, so the collective wrappers (whose usual path checks the
-    guard already) hand it their calls instead of recording them."""
+    While the block is open the thread's guard holds it (and it the block it is nested in, if any), so the collective
+    wrappers, whose usual path checks the guard already, hand it their calls."""
 
-    __slots__ = ("_async", "_bytes", "_calls", "_group", "_manager", "_observer", "_spec", "_tensor", "_works")
+    __slots__ = ("_async", "_bytes", "_calls", "_device", "_group", "_manager", "_observer", "_outer", "_pg", "_spec",
+                 "_tensor", "_works")
 
     def __init__(self, observer: CommObserver, manager, args, kwargs):
         self._observer, self._manager = observer, manager
         self._group = args[0] if args else kwargs.get("group")
+        self._device = (args[1] if len(args) > 1 else kwargs.get("device")) is not None
         self._async = bool(args[2] if len(args) > 2 else kwargs.get("async_ops", False))
         self._spec: OpSpec | None = None
         self._bytes = self._calls = 0
         self._tensor = None  # the first call's data: its dtype
-        self._works = None
+        self._works = self._pg = None
+        self._outer = False  # what the guard held before: False, or the block this one is nested in
 
     def __enter__(self):
         self._works = self._manager.__enter__()  # torch's _CoalescingManager: the block's work, when async
-        _guard.inside = self
+        self._pg = self._group or sys.modules["torch.distributed"].distributed_c10d._get_default_group()
+        self._outer, _guard.inside = getattr(_guard, "inside", False), self
         return self._works
 
-    def member(self, spec: OpSpec, original, args, kwargs):
+    def call(self, spec: OpSpec, original, observed, args, kwargs):
+        """A collective called in the block (or in blocks nested in it): queued by the block of its group, else run
+        at once through ``observed``, the usual wrapper."""
+        block = self
+        try:
+            while isinstance(block, _Coalescing) and not block._queues(spec, args, kwargs):
+                block = block._outer
+        except Exception:  # noqa: BLE001 - ours only: the call below goes on, unobserved
+            self._observer.fail(_Coalescing.call.__qualname__)
+            block = None
+        if isinstance(block, _Coalescing):
+            return block._member(spec, original, args, kwargs)
+        _guard.inside = block is None  # None: unobserved
+        try:
+            return (original if block is None else observed)(*args, **kwargs)
+        finally:
+            _guard.inside = self
+
+    def _queues(self, spec: OpSpec, args, kwargs) -> bool:
+        group = args[spec.group_index] if 0 <= spec.group_index < len(args) else kwargs.get("group")
+        if group is None:
+            group = sys.modules["torch.distributed"].distributed_c10d._get_default_group()
+        return group is self._pg and (self._device or spec.name in _QUEUED_IN_BLOCKS)
+
+    def _member(self, spec: OpSpec, original, args, kwargs):
+        inside, _guard.inside = _guard.inside, True  # deepspeed.comm's op calling torch's: one call
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _guard.inside = inside
         if not self._observer.broken:
             try:
                 _group, data_bytes, tensor, _async = spec.read(args, kwargs)
@@ -421,13 +460,9 @@ class _Coalescing:
                     self._spec, self._tensor = spec, tensor
                 self._bytes += data_bytes
                 self._calls += 1
-            except Exception:  # noqa: BLE001 - ours only: the user's call below is outside this try
-                self._observer.fail(_Coalescing.member.__qualname__)
-        _guard.inside = True  # deepspeed.comm's op calling torch's: one call
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _guard.inside = self
+            except Exception:  # noqa: BLE001 - ours only
+                self._observer.fail(_Coalescing._member.__qualname__)
+        return result
 
     def __exit__(self, kind, error, traceback):
         observer, spec, call = self._observer, self._spec, None
@@ -447,7 +482,7 @@ class _Coalescing:
             observer.failed(call, failure)
             raise
         finally:
-            _guard.inside = False
+            _guard.inside = self._outer
         if call is not None and not observer.broken:
             try:
                 _complete(observer, call, list(getattr(self._works, "works", ())) if call.is_async else None)
@@ -458,7 +493,7 @@ class _Coalescing:
 
 def _coalescing_wrapper(observer: CommObserver, original):
     def wrapper(*args, **kwargs):
-        if (session.silent and not observer.explicit) or getattr(_guard, "inside", False) or observer.broken:
+        if (session.silent and not observer.explicit) or getattr(_guard, "inside", False) is True or observer.broken:
             return original(*args, **kwargs)  # inside an observed call (batch_isend_irecv's own block): part of it
         return _Coalescing(observer, original(*args, **kwargs), args, kwargs)
 

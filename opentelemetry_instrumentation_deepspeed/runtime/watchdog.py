@@ -108,6 +108,7 @@ class Watchdog(Component):
         self.poll = min(MAX_POLL, floor / 4) if self.reporting else SIGNALS_ONLY_POLL
         self._watched: list[_Watched] = []
         self._thread: threading.Thread | None = None
+        self._started = False  # the thread was started, or could not be (signals only, no wakeup fd)
         self._signals: socket.socket | None = None
         self._meters: list = []
         self.reports = 0
@@ -119,6 +120,18 @@ class Watchdog(Component):
     def watch(self, recorder, meter=None, start: bool = True, engine=None) -> None:
         """``start``: the thread and the signals (False: tests call ``check`` themselves); ``engine``: the one
         ``recorder`` records, whose end ends the watch."""
+        self._prune()  # a sweep building engine after engine: the dropped ones go (signals only, nothing else looks)
+        if start and self._thread is None and not self._started:
+            self._started = True
+            self._listen_for_signals()
+            if self.reporting or self._signals is not None:
+                if self.reporting:
+                    lifecycle.at_exit(lifecycle.REPORT_HANGS, self._at_exit)
+                lifecycle.in_forked_child(lifecycle.FORGET, self._forget)
+                self._thread = threading.Thread(target=self._run, daemon=True, name="otel-deepspeed-watchdog")
+                self._thread.start()
+        if start and self._thread is None:
+            return  # signals only, and another wakeup fd is set: nothing would read the recorder
         self._watched.append(_Watched(recorder, engine))
         if meter is not None and not any(known is meter for known in self._meters):
             self._meters.append(meter)
@@ -126,15 +139,10 @@ class Watchdog(Component):
                 semconv.METRIC_STEP_OPEN_DURATION, [observing(self, self._observe_open)], unit="s",
                 description="How long the step open now on this rank has been running; with no step open, how "
                             "long the training thread has stood still with no step written")
-        if self._thread is None and start:
-            self._listen_for_signals()
-            if not self.reporting and self._signals is None:
-                return  # another wakeup fd is set: nothing to do
-            if self.reporting:
-                lifecycle.at_exit(lifecycle.REPORT_HANGS, self._at_exit)
-            lifecycle.in_forked_child(lifecycle.FORGET, self._forget)
-            self._thread = threading.Thread(target=self._run, daemon=True, name="otel-deepspeed-watchdog")
-            self._thread.start()
+
+    def _prune(self) -> None:
+        for gone in [w for w in self._watched if w.engine is not None and w.engine() is None]:
+            self._watched.remove(gone)  # in place: the training thread may append a new engine's meanwhile
 
     def _listen_for_signals(self) -> None:
         reader, writer = socket.socketpair()
@@ -152,6 +160,7 @@ class Watchdog(Component):
     def _forget(self) -> None:
         self._watched.clear()
         self._thread = None
+        self._started = False
 
     # -- the watchdog's thread ----------------------------------------------------------------------
 
@@ -160,6 +169,8 @@ class Watchdog(Component):
             signals = self._wait(self.poll)
             if self.reporting:
                 self.check()
+            else:
+                self._prune()
             for signum in signals:
                 self._signalled(signum)
 
@@ -181,8 +192,7 @@ class Watchdog(Component):
         """One look at every open record: durations of the steps seen closing, and reports of those stuck."""
         now = time.time_ns() if now is None else now
         reports = []
-        for gone in [w for w in self._watched if w.engine is not None and w.engine() is None]:
-            self._watched.remove(gone)  # in place: the training thread may append a new engine's meanwhile
+        self._prune()
         for watched in list(self._watched):
             record = watched.recorder.open
             last = watched.last

@@ -126,3 +126,26 @@ def test_diagnose_counts_a_wait_fetched_ahead_in_the_step_it_blocked():
     assert (first["step"], second["step"]) == (1, 2)
     assert first["parts"]["data_wait"] == pytest.approx(30e-9) and first["parts"]["unaccounted"] == pytest.approx(30e-9)
     assert second["parts"]["data_wait"] == pytest.approx(10e-9)
+
+
+def test_instrumented_again_before_training_registers_the_worker_metrics_once(monkeypatch):
+    """An instrument() undone before training started leaves its start listener behind: it must not register the
+    workers' instruments a second time beside the new instrument()'s."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from opentelemetry_instrumentation_deepspeed.instrumentors import dataloader
+    from opentelemetry_instrumentation_deepspeed.runtime import session
+
+    registered = []
+    monkeypatch.setattr(dataloader.WorkerProcesses, "register", lambda self, meter: registered.append(self))
+    monkeypatch.setattr(session, "_listeners", [])
+    instrumentor = DataLoaderInstrumentor()
+    instrumentor.instrument(meter_provider=MeterProvider())
+    instrumentor.uninstrument()
+    instrumentor.instrument(meter_provider=MeterProvider())
+    try:
+        for listener in list(session._listeners):
+            listener(None)
+        assert len(registered) == 1
+    finally:
+        instrumentor.uninstrument()

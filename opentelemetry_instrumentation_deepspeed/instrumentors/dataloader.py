@@ -163,9 +163,11 @@ class DataLoaderInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs):
         self._patching = True
         meter_provider = kwargs.get("meter_provider")
+        # This instrument()'s: one uninstrumented before training started leaves its listener behind.
+        generation = self._generation = object()
 
         def started(_identity):
-            if self._patching:
+            if self._patching and self._generation is generation:
                 self._workers = WorkerProcesses()
                 self._workers.register(get_meter(semconv.SCOPE_NAME, __version__,
                                                  meter_provider))

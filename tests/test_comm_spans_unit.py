@@ -341,3 +341,38 @@ def test_in_a_coalescing_block_what_torch_runs_at_once_is_observed_at_once(one_r
         dist.destroy_process_group(other)
     finally:
         instrumentor.uninstrument()
+
+
+@pytest.mark.slow  # the functional collectives' first import takes 3 s
+def test_a_functional_collective_completes_where_its_result_is_waited_for(one_rank, monkeypatch):
+    """DTensor's redistributions, tensor parallelism and norms over DTensors run torch's functional collectives: they
+    went unseen. Each is issued at its call and completes where its result is first used (its wait_tensor)."""
+    instrumentor = CommInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider())
+    observer = instrumentor._observer
+    try:
+        import torch.distributed._functional_collectives as funcol
+
+        world = torch.distributed.group.WORLD
+        result = funcol.all_reduce(torch.ones(100), "sum", world)
+        call = observer.between_steps
+        assert (call.route.span_name, call.bytes, call.is_async, call.end) == ("comm.all_reduce", 400, True, None)
+        view = result[10:]  # a view waits for the same work
+        assert call.end is None
+        assert float((view + 1).sum()) == 180.0
+        assert call.end is not None and call.failure is None and not observer._pending_tensors
+
+        gathered = funcol.all_gather_tensor(torch.ones(2, 3), 1, world)  # gathered on dim 1: waited inside
+        assert observer.between_steps.route.span_name == "comm.all_gather_single"
+        assert observer.between_steps.end is not None and gathered.shape == (2, 3)
+        assert observer.between_steps.sequence == call.sequence + 1
+
+        monkeypatch.setattr(comm, "MAX_PENDING_TENSORS", 2)
+        dropped = [funcol.all_reduce(torch.ones(4), "sum", world) for _ in range(3)]  # never used
+        assert len(observer._pending_tensors) == 2, "results dropped unwaited are let go, the oldest first"
+        for late in dropped:  # c10d warns at exit of results never waited for
+            late.wait()
+        assert not observer._pending_tensors
+        assert not observer.broken
+    finally:
+        instrumentor.uninstrument()

@@ -39,6 +39,7 @@ _OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "batch_isend_irecv": (("p2p_op_list",), "one"),
     "barrier": ((), "one"),
     "monitored_barrier": ((), "one"),
+    "reduce_scatter_coalesced": (("inputs",), "reduce_scatter"),  # the functional collectives' (below)
 }
 ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
 # Point-to-point ops (semconv.P2P_OPS) by direction: a rank's k-th send to a peer is that peer's k-th receive from it
@@ -60,6 +61,21 @@ TORCH_OPS = (
     "all_to_all_single", "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend",
     "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
 )
+
+# torch.distributed._functional_collectives (DTensor's redistributions, tensor parallelism, norms over DTensors):
+# function -> the op its spans and metrics name, torch.distributed's, so that one kind of call aggregates across layers.
+FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce_coalesced", "broadcast": "broadcast",
+    "all_gather_single": "all_gather_single", "all_gather_tensor": "all_gather_single",
+    "all_gather_single_autograd": "all_gather_single", "all_gather_tensor_autograd": "all_gather_single",
+    "all_gather_single_coalesced": "all_gather_coalesced", "all_gather_into_tensor_coalesced": "all_gather_coalesced",
+    "reduce_scatter_single": "reduce_scatter_single", "reduce_scatter_tensor": "reduce_scatter_single",
+    "reduce_scatter_single_autograd": "reduce_scatter_single",
+    "reduce_scatter_tensor_autograd": "reduce_scatter_single",
+    "reduce_scatter_single_coalesced": "reduce_scatter_coalesced",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
+    "all_to_all_single": "all_to_all_single", "all_to_all_single_autograd": "all_to_all_single",
+}
 
 
 def bus_factor(kind: str, group_size: int) -> float:
@@ -133,6 +149,16 @@ class OpSpec:
         peer_name = _PEERS.get(name) if _PEERS.get(name) in parameters else None
         return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"), name in ALWAYS_ASYNC,
                    index(peer_name), peer_name, _DIRECTIONS.get(name))
+
+    @classmethod
+    def functional(cls, name: str, function) -> OpSpec:
+        """A functional collective's: its data is ``self`` (or ``inputs``), its group any of the forms it takes (a
+        process group, a device mesh and dimension, a group name); it always returns before it completes."""
+        parameters = list(inspect.signature(function).parameters)
+        op = FUNCTIONAL_OPS[name]
+        data_name = next((candidate for candidate in ("self", "inputs") if candidate in parameters), None)
+        return cls(op, _OPS[op][1], parameters.index(data_name) if data_name else -1, data_name,
+                   parameters.index("group") if "group" in parameters else -1, -1, True)
 
     def peer(self, args, kwargs) -> int | None:
         """The global rank at the other end of a send or recv (None: any source)."""

@@ -36,6 +36,7 @@ from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 from opentelemetry_instrumentation_deepspeed.export.histograms import TimedHistogram
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import (
     DEEPSPEED_OPS,
+    FUNCTIONAL_OPS,
     TORCH_OPS,
     OpSpec,
     algorithm_bytes,
@@ -58,6 +59,7 @@ _DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0
 _DEFAULT_GROUP_NAME = "0"  # torch names the default process group "0"
 
 _guard = threading.local()
+MAX_PENDING_TENSORS = 4096  # functional collectives' results awaiting their wait; past it the oldest are let go
 # Ops that torch queues in a coalescing block without a device (distributed_c10d, torch 2.13): by name, as both layers
 # name them
 _QUEUED_IN_BLOCKS = frozenset({"all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
@@ -105,6 +107,9 @@ class CommObserver(Component):
         # Async work handles until their wait(); weak, so a handle dropped unwaited takes its entry along.
         self._pending_async: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._polled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ended by is_completed(), until wait()
+        # Functional collectives waiting for their results' wait_tensor: by the storage's address, as c10d's own
+        # registry of their works keys them (a view of the result waits for the same work).
+        self._pending_tensors: dict[int, Collective] = {}
         # Wraps Work.wait, once, at the first async collective (set by the instrumentor): a synchronous
         # collective waits for its own work inside torch, and a wrapper there would pass every such wait
         # through for nothing (two per ZeRO-2 step).
@@ -293,7 +298,8 @@ class CommObserver(Component):
         if found is None:
             dist = sys.modules["torch.distributed"]
             try:
-                pg = group if group is not None else dist.distributed_c10d._get_default_group()
+                pg = group if group is None or isinstance(group, dist.ProcessGroup) else _process_group(group)
+                pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
                 # group=None and the default group object are one group: one sequence of collectives.
                 found = self._groups.get(id(pg))
                 if found is None:
@@ -301,10 +307,39 @@ class CommObserver(Component):
                     found = _Group(str(name), dist.get_world_size(pg), str(dist.get_backend(pg)))
                     self._groups[id(pg)] = found
                     weakref.finalize(pg, self._forget, found).atexit = False
-            except (ValueError, RuntimeError):  # torch's word for both (distributed_c10d, torch 2.x)
+            except (ValueError, RuntimeError, TypeError):  # torch's words (distributed_c10d, torch 2.x)
                 return None
-            self._groups[id(group)] = found
+            if group is None or group is pg:  # not a functional collective's (mesh, dim) made for the call
+                self._groups[id(group)] = found
         return found
+
+    @fail_open
+    def functional_returned(self, call: Collective, result) -> None:
+        """A functional collective returned: it completes where the tensors it returned are waited for (``wait_tensor``,
+        which their first use calls); returned waited already (while tracing, or a gather that needed its data), at
+        once."""
+        pending = [getattr(item, "elem", None) for item in (result if isinstance(result, (list, tuple)) else [result])
+                   if type(item).__name__ == "AsyncCollectiveTensor"]
+        keys = [tensor.untyped_storage().data_ptr() for tensor in pending if tensor is not None and tensor.numel()]
+        if not keys:
+            self._finish(call, drain=False)
+            return
+        waiting = self._pending_tensors
+        for key in keys:
+            waiting[key] = call
+        while len(waiting) > MAX_PENDING_TENSORS:  # results dropped unwaited: the oldest go
+            waiting.pop(next(iter(waiting)))
+        call.remaining = len(keys)
+
+    @fail_open
+    def tensor_waited(self, tensor) -> None:
+        """``wait_tensor`` on a functional collective's result (or a view of it: the same storage), on any thread: an
+        autograd thread's wait must not export there."""
+        call = self._pending_tensors.pop(tensor.untyped_storage().data_ptr(), None) if tensor.numel() else None
+        if call is not None:
+            call.remaining -= 1
+            if call.remaining == 0:
+                self._finish(call, drain=False)
 
     def _forget(self, gone: _Group) -> None:
         """A group was collected: its entries go, the default group's alias (``group=None``) among them."""
@@ -500,6 +535,43 @@ def _coalescing_wrapper(observer: CommObserver, original):
     return wrapper
 
 
+def _functional_wrapper(observer: CommObserver, spec: OpSpec, tracing, original):
+    """A functional collective: issued here, completed at the wait for its result. Not while torch traces it (compile,
+    fake tensors): nothing of ours goes into a graph."""
+    def wrapper(*args, **kwargs):
+        if (session.silent and not observer.explicit) or getattr(_guard, "inside", False) or tracing():
+            return original(*args, **kwargs)
+        call = None
+        if not observer.broken:
+            try:
+                call = _issue(observer, spec, args, kwargs)
+            except Exception:  # noqa: BLE001 - ours only: the user's call below is outside this try
+                observer.fail(_issue.__qualname__)
+        _guard.inside = True
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as error:
+            observer.failed(call, error)
+            raise
+        finally:
+            _guard.inside = False
+        if call is not None and not observer.broken:
+            observer.functional_returned(call, result)
+        return result
+
+    return wrapper
+
+
+def _wait_tensor_wrapper(observer: CommObserver, original):
+    def wrapper(tensor, *args, **kwargs):
+        result = original(tensor, *args, **kwargs)
+        if observer._pending_tensors:
+            observer.tensor_waited(tensor)
+        return result
+
+    return wrapper
+
+
 def _wait_wrapper(observer: CommObserver, original):
     def wrapper(self, *args, **kwargs):
         try:
@@ -610,7 +682,20 @@ class CommInstrumentor(BaseInstrumentor):
             if patches.active:
                 patches.rebind(_loaded("deepspeed"))
 
+        def patch_functional(funcol):
+            if patches.active:
+                # funcol's own test (compile, fake tensors, proxies); torch.compiler's where it has none
+                tracing = getattr(funcol, "_are_we_tracing", None) or sys.modules["torch"].compiler.is_compiling
+                for name in FUNCTIONAL_OPS:
+                    function = getattr(funcol, name, None)
+                    if function is not None:
+                        spec = OpSpec.functional(name, function)
+                        patches.wrap(funcol, name, functools.partial(_functional_wrapper, observer, spec, tracing))
+                patches.wrap(funcol, "wait_tensor", functools.partial(_wait_tensor_wrapper, observer))
+                patches.rebind(_loaded("torch.distributed"))
+
         when_imported("torch.distributed.distributed_c10d", patch_torch)
+        when_imported("torch.distributed._functional_collectives", patch_functional)
         when_imported("deepspeed.comm.comm", patch_deepspeed)
         when_imported("deepspeed", rebind_late_imports)
 
@@ -619,6 +704,16 @@ class CommInstrumentor(BaseInstrumentor):
         observer = getattr(self, "_observer", None)
         if observer is not None:  # copies of the ops bound after patching, which restore() cannot see, pass calls on
             observer.broken = True
+
+
+def _process_group(group):
+    """The process group a functional collective's ``group`` names: a device mesh (and a dimension), a group's name, a
+    list of ranks; None for the default group."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed import distributed_c10d
+
+    resolved = funcol._resolve_group(group)
+    return distributed_c10d._resolve_process_group(resolved) if isinstance(resolved, str) else resolved
 
 
 def _loaded(prefix: str) -> list:

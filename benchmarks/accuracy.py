@@ -147,6 +147,15 @@ def draw_loader_stall_short(rng: random.Random) -> Draw:
                  *_zero(rng)], Expected("data loading", rank, 3, 0, "data_wait"))
 
 
+def draw_host_work_rank(rng: random.Random) -> Draw:
+    """One rank's loop works on the host after every k-th step (a checkpoint, logging): the gap before the next step,
+    which the other rank waits through in that step's first collective. Four or five gaps after warm-up."""
+    rank, every, work = rng.randint(0, 1), rng.randint(3, 6), rng.randint(80, 300)
+    return Draw(["--steps", str(every * rng.randint(4, 5) + rng.randint(1, every)), "--host-work",
+                 f"{every}:{work}:{rank}", *_zero(rng)],
+                Expected("HOST WORK", rank, every, 1 % every, "between_steps"))
+
+
 def draw_slow_rank(rng: random.Random) -> Draw:
     rank, slow, phase = rng.randint(0, 1), rng.randint(20, 60), rng.choice(("forward", "backward", "optimizer"))
     return Draw(["--steps", str(rng.randint(12, 20)), "--slow-rank", str(rank), "--slow-ms", str(slow),
@@ -296,6 +305,8 @@ CLASSES = [
                notes="every rank's loader stalls 80-300 ms every 3rd-6th step, 16 steps or more"),
     FaultClass("loader-stall-short", draw_loader_stall_short,
                notes="at the test's bound: 4 stalls every 3rd step in 12-14 steps, one rank or every rank"),
+    FaultClass("host-work-rank", draw_host_work_rank,
+               notes="one rank's loop works 80-300 ms on the host after every 3rd-6th step, before the next one"),
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),
     FaultClass("slow-rank-long", draw_slow_rank_long,
                notes="one rank 20-60 ms slower in a phase for 150-250 steps; in half the draws 1-3 spinning processes "

@@ -55,6 +55,10 @@ def parse_args(argv=None):
     faults.add_argument("--stall-ms", type=float, default=200.0, metavar="D", help="length of each stall")
     faults.add_argument("--stall-rank", type=int, default=-1, metavar="R",
                         help="only rank R's data loader stalls (default: every rank's)")
+    faults.add_argument("--host-work", metavar="K:D[:R]",
+                        help="after every K-th optimizer step the loop works D ms on the host before the next one (a "
+                             "checkpoint, an evaluation, logging): between steps, no step open; only rank R's loop, "
+                             "if given")
     faults.add_argument("--slow-rank", type=int, default=-1, metavar="R",
                         help="rank R computes --slow-ms longer in each --slow-phase (a straggler)")
     faults.add_argument("--slow-ms", type=float, default=50.0, metavar="D")
@@ -410,6 +414,10 @@ def after_step(args, rank: int, step: int) -> None:
     """The loop's own code after optimizer step ``step`` (1-based) ends, before the next one fetches."""
     if args.hang_phase == "after-step" and step == args.hang_step and rank == args.hang_rank:
         block_forever()
+    if args.host_work:
+        every, work, *who = args.host_work.split(":")
+        if step % int(every) == 0 and int(who[0] if who else rank) == rank:
+            time.sleep(float(work) / 1000)
     if args.barrier:
         torch.distributed.barrier()
 

@@ -49,7 +49,9 @@ def synthetic_job(steps: int = 20, ranks: int = 2, *, seed: int = 0, extra=None,
 
     for step in range(1, steps + 1):
         factor = transfer(step) if callable(transfer) else transfer
-        now = dict.fromkeys(range(ranks), clock)
+        # "between_steps": the rank's loop lingers that long before the step opens (a checkpoint, logging)
+        now = {rank: clock + (extra(rank, step).get("between_steps", 0.0) * MS if extra else 0.0)
+               for rank in range(ranks)}
         starts = dict(now)
         for rank in range(ranks):
             for name, phase, base in (("data_wait", semconv.SPAN_DATA_WAIT, 0.3), ("forward", semconv.SPAN_FORWARD, 8)):
@@ -199,6 +201,24 @@ def test_data_wait_too_short_a_run_for_its_period_is_named_on_the_rank_that_wait
     assert verdict["summary"].startswith(f"rank {stalling}: 7")
     assert "of its step time is data wait (the other ranks' 0% at most)" in verdict["summary"]
     assert verdict["confidence"] >= 0.99 and 0.3 < verdict["share_of_run"] < 0.9
+
+
+def test_a_rank_that_lingers_between_steps_is_named_and_the_loop_s_own_work_everywhere_is_not():
+    """Time a rank spends in its loop's own code between two steps (a checkpoint every 10th step on one rank) belongs
+    to no step: the others waited for it in their first collective, and the diagnosis said NONE."""
+    report = analyse(synthetic_job(30, extra=every(5, 150, rank=0, part="between_steps")))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"], verdict["period"]) == ("HOST WORK", 0, "between_steps",
+                                                                                        5)
+    assert verdict["chain"]["waiting"]["1"] == pytest.approx(0.15, rel=0.2)
+    assert "loop's own code before the step" in verdict["summary"]
+    # Every rank's loop evaluating every 5th step: its own choice, no rank waits for another.
+    report = analyse(synthetic_job(30, extra=every(5, 150, part="between_steps")))
+    assert report["verdict"]["layer"] == "none", report["verdict"]
+    # A rank that logs before every step holds the others at every step.
+    report = analyse(synthetic_job(20, extra=lambda rank, _step: {"between_steps": 30} if rank == 1 else {}))
+    assert (report["verdict"]["layer"], report["verdict"]["rank"], report["verdict"]["phase"]) == (
+        "HOST WORK", 1, "between_steps")
 
 
 def test_a_single_process_stall_carries_its_rank():

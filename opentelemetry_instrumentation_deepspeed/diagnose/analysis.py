@@ -191,6 +191,7 @@ class Analysis:
                 by_rank[rank].append(self._breakdown(step, job))
         for steps in by_rank.values():
             steps.sort(key=lambda s: s["step"])
+            _between_steps(steps)
         ranks = {rank: self._rank_summary(steps) for rank, steps in sorted(by_rank.items())}
         gpu = self._gpu(job, by_rank)
         # -- findings: follow the waits across ranks, then the patterns of each rank's own steps --
@@ -350,7 +351,8 @@ class Analysis:
         parts["comm_wait"] = _union_overlap(waits, step.start, step.end)
         total = step.end - step.start
         parts["unaccounted"] = max(total - sum(parts.values()), 0)
-        return {"step": step.number, "trace_id": step.trace_id, "seconds": total / 1e9,
+        return {"step": step.number, "trace_id": step.trace_id, "seconds": total / 1e9, "start": step.start,
+                "end": step.end,
                 "parts": {name: value / 1e9 for name, value in parts.items()},
                 "cpu_wait": None if step.cpu_wait is None else min(step.cpu_wait, 1.0) * total / 1e9,
                 "native_wait": None if step.native_wait is None else step.native_wait * total / 1e9,
@@ -395,6 +397,16 @@ class Analysis:
         if anomalies and len(anomalies) * 2 > count:
             anomaly = max(anomalies, key=lambda a: a["extra_seconds"])
         return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
+
+
+def _between_steps(steps: list[dict]) -> None:
+    """Each step's ``between_steps``: from the end of the rank's step before it (the step numbered one less) to its
+    start, the loop's own code; 0 after a step not seen (its number skipped, the first)."""
+    previous = None
+    for step in steps:
+        gap = step["start"] - previous["end"] if previous is not None and previous["step"] == step["step"] - 1 else 0
+        step["parts"]["between_steps"] = max(gap, 0) / 1e9
+        previous = step
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -6,9 +6,9 @@ least MIN_COST_SHARE of the run and holds beyond chance (a test at ALPHA, named 
 ``test``); otherwise the verdict is "none". Three analyses of the steps live here:
 
 - **periodic**: per rank and per part of its own step (data wait, forward, backward, optimizer, an
-  earlier collective, host work), a part that grows every k-th step (``periodic.find_period``); a
-  pattern one rank's search found is then tested on the other ranks as one fixed hypothesis
-  (``periodic.confirms``). When the same pattern is on every rank it is one job-wide finding; on
+  earlier collective, host work, the loop's code before the step), a part that grows every k-th step
+  (``periodic.find_period``); a pattern one rank's search found is then tested on the other ranks as one fixed
+  hypothesis (``periodic.confirms``). When the same pattern is on every rank it is one job-wide finding; on
   some ranks only, it is theirs, and the waits of the other ranks in those steps are its consequence
   and, in a data-parallel job, its cost: a stall the others do not wait for costs nothing;
 - **late rank**: a rank whose own part of the step is longer than the other ranks' median, step
@@ -43,9 +43,10 @@ LATE_STEP_SHARE = 0.20  # a late rank's part must exceed the others' by this sha
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
 
 LAYER_OF_PART = {"data_wait": "data loading", "forward": "compute", "backward": "compute", "optimizer": "compute",
-                 "exposed_comm": "communication", "unaccounted": "HOST WORK"}
+                 "exposed_comm": "communication", "unaccounted": "HOST WORK", "between_steps": "HOST WORK"}
 WHAT = {"data_wait": "data wait", "forward": "forward", "backward": "backward", "optimizer": "optimizer step",
         "exposed_comm": "an earlier collective", "unaccounted": "host work between phases",
+        "between_steps": "the loop's own code before the step (after the previous one)",
         "compute": "compute (forward, backward and optimizer step)"}
 COMPUTE = ("forward", "backward", "optimizer")
 
@@ -111,6 +112,9 @@ class StepFindings:
     (warm-up left out), each ``{"step", "trace_id", "seconds", "parts"}``."""
 
     def __init__(self, steady: dict[int, list[dict]], waits: Waits, seed: int = 0, *, stages: bool = False):
+        for steps in steady.values():
+            for step in steps:
+                step["parts"].setdefault("between_steps", 0.0)  # a breakdown that had no step before it
         self.steady, self.waits = steady, waits
         # A pipeline's stages wait for each other in transfers, which the waits here do not follow.
         self.stages = stages
@@ -188,6 +192,8 @@ class StepFindings:
         ranks = sorted(rank for rank, _part, _pattern in members)
         everywhere = len(ranks) == len(self.steady) and len(ranks) > 1
         rank, _part, pattern = max(members, key=lambda member: member[2].cost)
+        if everywhere and part == "between_steps":
+            return None  # the loop's own work on every rank (an evaluation, a checkpoint): its choice, no one waits
         waiting = {} if everywhere else self._waiting_in(pattern.steps, exclude=set(ranks))
         cost = max(member[2].cost for member in members)
         if not everywhere and self.waits.joined and not self.stages:

@@ -4,8 +4,8 @@ A synchronous collective joined across ranks by (group, sequence) ends for nobod
 rank arrives: every other rank waits from its own arrival to that moment (or to its own end, if it
 left first). That wait is charged to the last rank, in the step in which the last rank issued the
 collective. Per step, the rank that held the others longest is the step's late rank, and the parts
-of its own step (data wait, forward, backward, optimizer, an earlier collective, host work) that
-exceed the other ranks' median for that step say what made it late.
+of its own step (data wait, forward, backward, optimizer, an earlier collective, host work, and the loop's code
+before the step) that exceed the other ranks' median for that step say what made it late.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-# The parts of a step a rank spends on its own; ``comm_wait`` is the others' doing.
-OWN_PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "unaccounted")
+# The parts of a step a rank spends on its own; ``comm_wait`` is the others' doing. ``between_steps``: the loop's own
+# code before the step opened (from the rank's previous step's end), which a rank that lingers there (a checkpoint, an
+# evaluation, logging) makes the others wait for in the step's first collectives.
+OWN_PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "unaccounted", "between_steps")
 
 
 @dataclass

@@ -221,6 +221,19 @@ def test_a_rank_that_lingers_between_steps_is_named_and_the_loop_s_own_work_ever
         "HOST WORK", 1, "between_steps")
 
 
+@pytest.mark.parametrize(("start", "rank"), [(13, 0), (19, 1)])
+def test_a_stall_that_starts_mid_run_is_found_from_where_it_starts(start, rank):
+    """Every 4th step from step 16 (or 20) of 40: over the whole run too few of the class's steps are slow, and the
+    diagnosis said NONE while one rank lost a fifth of its time waiting for the other's loader. Searched from a slow
+    step on, at a third of the level each, a pattern that starts mid-run needs about six occurrences."""
+    report = analyse(synthetic_job(40, seed=start, extra=lambda r, step: {"data_wait": 150}
+                                   if r == rank and step >= start and step % 4 == 0 else {}))
+    verdict = report["verdict"]
+    first = start + (-start) % 4
+    assert (verdict["layer"], verdict["rank"], verdict["period"], verdict["offset"]) == ("data loading", rank, 4, 0)
+    assert verdict["steps"] == list(range(first, 41, 4)) and f"from step {first}," in verdict["summary"]
+
+
 def test_a_single_process_stall_carries_its_rank():
     report = analyse(synthetic_job(21, ranks=1, extra=every(3, 60, part="forward")))
     assert (report["verdict"]["layer"], report["verdict"]["rank"], report["verdict"]["period"]) == ("compute", 0, 3)

@@ -180,11 +180,13 @@ class StepFindings:
         then the job's, not that rank's."""
         found = {rank for rank, _part, _pattern in members}
         effect = max(pattern.effect for _rank, _part, pattern in members)
+        starts = [pattern.since for _rank, _part, pattern in members]
+        since = None if None in starts else min(starts)  # a pattern that starts mid-run: from there
         for rank, steps in sorted(self.steady.items()):
             if rank in found or (period, offset) in taken.get(rank, ()):
                 continue  # ... or the rank has its own pattern in those steps, in another part (one cause each)
             pattern = periodic.confirms([s["step"] for s in steps], [s["parts"][part] for s in steps], period, offset,
-                                        effect=effect, rng=self.rng)
+                                        effect=effect, rng=self.rng, since=since)
             if pattern is not None:
                 members.append((rank, part, pattern))
 
@@ -206,7 +208,8 @@ class StepFindings:
         if layer == "compute" and waiting:
             layer = "straggler"
         where = "on every rank" if everywhere else _ranks_text(ranks)
-        summary = (f"every {_ordinal(pattern.period)} step, {where} stalls {_ms(pattern.effect)} in {WHAT[part]}")
+        since = f" from step {pattern.steps[0]}" if pattern.since is not None else ""
+        summary = f"every {_ordinal(pattern.period)} step{since}, {where} stalls {_ms(pattern.effect)} in {WHAT[part]}"
         evidence = [f"slow steps {pattern.steps} (step number = {pattern.offset} mod {pattern.period}), "
                     f"{_ms(pattern.effect)} more {WHAT[part]} than in the other steps (median)"]
         if waiting:
@@ -222,6 +225,10 @@ class StepFindings:
                             f"{len(pattern.steps)} of those steps")
         p_value = max(member[2].p_value for member in members)
         evidence.append(f"permutation test: p = {p_value:.3f} ({periodic.PERMUTATIONS} shuffles of the steps)")
+        if pattern.since is not None:
+            evidence.append(f"not over the whole run: from step {pattern.since} on, one of the first "
+                            f"{periodic.LATE_STARTS} slow steps searched from, each at p <= "
+                            f"{ALPHA / periodic.LATE_STARTS:.4f}")
         traces = self.traces.get(rank, {})
         slowest = sorted(pattern.steps, key=lambda step: -pattern.excess.get(step, 0.0))
         return finding(layer, summary, evidence=evidence, rank=None if everywhere else rank, step=pattern.steps[0],

@@ -38,6 +38,7 @@ PERMUTATIONS = 499
 CONFIRM_PERMUTATIONS = 4999  # periodic.confirms: one fixed class
 ALPHA = 0.01
 NORMAL_FROM = 10  # steps in and out of the class from which the normal bound is tried first
+LATE_STARTS = 3  # slow steps from which a pattern the whole run does not show is searched
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Pattern:
     cost: float  # summed excess of the pattern's steps over the others' median
     p_value: float
     excess: dict[int, float] = field(default_factory=dict)  # step -> its excess
+    since: int | None = None  # it starts at this step (a pattern that starts mid-run); None: the whole run
+    baseline: float = 0.0  # the median of the other steps' values, which the excess is over
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -107,9 +110,54 @@ class _Classes:
 
 
 def find_period(numbers: list[int], values: list[float], min_cost: float, rng: random.Random) -> Pattern | None:
-    """The periodic pattern of ``values`` (one per step of ``numbers``), or None."""
+    """The periodic pattern of ``values`` (one per step of ``numbers``), or None.
+
+    Over the whole run first; failing that, from each of the first LATE_STARTS slow steps on (a value at least halfway
+    from the median to the largest): a pattern that starts mid-run (a loader that degrades, a program that starts
+    checkpointing) has too few of its class's steps slow over the whole run. Those searches share ALPHA
+    (Bonferroni)."""
     if len(numbers) < 2 * MIN_OCCURRENCES or len(set(numbers)) != len(numbers):
         return None
+    found = _search(numbers, values, min_cost, rng, ALPHA)
+    if found is not None:
+        return found
+    middle = statistics.median(values)
+    slow = middle + (max(values) - middle) / 2
+    starts = [index for index, value in enumerate(values) if value >= slow and index][:LATE_STARTS]
+    for first in starts:
+        if len(numbers) - first < 2 * MIN_OCCURRENCES:
+            break
+        found = _search(numbers[first:], values[first:], min_cost, rng, ALPHA / LATE_STARTS)
+        if found is not None:
+            found.since = numbers[first]
+            _back_to_its_start(found, numbers[:first], values[:first])
+            return found
+    return None
+
+
+def _back_to_its_start(pattern: Pattern, numbers: list[int], values: list[float]) -> None:
+    """A pattern found from ``numbers``'s end on starts where the stalls did: its first steps that carry less than half
+    its effect (its excess over the same baseline) leave it; else its class's earlier steps, latest first, join it
+    while they carry that much."""
+    while pattern.excess[pattern.steps[0]] < pattern.effect / 2:
+        first = pattern.steps.pop(0)
+        pattern.cost -= max(pattern.excess.pop(first), 0.0)
+        pattern.since = pattern.steps[0]
+        numbers = []  # it started later than the search: nothing before it
+    for number, value in zip(reversed(numbers), reversed(values), strict=True):
+        if number % pattern.period != pattern.offset:
+            continue
+        excess = value - pattern.baseline
+        if excess < pattern.effect / 2:
+            break
+        pattern.steps.insert(0, number)
+        pattern.excess[number] = excess
+        pattern.cost += excess
+        pattern.since = number
+
+
+def _search(numbers: list[int], values: list[float], min_cost: float, rng: random.Random,
+            alpha: float) -> Pattern | None:
     classes = _Classes(numbers)
     if not classes.classes:
         return None
@@ -123,21 +171,22 @@ def find_period(numbers: list[int], values: list[float], min_cost: float, rng: r
     if (effect <= 0 or sum(max(value, 0.0) for value in excess.values()) < min_cost
             or sum(value >= effect / 2 for value in excess.values()) < 0.75 * len(on)):
         return None
-    p_value = _p_value(classes, ranks, observed, len(on), rng)
-    if p_value > ALPHA:
+    p_value = _p_value(classes, ranks, observed, len(on), rng, alpha=alpha)
+    if p_value > alpha:
         return None
     return Pattern(period, (classes.first + start) % period, [number for number, _v in on], effect,
-                   sum(max(value, 0.0) for value in excess.values()), p_value, excess)
+                   sum(max(value, 0.0) for value in excess.values()), p_value, excess, baseline=baseline)
 
 
 def confirms(numbers: list[int], values: list[float], period: int, offset: int, *, effect: float,
-             rng: random.Random) -> Pattern | None:
+             rng: random.Random, since: int | None = None) -> Pattern | None:
     """The pattern another rank's search found (``period``, ``offset``, its median ``effect``), tested on these
     values as one hypothesis fixed beforehand: there is no search to pay for, so a pattern too short to be
     found by the search on its own (4 occurrences in 12 steps) can still be confirmed on a second rank. It
     holds when at least 3/4 of the class's steps exceed the others' median by half of ``effect`` or more,
     and the class's rank sum is reached by at most ALPHA of the shuffles."""
-    pairs = list(zip(numbers, values, strict=True))
+    pairs = [(number, value) for number, value in zip(numbers, values, strict=True) if since is None or number >= since]
+    values = [value for _number, value in pairs]
     inside = [index for index, (number, _value) in enumerate(pairs) if number % period == offset]
     outside = [value for number, value in pairs if number % period != offset]
     if len(inside) < MIN_OCCURRENCES or len(outside) < MIN_OCCURRENCES:
@@ -160,18 +209,20 @@ def confirms(numbers: list[int], values: list[float], period: int, offset: int, 
                 return None
     return Pattern(period, offset, sorted(excess), statistics.median(excess.values()),
                    sum(max(value, 0.0) for value in excess.values()), (exceeded + 1) / (CONFIRM_PERMUTATIONS + 1),
-                   excess)
+                   excess, since, baseline)
 
 
-def _p_value(classes: _Classes, ranks: list[float], observed: tuple, count: int, rng: random.Random) -> float:
-    """How often the search scores at least ``observed`` by chance; above ALPHA it may stop early."""
+def _p_value(classes: _Classes, ranks: list[float], observed: tuple, count: int, rng: random.Random,
+             *, alpha: float = ALPHA) -> float:
+    """How often the search scores at least ``observed`` by chance; above ``alpha`` it may stop early."""
     if min(count, classes.n - count) >= NORMAL_FROM:
         # Long runs: the rank-sum z is close to normal, and a Bonferroni bound over every class tried
         # is a valid p-value; a real pattern of many occurrences passes it without shuffles.
         bound = min(1.0, len(classes.classes) * 0.5 * math.erfc(observed[1] / math.sqrt(2)))
-        if bound <= ALPHA:
+        if bound <= alpha:
             return bound
-    allowed = int(ALPHA * (PERMUTATIONS + 1)) - 1  # exceedances that still leave p <= ALPHA
+    # Exceedances that still leave p <= alpha (with alpha / 3, the shuffles can resolve p = 0.002: 499 of them)
+    allowed = int(alpha * (PERMUTATIONS + 1)) - 1
     shuffled, exceeded = list(ranks), 0
     for _ in range(PERMUTATIONS):
         rng.shuffle(shuffled)

@@ -234,6 +234,17 @@ def test_a_stall_that_starts_mid_run_is_found_from_where_it_starts(start, rank):
     assert verdict["steps"] == list(range(first, 41, 4)) and f"from step {first}," in verdict["summary"]
 
 
+def test_ranks_stalling_in_the_same_steps_in_different_parts_are_one_job_wide_stall():
+    """Every 5th step rank 0's loader and rank 1's forward stall alike (a host-wide disturbance meets each rank where
+    it is): neither waits for the other, so each rank's pattern alone cost nothing, and the diagnosis said NONE."""
+    report = analyse(synthetic_job(30, extra=lambda rank, step: {("data_wait", "forward")[rank]: 150}
+                                   if step % 5 == 0 else {}))
+    verdict = report["verdict"]
+    assert (verdict["rank"], verdict["period"], verdict["offset"], verdict["ranks"]) == (None, 5, 0, [0, 1])
+    assert "rank 0 150 ms in data wait" in verdict["summary"] and "in forward" in verdict["summary"]
+    assert verdict["chain"]["parts"] == {"0": "data_wait", "1": "forward"} and len(report["findings"]) == 1
+
+
 def test_a_single_process_stall_carries_its_rank():
     report = analyse(synthetic_job(21, ranks=1, extra=every(3, 60, part="forward")))
     assert (report["verdict"]["layer"], report["verdict"]["rank"], report["verdict"]["period"]) == ("compute", 0, 3)

@@ -136,7 +136,8 @@ class StepFindings:
             return []
         found = self.periodic()
         found += self.late_ranks(covered={(f["rank"], f["phase"]) for f in found})
-        found += self.steady_shares(covered={f["phase"] for f in found})
+        found += self.steady_shares(covered={f["phase"] for f in found}
+                                    | {part for f in found for part in f["chain"].get("parts", {}).values()})
         return found
 
     # -- periodic -----------------------------------------------------------------------------------
@@ -172,7 +173,44 @@ class StepFindings:
                 if rank not in self.patterns or pattern.cost > self.patterns[rank].cost:
                     self.patterns[rank] = pattern
         found = [self._periodic_finding(part, members) for (part, _p, _o), members in by_pattern.items()]
-        return [finding for finding in found if finding is not None]
+        found = [finding for finding in found if finding is not None]
+        return found + self._shared_stalls(by_pattern, reported={(f["period"], f["offset"]) for f in found})
+
+    def _shared_stalls(self, by_pattern: dict, reported: set) -> list[dict]:
+        """Every rank stalls in the same steps, each in a part of its own (rank 0 in its loader, rank 1 in its forward:
+        one host-wide disturbance meets each rank where it is). No rank waits for another then, so each rank's
+        pattern alone costs nothing; together they are one job-wide stall."""
+        by_steps: dict[tuple[int, int], list] = defaultdict(list)
+        for (_part, period, offset), members in by_pattern.items():
+            if (period, offset) not in reported:
+                by_steps[period, offset] += members
+        found = []
+        for (period, offset), members in by_steps.items():
+            ranks = sorted({rank for rank, _part, _pattern in members})
+            if len(ranks) < 2 or len(ranks) != len(self.steady) or len({part for _r, part, _p in members}) < 2:
+                continue
+            rank, part, pattern = max(members, key=lambda member: member[2].cost)
+            each = {}
+            for member_rank, member_part, member in sorted(members, key=lambda m: -m[2].cost):
+                each.setdefault(member_rank, (member_part, member))
+            p_value = max(member.p_value for _rank, _part, member in members)
+            since = f" from step {pattern.steps[0]}" if pattern.since is not None else ""
+            summary = (f"every {_ordinal(period)} step{since}, every rank stalls, each in its own part: "
+                       + ", ".join(f"rank {r} {_ms(m.effect)} in {WHAT[p]}" for r, (p, m) in sorted(each.items())))
+            evidence = [f"slow steps {pattern.steps} (step number = {offset} mod {period})",
+                        "no rank waits for another in those steps: each is stalled itself",
+                        f"permutation test: p = {p_value:.3f} ({periodic.PERMUTATIONS} shuffles of the steps), the "
+                        "largest of the ranks'"]
+            traces = self.traces.get(rank, {})
+            slowest = sorted(pattern.steps, key=lambda step: -pattern.excess.get(step, 0.0))
+            found.append(finding(LAYER_OF_PART[part], summary, evidence=evidence, step=pattern.steps[0],
+                                 cost_seconds=pattern.cost, run_seconds=self.run_seconds, confidence=1 - p_value,
+                                 trace_ids=[traces[s] for s in slowest[:5] if s in traces], period=period,
+                                 offset=offset, phase=part, steps=pattern.steps, extra_seconds=pattern.effect,
+                                 ranks=ranks, test="permutation",
+                                 chain={"late_ranks": [], "phase": part, "waiting": {},
+                                        "parts": {str(r): p for r, (p, _m) in sorted(each.items())}}))
+        return [f for f in found if f["cost_seconds"] >= self.min_cost]
 
     def _confirm(self, part: str, period: int, offset: int, members: list, taken: dict) -> None:
         """The ranks whose own search missed a pattern that another rank's found: tested for that one pattern

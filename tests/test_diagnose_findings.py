@@ -398,3 +398,16 @@ def test_a_rank_slower_at_everything_is_a_straggler_of_its_whole_compute():
     verdict = report["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["phase"]) == ("straggler", 1, "compute"), verdict
     assert report["straggler"]["rank"] == 1
+
+
+def test_a_none_verdict_names_the_waits_no_test_explained():
+    """A "none" said "no finding costs 5% of the run" over a breakdown of 30% waits for each other and 17% data wait
+    (a stall that no test held): the summary says what is there."""
+    from opentelemetry_instrumentation_deepspeed.diagnose.analysis import _quiet
+
+    shares = {"data_wait": 0.17, "forward": 0.07, "backward": 0.2, "optimizer": 0.04, "exposed_comm": 0.21,
+              "comm_wait": 0.30, "unaccounted": 0.01}
+    summary = _quiet({"shares": shares, "step_seconds_p50": 0.032})
+    assert "data wait is 17% of step time" in summary and "wait for each other 30% of step time" in summary
+    quiet = _quiet({"shares": {**shares, "data_wait": 0.01, "comm_wait": 0.2}, "step_seconds_p50": 0.032})
+    assert "data wait" not in quiet and "each other" not in quiet, "a healthy run's shares: nothing to name"

@@ -225,7 +225,7 @@ def test_a_rank_that_lingers_between_steps_is_named_and_the_loop_s_own_work_ever
 def test_a_stall_that_starts_mid_run_is_found_from_where_it_starts(start, rank):
     """Every 4th step from step 16 (or 20) of 40: over the whole run too few of the class's steps are slow, and the
     diagnosis said NONE while one rank lost a fifth of its time waiting for the other's loader. Searched from a slow
-    step on, at a third of the level each, a pattern that starts mid-run needs about six occurrences."""
+    step on, at a third of the level each, a pattern that starts mid-run needs five occurrences at least."""
     report = analyse(synthetic_job(40, seed=start, extra=lambda r, step: {"data_wait": 150}
                                    if r == rank and step >= start and step % 4 == 0 else {}))
     verdict = report["verdict"]

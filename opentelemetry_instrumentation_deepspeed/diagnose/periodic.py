@@ -112,10 +112,10 @@ class _Classes:
 def find_period(numbers: list[int], values: list[float], min_cost: float, rng: random.Random) -> Pattern | None:
     """The periodic pattern of ``values`` (one per step of ``numbers``), or None.
 
-    Over the whole run first; failing that, from each of the first LATE_STARTS slow steps on (a value at least halfway
-    from the median to the largest): a pattern that starts mid-run (a loader that degrades, a program that starts
-    checkpointing) has too few of its class's steps slow over the whole run. Those searches share ALPHA
-    (Bonferroni)."""
+    Over the whole run first; failing that, from each of the first LATE_STARTS slow steps past the run's first quarter
+    on (a value at least halfway from the median to the largest): a pattern that starts mid-run (a loader that
+    degrades, a program that starts checkpointing) has too few of its class's steps slow over the whole run. Those
+    searches share ALPHA (Bonferroni)."""
     if len(numbers) < 2 * MIN_OCCURRENCES or len(set(numbers)) != len(numbers):
         return None
     found = _search(numbers, values, min_cost, rng, ALPHA)
@@ -123,15 +123,18 @@ def find_period(numbers: list[int], values: list[float], min_cost: float, rng: r
         return found
     middle = statistics.median(values)
     slow = middle + (max(values) - middle) / 2
-    starts = [index for index, value in enumerate(values) if value >= slow and index][:LATE_STARTS]
+    # Mid-run: the first quarter of the run at least without it (else the whole run's search, which failed, stands).
+    quarter = len(numbers) // 4
+    starts = [index for index, value in enumerate(values) if value >= slow and index >= quarter][:LATE_STARTS]
     for first in starts:
         if len(numbers) - first < 2 * MIN_OCCURRENCES:
             break
         found = _search(numbers[first:], values[first:], min_cost, rng, ALPHA / LATE_STARTS)
-        if found is not None:
+        # The step searched from was picked for being slow: MIN_OCCURRENCES more after it, or its choice made the test
+        if found is not None and sum(step > numbers[first] for step in found.steps) >= MIN_OCCURRENCES:
             found.since = numbers[first]
             _back_to_its_start(found, numbers[:first], values[:first])
-            return found
+            return found if found.since >= numbers[quarter] else None
     return None
 
 

@@ -147,6 +147,18 @@ def draw_loader_stall_short(rng: random.Random) -> Draw:
                  *_zero(rng)], Expected("data loading", rank, 3, 0, "data_wait"))
 
 
+def draw_loader_stall_late(rng: random.Random) -> Draw:
+    """One rank's loader starts stalling mid-run: every 3rd-6th step from step 20-40 on, six to eight times (a quarter
+    to two thirds into the run)."""
+    rank, every, stall = rng.randint(0, 1), rng.randint(3, 6), rng.randint(80, 300)
+    start = rng.randint(20, 40)
+    first = start + (-start) % every
+    steps = first + every * rng.randint(5, 7) + rng.randint(0, every - 1)
+    return Draw(["--steps", str(steps), "--stall-every", str(every), "--stall-ms", str(stall), "--stall-rank",
+                 str(rank), "--stall-from", str(start), *_zero(rng)],
+                Expected("data loading", rank, every, 0, "data_wait", step=first))
+
+
 def draw_host_work_rank(rng: random.Random) -> Draw:
     """One rank's loop works on the host after every k-th step (a checkpoint, logging): the gap before the next step,
     which the other rank waits through in that step's first collective. Four or five gaps after warm-up."""
@@ -243,6 +255,8 @@ def judge(report: dict, expected: Expected) -> dict[str, bool]:
     rank = verdict.get("rank") == expected.rank
     if expected.period is not None:
         pattern = verdict.get("period") == expected.period and verdict.get("offset") == expected.offset
+        if expected.step is not None:  # a stall that starts mid-run: from its first step
+            pattern = pattern and verdict.get("step") == expected.step
     elif expected.phase is not None:
         pattern = verdict.get("phase") == expected.phase
     else:
@@ -305,6 +319,8 @@ CLASSES = [
                notes="every rank's loader stalls 80-300 ms every 3rd-6th step, 16 steps or more"),
     FaultClass("loader-stall-short", draw_loader_stall_short,
                notes="at the test's bound: 4 stalls every 3rd step in 12-14 steps, one rank or every rank"),
+    FaultClass("loader-stall-late", draw_loader_stall_late,
+               notes="one rank's loader stalls 80-300 ms every 3rd-6th step from step 20-40 on, 6-8 times"),
     FaultClass("host-work-rank", draw_host_work_rank,
                notes="one rank's loop works 80-300 ms on the host after every 3rd-6th step, before the next one"),
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),

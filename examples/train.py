@@ -53,6 +53,8 @@ def parse_args(argv=None):
     faults.add_argument("--stall-every", type=int, default=0, metavar="K",
                         help="the data loader stalls on every K-th optimizer step (its first micro-batch)")
     faults.add_argument("--stall-ms", type=float, default=200.0, metavar="D", help="length of each stall")
+    faults.add_argument("--stall-from", type=int, default=1, metavar="N",
+                        help="the stalls begin at optimizer step N (a loader that degrades mid-run)")
     faults.add_argument("--stall-rank", type=int, default=-1, metavar="R",
                         help="only rank R's data loader stalls (default: every rank's)")
     faults.add_argument("--host-work", metavar="K:D[:R]",
@@ -98,16 +100,7 @@ def parse_args(argv=None):
                              "a program's own code between steps does (an evaluation, a checkpoint): no step is open")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
-    numerics = parser.add_argument_group("numerics and memory faults", "for the MODEL and MEMORY verdicts; STEP is the "
-                                         "1-based optimizer step (training.step), R the rank")
-    numerics.add_argument("--inject-loss-spike", metavar="STEP:R:F",
-                          help="multiply the loss (and so its gradients) of optimizer step STEP on rank R by F")
-    numerics.add_argument("--inject-grad-spike", metavar="STEP:R:F",
-                          help="multiply the gradients of step STEP on rank R by F, leaving the loss's value as it is")
-    numerics.add_argument("--inject-nan", metavar="STEP:R", help="the loss of step STEP on rank R is NaN (and so are "
-                                                                 "the weights after it, unless fp16 skips the step)")
-    numerics.add_argument("--inject-oom", metavar="STEP:R:PHASE",
-                          help="raise torch.OutOfMemoryError in the forward or backward of step STEP on rank R")
+    _numerics_arguments(parser)
     parser.add_argument("--print-steps", action="store_true",
                         help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
                              "optimizer step, exactly (repr)")
@@ -157,8 +150,9 @@ class StallingCollate:
     """
 
     def __init__(self, every: int, milliseconds: float, grad_accum: int, *, lengths=None,
-                 pad_id: int | None = None, seed: int = 0, hang_step: int = 0):
+                 pad_id: int | None = None, seed: int = 0, hang_step: int = 0, stall_from: int = 1):
         self.every, self.seconds, self.grad_accum, self.batches = every, milliseconds / 1000, grad_accum, 0
+        self.stall_from = stall_from
         self.hang_step = hang_step  # the first micro-batch of this step never comes (--hang-phase data)
         self.lengths, self.pad_id = lengths, pad_id
         self.generator = torch.Generator().manual_seed(seed)
@@ -168,7 +162,7 @@ class StallingCollate:
         self.batches += 1
         if micro == 0 and step + 1 == self.hang_step:
             block_forever()
-        if self.every and micro == 0 and (step + 1) % self.every == 0:
+        if self.every and micro == 0 and (step + 1) % self.every == 0 and step + 1 >= self.stall_from:
             time.sleep(self.seconds)
         batch = torch.utils.data.default_collate(samples)
         if self.lengths is not None:
@@ -398,6 +392,19 @@ def write_measurements(args, rank: int, step_seconds: list[float]) -> None:
         write_comms_counts(args.comms_log, rank)
 
 
+def _numerics_arguments(parser) -> None:
+    numerics = parser.add_argument_group("numerics and memory faults", "for the MODEL and MEMORY verdicts; STEP is the "
+                                         "1-based optimizer step (training.step), R the rank")
+    numerics.add_argument("--inject-loss-spike", metavar="STEP:R:F",
+                          help="multiply the loss (and so its gradients) of optimizer step STEP on rank R by F")
+    numerics.add_argument("--inject-grad-spike", metavar="STEP:R:F",
+                          help="multiply the gradients of step STEP on rank R by F, leaving the loss's value as it is")
+    numerics.add_argument("--inject-nan", metavar="STEP:R", help="the loss of step STEP on rank R is NaN (and so are "
+                                                                 "the weights after it, unless fp16 skips the step)")
+    numerics.add_argument("--inject-oom", metavar="STEP:R:PHASE",
+                          help="raise torch.OutOfMemoryError in the forward or backward of step STEP on rank R")
+
+
 def inject_faults(args, model, rank: int, step: int) -> None:
     """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks until a signal,
     when asked to; every rank's compute slows down from --slowdown-at on; one rank hangs for good."""
@@ -433,7 +440,8 @@ def make_loader(args, engine, dataset) -> DataLoader:
     hang = args.hang_step if args.hang_phase == "data" and args.hang_rank == engine.global_rank else 0
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
                       collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum, lengths=lengths,
-                                                 pad_id=pad_id, seed=args.seed + engine.global_rank, hang_step=hang))
+                                                 pad_id=pad_id, seed=args.seed + engine.global_rank, hang_step=hang,
+                                                 stall_from=args.stall_from))
 
 
 def print_step(args, engine, loss: float) -> None:

@@ -342,6 +342,25 @@ def test_a_rank_without_a_report_is_named_by_the_sequence_it_never_reached():
     assert "rank 2 stopped in step 8 before collective (group: sequence) 1: 49" in finding["summary"]
 
 
+def test_ranks_waiting_for_each_other_in_different_collectives_are_named_as_crossed():
+    """Rank 1 alone all-reduces on the default group (a rank-dependent branch); rank 0 goes on to the next collective
+    of DeepSpeed's group. Each waits in a collective the other has not reached: the verdict read "rank 0 stopped ...
+    rank 1 stopped ...", as if each were the other's cause, with no word of the order."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(48, "all_reduce", 540160, "float32")])
+    hangs.add(_report(0, phase="optimizer", stack=STACK_RANK0, collective=("all_reduce", 49), sequences=["1:49"]))
+    extra = _report(1, phase=None, collective=("all_reduce", 0), sequences=["0:0", "1:48"])
+    extra.attributes[semconv.COMM_GROUP_NAME] = "0"
+    hangs.add(extra)
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] is None and finding["summary"].startswith("ranks 0, 1 wait for each other")
+    assert "rank 0 in all_reduce (group 1, sequence 49" in finding["summary"]
+    assert "which rank 1 has not reached (rank 1's last on group 1: 48)" in finding["summary"]
+    assert "which rank 0 has not reached (rank 0's last on group 0: none)" in finding["summary"]
+    assert "different orders" in finding["summary"]
+
+
 def test_every_rank_in_the_same_collective_is_a_collective_that_does_not_complete():
     hangs = Hangs()
     for rank in (0, 1):

@@ -136,7 +136,8 @@ class Hangs:
     def findings(self, job: str) -> list[dict]:
         return [*self._hang(job), *self._desync(job)]
 
-    def _hang(self, job: str) -> list[dict]:
+    def _stuck(self, job: str) -> dict[int, Span]:
+        """Rank -> its last hang report, for the ranks stuck still."""
         latest = {}
         for (report_job, rank), reports in self._reports.items():
             if report_job != job:
@@ -153,6 +154,10 @@ class Hangs:
             # Past the threshold, in a step this rank never went beyond.
             if stalled >= threshold and self._last_step.get((job, rank), 0) <= number:
                 latest[rank] = report
+        return latest
+
+    def _hang(self, job: str) -> list[dict]:
+        latest = self._stuck(job)
         if not latest:
             return []
         ranks = sorted(self.ranks[job] | set(latest))
@@ -176,6 +181,20 @@ class Hangs:
         step = min(r.attributes.get(semconv.TRAINING_STEP, 0) for r in latest.values())
         trace_ids = sorted({r.trace_id for r in latest.values()})
         reported_all = set(latest) >= set(ranks)
+        if len(stopped) > 1 and set(stopped) <= set(waiting):
+            # Each stopped rank waits in a collective another stopped rank has not reached: they wait for each
+            # other, each in a different collective. No rank stopped on its own; their orders of collectives differ.
+            crossed = "; ".join(f"rank {rank} in {_collective_text(waiting[rank])}{_during(waiting[rank])}"
+                                + (f" at {at}" if (at := where(waiting[rank].attributes.get(semconv.CODE_STACKTRACE)
+                                                               or "")) else "")
+                                + f", which {self._not_reached_text(job, waiting[rank], stopped, rank)}"
+                                for rank in stopped)
+            summary = (f"{_plural(stopped)} wait for each other, each in a collective the other has not reached: "
+                       f"{crossed}. The ranks issue their collectives in different orders (one issued on some ranks "
+                       "only, or in a rank-dependent order)")
+            found = _finding("HANG", summary, evidence, REMEDIES["HANG"], None, step, lost,
+                             0.9 if reported_all else 0.7, trace_ids)
+            return [_with_stacks(found, latest, stopped)]
         if stopped:
             culprits = "; ".join(self._stopped_text(job, rank, latest.get(rank), missing.get(rank))
                                  for rank in stopped)
@@ -194,6 +213,15 @@ class Hangs:
         found = _finding("HANG", summary, evidence, REMEDIES["HANG_COMM"], None, step, lost,
                          0.8 if reported_all else 0.5, trace_ids)
         return [_with_stacks(found, latest, ())]
+
+    def _not_reached_text(self, job: str, report: Span, stopped: list[int], rank: int) -> str:
+        group = report.attributes.get(semconv.COMM_GROUP_NAME, "0")
+        sequence = report.attributes[semconv.COMM_SEQUENCE]
+        behind = [other for other in stopped if other != rank and self._reached.get((job, group, other), -1) < sequence]
+        last = [f"rank {other}'s last on group {group}: "
+                + (str(self._reached[job, group, other]) if (job, group, other) in self._reached else "none")
+                for other in behind]
+        return f"{_plural(behind)} {'has' if len(behind) == 1 else 'have'} not reached ({', '.join(last)})"
 
     def _stopped_text(self, job: str, rank: int, report: Span | None, never: set | None) -> str:
         if report is None:

@@ -258,9 +258,9 @@ def test_hang_names_the_rank_that_stopped_and_the_one_that_waits_for_it():
     assert finding["layer"] == "HANG" and finding["rank"] == 1 and finding["step"] == 8
     assert finding["summary"].startswith("rank 1 stopped in forward of step 8 at train.py:152 in block_forever")
     assert "rank 0 waits for rank 1 in all_reduce (group 1, sequence 49" in finding["summary"]
-    assert finding["cost_seconds"] == 40.0 and finding["trace_ids"] == ["t8"]
+    assert finding["cost_seconds"] == 40.0 and finding["trace_ids"] == ["t8"] and finding["phase"] == "forward"
     assert set(finding) == {"layer", "summary", "evidence", "remedies", "rank", "step", "cost_seconds", "confidence",
-                            "trace_ids", "stacks"}
+                            "trace_ids", "stacks", "phase"}
     # The whole stacks, the stopped rank's first, for the HTML report.
     assert [(s["rank"], s["stopped"], s["stack"]) for s in finding["stacks"]] == [(1, True, STACK_RANK1),
                                                                                  (0, False, STACK_RANK0)]

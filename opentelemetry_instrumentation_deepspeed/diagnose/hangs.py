@@ -206,6 +206,10 @@ class Hangs:
                 step = self._last_step[job, stopped[0]] + 1  # the step it is in: the one after its last closed
             found = _finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
                              step, lost, 0.9 if reported_all else 0.7, trace_ids)
+            if len(stopped) == 1 and stopped[0] in latest:  # where it stopped, as the summary says (--json's readers)
+                report = latest[stopped[0]].attributes
+                phase = report.get(semconv.TRAINING_PHASE)
+                found["phase"] = "between_steps" if report.get(semconv.HANG_BETWEEN_STEPS) and not phase else phase
             return [_with_stacks(found, latest, stopped)]
         report = next(iter(waiting.values()))
         summary = (f"every rank waits in {_collective_text(report)} and none is missing: the collective itself does "

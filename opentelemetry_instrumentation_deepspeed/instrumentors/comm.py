@@ -395,11 +395,11 @@ _finish = CommObserver._finish
 
 def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
     def wrapper(*args, **kwargs):
-        if (session.silent and not observer.explicit) or getattr(_guard, "inside", False):
-            block = getattr(_guard, "inside", False)
-            if block is True or block is False:  # inside another observed call, or silent
-                return original(*args, **kwargs)
-            return block.call(spec, original, wrapper, args, kwargs)
+        inside = getattr(_guard, "inside", False)
+        if inside:  # inside another observed call (True), or a coalescing block's
+            return original(*args, **kwargs) if inside is True else inside.call(spec, original, wrapper, args, kwargs)
+        if session.silent and not observer.explicit:
+            return original(*args, **kwargs)
         call = None
         if not observer.broken:
             try:

@@ -14,6 +14,10 @@ on the host; ``async_op=True`` calls run from issue to ``wait()`` on their work 
 communication hook waits). On CUDA tensors, CUDA events recorded around the call (and at its
 completion) give the GPU-side interval instead, read by the emitter once they completed
 (``gpu_timing``).
+
+Two more shapes of call: the collectives queued in a block of torch's ``_coalescing_manager`` are one
+collective, run at the block's end (``_Coalescing``); torch's functional collectives (DTensor, tensor
+parallelism) run from their call to the wait for their result (``wait_tensor``).
 """
 
 from __future__ import annotations
@@ -708,7 +712,7 @@ class CommInstrumentor(BaseInstrumentor):
 
 def _process_group(group):
     """The process group a functional collective's ``group`` names: a device mesh (and a dimension), a group's name, a
-    list of ranks; None for the default group."""
+    list of ranks."""
     from torch.distributed import _functional_collectives as funcol
     from torch.distributed import distributed_c10d
 

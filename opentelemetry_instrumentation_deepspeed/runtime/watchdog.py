@@ -141,8 +141,11 @@ class Watchdog(Component):
                             "long the training thread has stood still with no step written")
 
     def _prune(self) -> None:
+        """The entries of engines gone, in place (the training thread may append a new engine's meanwhile); from this
+        thread and the training thread's watch(): one may have removed an entry the other found."""
         for gone in [w for w in self._watched if w.engine is not None and w.engine() is None]:
-            self._watched.remove(gone)  # in place: the training thread may append a new engine's meanwhile
+            with contextlib.suppress(ValueError):
+                self._watched.remove(gone)
 
     def _listen_for_signals(self) -> None:
         reader, writer = socket.socketpair()

@@ -140,6 +140,91 @@ def test_a_step_with_a_closure_is_its_first_call_s_micro_batch_and_loss_then_the
         assert len(calls) > 3, "re-evaluations, inside the optimizer phase"
 
 
+class _ScaledSGD(torch.optim.SGD):
+    def step(self, factor=1.0):  # an argument that is no closure
+        for group in self.param_groups:
+            group["lr"] *= factor
+        return super().step()
+
+
+class _Sharpness(torch.optim.Optimizer):
+    """SAM as commonly written: the step's own forward and backward first, then step(closure) re-evaluates the loss
+    at a perturbed point."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1, "rho": 0.05})
+
+    @torch.no_grad()
+    def step(self, closure):
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                parameter.add_(parameter.grad, alpha=group["rho"])
+        with torch.enable_grad():
+            closure()
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                parameter.sub_(parameter.grad, alpha=group["lr"])
+
+
+def test_a_step_argument_that_is_no_closure_and_a_closure_after_the_micro_batch_are_optimizer_work(traced):
+    """A subclass's step(0.5) got our closure wrapper in place of its float (TypeError in the program); SAM's closure,
+    called after the step's own forward and backward, made each step two micro-batches with twice the samples."""
+    model = nn.Linear(4, 1)
+    scaled = _ScaledSGD(model.parameters(), lr=0.1)
+    trace_training(model, scaled)
+    inputs = torch.randn(8, 4)
+    model(inputs).sum().backward()
+    scaled.step(0.5)
+    assert scaled.param_groups[0]["lr"] == pytest.approx(0.05)
+    spans = traced()
+    (step,) = [span for span in spans if span.name == "training.step"]
+    assert step.attributes["training.step.micro_batches"] == 1
+
+
+def test_sam_s_closure_is_optimizer_work_of_a_step_of_one_micro_batch(traced):
+    model = nn.Linear(4, 1)
+    optimizer = _Sharpness(model.parameters())
+    trace_training(model, optimizer)
+    inputs, losses = torch.randn(8, 4), []
+    for _ in range(3):
+        loss = model(inputs).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step(lambda: model(inputs).square().mean().backward())
+        optimizer.zero_grad()
+    spans = traced()
+    steps = [span for span in spans if span.name == "training.step"]
+    assert [(s.attributes["training.step.samples"], s.attributes["training.step.micro_batches"]) for s in steps] == [
+        (8, 1)] * 3
+    assert [s.attributes["training.loss"] for s in steps] == losses
+    assert [span.name for span in spans].count("training.forward") == 3
+
+
+def test_a_closure_that_raises_ends_its_step_and_is_not_kept(traced):
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    held = torch.randn(8, 4)
+
+    def closure():
+        model(held).sum().backward()
+        raise FloatingPointError("non-finite loss")
+
+    with pytest.raises(FloatingPointError):
+        optimizer.step(closure)
+    assert registry.active() is not None and _loop_closure() is None, "no reference to the closure, nor to its tensors"
+    model(held).sum().backward()
+    optimizer.step()
+    steps = [(span.attributes["training.step"], span.status.is_ok) for span in traced() if span.name == "training.step"]
+    assert steps == [(1, False), (1, True)], "the failed step ends with the closure's error; the retry is a step"
+
+
+def _loop_closure():
+    from opentelemetry_instrumentation_deepspeed.instrumentors import torch_loop
+
+    return torch_loop._state.loop.closure
+
+
 def test_a_subclass_s_step_calling_its_parent_s_is_one_step(traced):
     """torch hooks the step() of each optimizer class it makes an instance of: a subclass whose step() calls
     super().step() runs the hooks twice, nested. Each step was a failed one (its forward and backward) and an empty

@@ -474,8 +474,10 @@ def _quiet(job: dict, host_load: list | None = None) -> str:
              f"{job['step_seconds_p50'] * 1e3:.1f} ms, {compute:.0%} compute"]
     # What the shares show that no test held: said, so that "none" is not read as "nothing there".
     if shares["data_wait"] >= UNEXPLAINED_DATA_WAIT:
-        quiet.append(f"data wait is {shares['data_wait']:.0%} of step time, in no pattern and below the "
-                     f"{findings_module.DATA_WAIT_SHARE:.0%} share the steady test needs")
+        held = ("its share did not hold above it beyond chance" if shares["data_wait"] > findings_module.DATA_WAIT_SHARE
+                else "below it")
+        quiet.append(f"data wait is {shares['data_wait']:.0%} of step time, in no pattern, and the steady test's "
+                     f"{findings_module.DATA_WAIT_SHARE:.0%} share: {held}")
     if shares["comm_wait"] >= UNEXPLAINED_COMM_WAIT:
         quiet.append(f"the ranks wait for each other {shares['comm_wait']:.0%} of step time in collectives, and no "
                      "rank's own part explains it beyond chance")

@@ -156,10 +156,13 @@ class StepFindings:
                 if pattern:
                     found.append((part, pattern))
             # One cause per pattern: a stall shows in one part, the noise it stirs in others is not a second cause.
+            # A part of the step before the loop's code before it: an evaluation every k steps on every rank must not
+            # hide a rank that is slow in the step after it.
             best: dict[tuple[int, int], tuple[str, periodic.Pattern]] = {}
             for part, pattern in found:
                 key = (pattern.period, pattern.offset)
-                if key not in best or pattern.cost > best[key][1].cost:
+                rank_of = ((part != "between_steps"), pattern.cost)
+                if key not in best or rank_of > ((best[key][0] != "between_steps"), best[key][1].cost):
                     best[key] = (part, pattern)
             for (period, offset), (part, pattern) in best.items():
                 by_pattern[(part, period, offset)].append((rank, part, pattern))
@@ -429,7 +432,7 @@ class StepFindings:
                 # A loader slow on some ranks only is theirs: the others wait for them in collectives, not for
                 # data. The rank with the most is named, and tested on its own steps.
                 shares = {rank: sum(self.parts[rank][step][part] for step in numbers)
-                          / (sum(sum(self.parts[rank][step].values()) for step in numbers) or 1.0) for rank in ranks}
+                          / (sum(_step_time(self.parts[rank][step]) for step in numbers) or 1.0) for rank in ranks}
                 if min(shares.values()) <= threshold < max(shares.values()):
                     rank = max(shares, key=shares.get)
                     others = max(share for other, share in shares.items() if other != rank)
@@ -438,7 +441,7 @@ class StepFindings:
                                f"{others:.0%} at most)")
             # Per step, the mean over the ranks of the part and of the step.
             seconds = [statistics.fmean(self.parts[rank][step][part] for rank in ranks) for step in numbers]
-            totals = [statistics.fmean(sum(self.parts[rank][step].values()) for rank in ranks) for step in numbers]
+            totals = [statistics.fmean(_step_time(self.parts[rank][step]) for rank in ranks) for step in numbers]
             share = sum(seconds) / (sum(totals) or 1.0)
             if share <= threshold or sum(seconds) < self.min_cost:
                 continue
@@ -461,6 +464,11 @@ class StepFindings:
                 rank=ranks[0] if one else None, cost_seconds=sum(seconds), run_seconds=self.run_seconds,
                 confidence=1 - p_value, phase=part, test="bootstrap"))
         return found
+
+
+def _step_time(parts: dict) -> float:
+    """The step's own time: its parts, not the loop's code before it (``between_steps``)."""
+    return sum(value for part, value in parts.items() if part != "between_steps")
 
 
 def hardware_findings(gpu: dict, findings: list[dict]) -> list[dict]:

@@ -22,11 +22,13 @@ parallelism) run from their call to the wait for their result (``wait_tensor``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -328,12 +330,13 @@ class CommObserver(Component):
         if not keys:
             self._finish(call, drain=False)
             return
+        call.remaining = len(keys)  # first: another thread (autograd's) may wait for them as they go in
         waiting = self._pending_tensors
         for key in keys:
             waiting[key] = call
         while len(waiting) > MAX_PENDING_TENSORS:  # results dropped unwaited: the oldest go
-            waiting.pop(next(iter(waiting)))
-        call.remaining = len(keys)
+            with contextlib.suppress(StopIteration, KeyError, RuntimeError):  # another thread's wait took one
+                waiting.pop(next(iter(waiting)))
 
     @fail_open
     def tensor_waited(self, tensor) -> None:
@@ -566,10 +569,10 @@ def _functional_wrapper(observer: CommObserver, spec: OpSpec, tracing, original)
     return wrapper
 
 
-def _wait_tensor_wrapper(observer: CommObserver, original):
+def _wait_tensor_wrapper(observer: CommObserver, tracing, original):
     def wrapper(tensor, *args, **kwargs):
         result = original(tensor, *args, **kwargs)
-        if observer._pending_tensors:
+        if observer._pending_tensors and not tracing():  # a fake tensor has no storage to read
             observer.tensor_waited(tensor)
         return result
 
@@ -695,7 +698,7 @@ class CommInstrumentor(BaseInstrumentor):
                     if function is not None:
                         spec = OpSpec.functional(name, function)
                         patches.wrap(funcol, name, functools.partial(_functional_wrapper, observer, spec, tracing))
-                patches.wrap(funcol, "wait_tensor", functools.partial(_wait_tensor_wrapper, observer))
+                patches.wrap(funcol, "wait_tensor", functools.partial(_wait_tensor_wrapper, observer, tracing))
                 patches.rebind(_loaded("torch.distributed"))
 
         when_imported("torch.distributed.distributed_c10d", patch_torch)
@@ -716,7 +719,9 @@ def _process_group(group):
     from torch.distributed import _functional_collectives as funcol
     from torch.distributed import distributed_c10d
 
-    resolved = funcol._resolve_group(group)
+    with warnings.catch_warnings():  # torch's own call warns the user once (a list of ranks is deprecated)
+        warnings.simplefilter("ignore")
+        resolved = funcol._resolve_group(group)
     return distributed_c10d._resolve_process_group(resolved) if isinstance(resolved, str) else resolved
 
 

@@ -38,6 +38,7 @@ from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import Patches, when_imported
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.recording import registry
+from opentelemetry_instrumentation_deepspeed.recording.state import State
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
@@ -349,7 +350,9 @@ def _optimizer_started(loop: TorchLoop, recorder, args, kwargs):
         loop.phase = loop.closure = None
         recorder.interrupted("the optimizer step did not complete")
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
-    if closure is None:
+    # No closure (an argument of another kind: a subclass's step(factor)); or one called after the step's own forward
+    # and backward (SAM's, at a perturbed point): optimizer work.
+    if not callable(closure) or recorder.state != State.IDLE:
         loop.phase = recorder.optimizer_step_started(loop)
         return None
     # step(closure): the closure's first call is the step's forward and backward (its micro-batch and its loss); the
@@ -371,7 +374,13 @@ class _Closure:
         self.pending = True
 
     def __call__(self, *args, **kwargs):
-        result = self._closure(*args, **kwargs)
+        try:
+            result = self._closure(*args, **kwargs)
+        except BaseException as error:
+            if self._loop.closure is self:  # its step fails with it; the closure, and what it holds, go
+                self._loop.closure = None
+                self._recorder.phase_failed(None, error)
+            raise
         if self.pending:
             self.optimizer_started()
         return result

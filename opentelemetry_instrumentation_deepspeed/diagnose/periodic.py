@@ -113,23 +113,27 @@ def find_period(numbers: list[int], values: list[float], min_cost: float, rng: r
     """The periodic pattern of ``values`` (one per step of ``numbers``), or None.
 
     Over the whole run first; failing that, from each of the first LATE_STARTS slow steps past the run's first quarter
-    on (a value at least halfway from the median to the largest): a pattern that starts mid-run (a loader that
-    degrades, a program that starts checkpointing) has too few of its class's steps slow over the whole run. Those
-    searches share ALPHA (Bonferroni)."""
+    on (a value at least halfway from the median to the MIN_OCCURRENCES-th largest): a pattern that starts mid-run (a
+    loader that degrades, a program that starts checkpointing) has too few of its class's steps slow over the whole
+    run. Those searches share ALPHA (Bonferroni)."""
     if len(numbers) < 2 * MIN_OCCURRENCES or len(set(numbers)) != len(numbers):
         return None
     found = _search(numbers, values, min_cost, rng, ALPHA)
     if found is not None:
         return found
     middle = statistics.median(values)
-    slow = middle + (max(values) - middle) / 2
+    # Halfway to the MIN_OCCURRENCES-th largest value: a pattern has that many slow steps, and one far slower step
+    # (the host's hiccup in one of them) must not raise the bar above the others.
+    slow = middle + (sorted(values)[-MIN_OCCURRENCES] - middle) / 2
     # Mid-run: the first quarter of the run at least without it (else the whole run's search, which failed, stands).
     quarter = len(numbers) // 4
     starts = [index for index, value in enumerate(values) if value >= slow and index >= quarter][:LATE_STARTS]
     for first in starts:
         if len(numbers) - first < 2 * MIN_OCCURRENCES:
             break
-        found = _search(numbers[first:], values[first:], min_cost, rng, ALPHA / LATE_STARTS)
+        # Shuffles of their own: the draws of the whole-run searches that follow (other parts, other ranks) stay
+        # those they were without these searches.
+        found = _search(numbers[first:], values[first:], min_cost, random.Random(first), ALPHA / LATE_STARTS)
         # The step searched from was picked for being slow: MIN_OCCURRENCES more after it, or its choice made the test
         if found is not None and sum(step > numbers[first] for step in found.steps) >= MIN_OCCURRENCES:
             found.since = numbers[first]

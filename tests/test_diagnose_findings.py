@@ -234,6 +234,19 @@ def test_a_stall_that_starts_mid_run_is_found_from_where_it_starts(start, rank):
     assert verdict["steps"] == list(range(first, 41, 4)) and f"from step {first}," in verdict["summary"]
 
 
+def test_one_far_slower_stall_does_not_hide_the_start_of_a_mid_run_pattern():
+    """Every 4th step from step 36 of 62 one rank's loader stalls 85 ms, and one of its stalls took 308 ms (the host's
+    hiccup, in a real run): judged against the largest value, only that one step counted as slow, and the search from
+    it had too few occurrences left."""
+    def extra(rank, step):
+        if rank != 1 or step < 33 or step % 4:
+            return {}
+        return {"data_wait": 308 if step == 48 else 85}
+
+    verdict = analyse(synthetic_job(62, seed=5, extra=extra))["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["period"], verdict["step"]) == ("data loading", 1, 4, 36)
+
+
 def test_ranks_stalling_in_the_same_steps_in_different_parts_are_one_job_wide_stall():
     """Every 5th step rank 0's loader and rank 1's forward stall alike (a host-wide disturbance meets each rank where
     it is): neither waits for the other, so each rank's pattern alone cost nothing, and the diagnosis said NONE."""

@@ -161,9 +161,11 @@ def draw_loader_stall_late(rng: random.Random) -> Draw:
 
 def draw_host_work_rank(rng: random.Random) -> Draw:
     """One rank's loop works on the host after every k-th step (a checkpoint, logging): the gap before the next step,
-    which the other rank waits through in that step's first collective. Four or five gaps after warm-up."""
+    which the other rank waits through in that step's first collective. Four or five gaps after warm-up, in a run as
+    long as the stall classes' (the periodicity test's bound), one step more: a gap comes before the step after."""
     rank, every, work = rng.randint(0, 1), rng.randint(3, 6), rng.randint(80, 300)
-    return Draw(["--steps", str(every * rng.randint(4, 5) + rng.randint(1, every)), "--host-work",
+    steps = max(every * rng.randint(4, 5) + rng.randint(1, every), MIN_STALL_STEPS + 1)
+    return Draw(["--steps", str(steps), "--host-work",
                  f"{every}:{work}:{rank}", *_zero(rng)],
                 Expected("HOST WORK", rank, every, 1 % every, "between_steps"))
 

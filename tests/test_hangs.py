@@ -176,11 +176,7 @@ def test_sigterm_reaches_a_rank_blocked_in_its_own_barrier_between_steps(workdir
         assert summary.startswith(
             f"rank 1 stopped between steps (no step open, before step {HANG_STEP + 1}) at train.py"), summary
         assert "rank 0 waits for rank 1 in barrier" in summary, "its collective, though no step is open"
-        rank0 = int(_resources(workdir)[0]["process.pid"])
-        sent = time.monotonic()
-        os.kill(rank0, signal.SIGTERM)
-        job.wait(timeout=90)  # the launcher sees rank 0 die, stops rank 1 and exits
-        took = time.monotonic() - sent
+        rank0, took = _terminate_rank0(workdir, job)
     finally:
         output = _stop(job, workdir)
     assert "SIGTERM while the training thread is blocked" in output, output[-4000:]
@@ -191,6 +187,15 @@ def test_sigterm_reaches_a_rank_blocked_in_its_own_barrier_between_steps(workdir
              for scope in resource["scopeSpans"] for span in scope["spans"] if span["name"] == "training.step"}
     assert steps, "rank 0's steps went out on its way out"
     assert diagnose(workdir)["verdict"]["rank"] == 1, diagnose(workdir)["verdict"]
+
+
+def _terminate_rank0(workdir: Path, job: subprocess.Popen) -> tuple[int, float]:
+    """SIGTERM to rank 0 alone; the launcher sees it die, stops rank 1 and exits: (its pid, seconds until then)."""
+    rank0 = int(_resources(workdir)[0]["process.pid"])
+    sent = time.monotonic()
+    os.kill(rank0, signal.SIGTERM)
+    job.wait(timeout=90)
+    return rank0, time.monotonic() - sent
 
 
 def _last_step_written(workdir: Path, rank: int) -> int:
@@ -217,11 +222,7 @@ def test_with_hang_reports_off_sigterm_still_reaches_a_rank_blocked_in_a_collect
             assert job.poll() is None and time.monotonic() < deadline, (workdir / "job.log").read_text()[-3000:]
             time.sleep(1)
         time.sleep(3)  # rank 0 is in step HANG_STEP's all-reduce by now, for good
-        rank0 = int(_resources(workdir)[0]["process.pid"])
-        sent = time.monotonic()
-        os.kill(rank0, signal.SIGTERM)
-        job.wait(timeout=90)  # the launcher sees rank 0 die, stops rank 1 and exits
-        took = time.monotonic() - sent
+        rank0, took = _terminate_rank0(workdir, job)
     finally:
         output = _stop(job, workdir)
     assert f"exitcode  : -15 (pid: {rank0})" in output, output[-4000:]

@@ -136,6 +136,7 @@ class OpSpec:
     peer_index: int = -1
     peer_name: str | None = None  # the parameter that names the rank at the other end (send, recv, isend, irecv)
     p2p: str | None = None  # a point-to-point op's direction (send, recv, batch): numbered per direction and peer
+    functional: bool = False  # a functional collective's: it completes where its result is waited for
 
     @classmethod
     def of(cls, name: str, function) -> OpSpec:
@@ -151,14 +152,14 @@ class OpSpec:
                    index(peer_name), peer_name, _DIRECTIONS.get(name))
 
     @classmethod
-    def functional(cls, name: str, function) -> OpSpec:
+    def of_functional(cls, name: str, function) -> OpSpec:
         """A functional collective's: its data is ``self`` (or ``inputs``), its group any of the forms it takes (a
         process group, a device mesh and dimension, a group name); it always returns before it completes."""
         parameters = list(inspect.signature(function).parameters)
         op = FUNCTIONAL_OPS[name]
         data_name = next((candidate for candidate in ("self", "inputs") if candidate in parameters), None)
         return cls(op, _OPS[op][1], parameters.index(data_name) if data_name else -1, data_name,
-                   parameters.index("group") if "group" in parameters else -1, -1, True)
+                   parameters.index("group") if "group" in parameters else -1, -1, True, functional=True)
 
     def peer(self, args, kwargs) -> int | None:
         """The global rank at the other end of a send or recv (None: any source)."""

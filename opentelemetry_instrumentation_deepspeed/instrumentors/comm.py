@@ -400,7 +400,9 @@ _complete = CommObserver.completed.__wrapped__
 _finish = CommObserver._finish
 
 
-def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
+def _collective_wrapper(observer: CommObserver, spec: OpSpec, original, complete=_complete):
+    """``complete(observer, call, result)``: an async call's completion is followed from its result (its work
+    handles; a functional collective's result tensors)."""
     def wrapper(*args, **kwargs):
         inside = getattr(_guard, "inside", False)
         if inside:  # inside another observed call (True), or a coalescing block's
@@ -424,11 +426,11 @@ def _collective_wrapper(observer: CommObserver, spec: OpSpec, original):
         if call is not None and not observer.broken:
             try:
                 if call.is_async:
-                    _complete(observer, call, result)
+                    complete(observer, call, result)
                 else:  # all that completed() would do with it: a frame fewer for the usual call
                     _finish(observer, call)
             except Exception:  # noqa: BLE001 - ours only
-                observer.fail(_complete.__qualname__)
+                observer.fail(complete.__qualname__)
         return result
 
     return wrapper
@@ -484,6 +486,8 @@ class _Coalescing:
             _guard.inside = self
 
     def _queues(self, spec: OpSpec, args, kwargs) -> bool:
+        if spec.functional:  # its own op, which no block queues
+            return False
         group = args[spec.group_index] if 0 <= spec.group_index < len(args) else kwargs.get("group")
         if group is None:
             group = sys.modules["torch.distributed"].distributed_c10d._get_default_group()
@@ -545,26 +549,10 @@ def _coalescing_wrapper(observer: CommObserver, original):
 def _functional_wrapper(observer: CommObserver, spec: OpSpec, tracing, original):
     """A functional collective: issued here, completed at the wait for its result. Not while torch traces it (compile,
     fake tensors): nothing of ours goes into a graph."""
+    observed = _collective_wrapper(observer, spec, original, CommObserver.functional_returned.__wrapped__)
+
     def wrapper(*args, **kwargs):
-        if (session.silent and not observer.explicit) or getattr(_guard, "inside", False) or tracing():
-            return original(*args, **kwargs)
-        call = None
-        if not observer.broken:
-            try:
-                call = _issue(observer, spec, args, kwargs)
-            except Exception:  # noqa: BLE001 - ours only: the user's call below is outside this try
-                observer.fail(_issue.__qualname__)
-        _guard.inside = True
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as error:
-            observer.failed(call, error)
-            raise
-        finally:
-            _guard.inside = False
-        if call is not None and not observer.broken:
-            observer.functional_returned(call, result)
-        return result
+        return original(*args, **kwargs) if tracing() else observed(*args, **kwargs)
 
     return wrapper
 
@@ -696,7 +684,7 @@ class CommInstrumentor(BaseInstrumentor):
                 for name in FUNCTIONAL_OPS:
                     function = getattr(funcol, name, None)
                     if function is not None:
-                        spec = OpSpec.functional(name, function)
+                        spec = OpSpec.of_functional(name, function)
                         patches.wrap(funcol, name, functools.partial(_functional_wrapper, observer, spec, tracing))
                 patches.wrap(funcol, "wait_tensor", functools.partial(_wait_tensor_wrapper, observer, tracing))
                 patches.rebind(_loaded("torch.distributed"))

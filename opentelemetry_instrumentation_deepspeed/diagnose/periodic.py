@@ -134,10 +134,12 @@ def find_period(numbers: list[int], values: list[float], min_cost: float, rng: r
         # Shuffles of their own: the draws of the whole-run searches that follow (other parts, other ranks) stay
         # those they were without these searches.
         found = _search(numbers[first:], values[first:], min_cost, random.Random(first), ALPHA / LATE_STARTS)
+        if found is None:
+            continue
+        found.since = numbers[first]
+        _back_to_its_start(found, numbers[:first], values[:first])
         # The step searched from was picked for being slow: MIN_OCCURRENCES more after it, or its choice made the test
-        if found is not None and sum(step > numbers[first] for step in found.steps) >= MIN_OCCURRENCES:
-            found.since = numbers[first]
-            _back_to_its_start(found, numbers[:first], values[:first])
+        if sum(step > numbers[first] for step in found.steps) >= MIN_OCCURRENCES and found.cost >= min_cost:
             return found if found.since >= numbers[quarter] else None
     return None
 
@@ -146,10 +148,10 @@ def _back_to_its_start(pattern: Pattern, numbers: list[int], values: list[float]
     """A pattern found from ``numbers``'s end on starts where the stalls did: its first steps that carry less than half
     its effect (its excess over the same baseline) leave it; else its class's earlier steps, latest first, join it
     while they carry that much."""
-    while pattern.excess[pattern.steps[0]] < pattern.effect / 2:
+    while pattern.steps and pattern.excess[pattern.steps[0]] < pattern.effect / 2:
         first = pattern.steps.pop(0)
         pattern.cost -= max(pattern.excess.pop(first), 0.0)
-        pattern.since = pattern.steps[0]
+        pattern.since = pattern.steps[0] if pattern.steps else first
         numbers = []  # it started later than the search: nothing before it
     for number, value in zip(reversed(numbers), reversed(values), strict=True):
         if number % pattern.period != pattern.offset:

@@ -108,6 +108,7 @@ print("EXITING", time.monotonic(), flush=True)
 """
 
 
+@pytest.mark.slow  # 2.7 s: an exit bounded against a collector that never answers waits out its bound
 def test_a_bounded_exit_against_a_black_hole_counts_every_span_and_point(tmp_path):
     """Real SDK, real OTLP/HTTP exporters, a collector that never answers: the exit ends within its
     budget, and the summary counts exactly the spans made and the points of the last collection."""

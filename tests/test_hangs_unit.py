@@ -637,6 +637,7 @@ def test_a_rank_stopped_by_a_signal_or_an_exception_keeps_where_it_stopped(monke
         thread.join(10)
 
 
+@pytest.mark.slow  # 2 s each, its looks a second apart: the unit lane stays under its minute
 @pytest.mark.parametrize("engines", [1, 2])
 def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the_same(engines):
     # engines=2: a second engine built on the same thread (evaluation's) never steps: the first's steps

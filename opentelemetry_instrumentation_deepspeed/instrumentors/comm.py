@@ -207,9 +207,7 @@ class CommObserver(Component):
     def waited(self, work) -> None:
         call = self._pending_async.pop(work, None)
         if call is not None:
-            call.remaining -= 1
-            if call.remaining == 0:
-                self._finish(call)
+            self._one_done(call)
 
     @fail_open
     def wait_failed(self, work, error: BaseException) -> None:
@@ -232,9 +230,7 @@ class CommObserver(Component):
         call = self._pending_async.pop(work, None)
         if call is not None:
             self._polled[work] = call
-            call.remaining -= 1
-            if call.remaining == 0:
-                self._finish(call, on_stream=False)
+            self._one_done(call, on_stream=False)
 
     @fail_open
     def future_done(self, work, error) -> None:
@@ -247,9 +243,13 @@ class CommObserver(Component):
             call.failure = Failure.of(error)
             self._finish(call, drain=False)
             return
+        self._one_done(call, drain=False)
+
+    def _one_done(self, call: Collective, on_stream: bool = True, drain: bool = True) -> None:
+        """One of the call's handles (or result tensors) completed: the call ends with the last of them."""
         call.remaining -= 1
         if call.remaining == 0:
-            self._finish(call, drain=False)
+            self._finish(call, on_stream, drain)
 
     def _finish(self, call: Collective, on_stream: bool = True, drain: bool = True) -> None:
         """``on_stream``: the current stream waits for the collective here (after the call, its ``wait()``, or in its
@@ -344,9 +344,7 @@ class CommObserver(Component):
         autograd thread's wait must not export there."""
         call = self._pending_tensors.pop(tensor.untyped_storage().data_ptr(), None) if tensor.numel() else None
         if call is not None:
-            call.remaining -= 1
-            if call.remaining == 0:
-                self._finish(call, drain=False)
+            self._one_done(call, drain=False)
 
     def _forget(self, gone: _Group) -> None:
         """A group was collected: its entries go, the default group's alias (``group=None``) among them."""

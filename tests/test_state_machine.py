@@ -250,6 +250,47 @@ def test_a_profiler_that_fails_stops_the_profile_it_was_running(caplog):
     assert "kernel profiling failed in StepProfiler.step_closed" in caplog.text
 
 
+class _Kineto:
+    """torch.profiler.profile at its boundary: started and stopped, nothing recorded."""
+
+    def __init__(self, **_options):
+        pass
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def test_slow_steps_are_profiled_within_a_budget_of_the_run(monkeypatch):
+    # A loader that stalls every 6th step: profiling the step after each stall cost 30-60% of a 2-rank job.
+    import torch
+
+    monkeypatch.setattr(torch.profiler, "profile", _Kineto)
+    profiler = StepProfiler(every=0, trigger=None, top=8, slow_factor=3)
+    number = 0
+
+    def steps(seconds: float, count: int = 1) -> list[int]:
+        nonlocal number
+        profiled = []
+        for _ in range(count):
+            number += 1
+            if profiler.step_opened(number):
+                profiled.append(number)
+            profiler.step_closed(seconds)
+        return profiled
+
+    assert steps(0.02, 10) == []
+    assert steps(0.3) == [] and steps(0.05) == [12], "the step after the first slow one is profiled"
+    # That profile cost the training thread 30 ms beyond the 20 ms median: 0.5% of the unprofiled steps' time
+    # covers it after 300 steps of 20 ms, not before.
+    for _ in range(5):
+        assert steps(0.3) == [] and steps(0.02, 5) == []
+    assert steps(0.02, 300) == []
+    assert steps(0.3) == [] and steps(0.02) == [number], "once paid for, a slow step is profiled again"
+
+
 def test_a_start_event_starts_a_phase_or_does_nothing():
     # StepRecorder._start numbers a new phase for any start event whose row has actions: every such row is either
     # empty or ends by starting the phase its next state names.

@@ -4,7 +4,8 @@ A step is profiled when its number is a multiple of ``OTEL_PYTHON_DEEPSPEED_PROF
 someone touches the trigger file (``OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER``: each rank looks at
 its modification time at every ``TRIGGER_EVERY``-th step), or when the previous step took more
 than ``OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR`` times the median of the recent unprofiled ones
-(the next step is profiled, to catch a recurring cause). The profiler runs from the step's first
+(the next step is profiled, to catch a recurring cause) and profiling has cost the training thread
+less than ``SLOW_BUDGET`` of the run's steps so far. The profiler runs from the step's first
 event to its close, and is stopped whatever happens: step close, step failure, process exit. The
 stopped profiler goes with the step's record; ``export.kernels`` turns its events into spans.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 from collections import deque
 
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
@@ -21,6 +23,11 @@ from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fa
 
 _RECENT_STEPS = 20
 _BASELINE_EVERY = 5  # unprofiled steps between two medians of the recent ones
+# A profile costs the training thread tens of ms here (the profiled step's records, the stop) and the emitter about
+# as much again. After every slow step of a job whose slow steps recur (a loader that stalls every 6th step), it
+# added 30-60% to a 2-rank job of 20 ms steps: a slow step is profiled while what profiling has cost the training
+# thread (each profiled step beyond the recent median, and its stop) is within this share of the unprofiled steps.
+SLOW_BUDGET = 0.005
 # Steps between two looks at the trigger file: a system call inside a step costs ~25 us. Multiples
 # of the step number, so that every rank looks at the same steps and profiles the same one.
 TRIGGER_EVERY = 8
@@ -34,7 +41,9 @@ class StepProfiler(Component):
         self._requested = False
         self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._slow_above: float | None = None  # seconds: the factor times the recent median
+        self._median = 0.0  # seconds: the recent median, the baseline a profiled step's cost is counted from
         self._unprofiled = 0
+        self._spent = 0.0  # seconds the profiled steps and their stops cost the training thread
         self._profile = None
         # Kineto logs every start and stop on stderr; a user's own setting wins.
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")
@@ -98,16 +107,22 @@ class StepProfiler(Component):
     def step_closed(self, seconds: float):
         """The stopped profiler of a profiled step (its events are read off the training thread), else None."""
         if self._profile is not None:
-            return self._stop()
+            if not self._slow_factor:
+                return self._stop()
+            started = time.perf_counter()
+            profile = self._stop()
+            self._spent += max(seconds - self._median, 0.0) + (time.perf_counter() - started)
+            return profile
         # A profiled step is slow by construction: only unprofiled ones make the baseline.
         if self._slow_factor:
             if self._slow_above is not None and seconds > self._slow_above:
-                self._requested = True
+                self._requested = self._spent <= SLOW_BUDGET * self._unprofiled * self._median
             self._recent.append(seconds)
             self._unprofiled += 1
             # A median per step costs more inside a step than it is worth: one every few steps.
             if self._unprofiled % _BASELINE_EVERY == 0:
-                self._slow_above = self._slow_factor * statistics.median(self._recent)
+                self._median = statistics.median(self._recent)
+                self._slow_above = self._slow_factor * self._median
         return None
 
 

@@ -458,9 +458,11 @@ def _anomaly_shape(period: int, offset, phase, numbers: list[int], steps: list[d
     slow = set(numbers)
     inside = [s for s in steps if s["step"] in slow]
     outside = [s for s in _steady(steps) if s["step"] not in slow]
+    # Medians, as the finding's own effect: one of the slow steps that also paid for something else (a
+    # profiled step, a neighbour's burst) moved a mean of four by half the stall.
     return {"period": period, "offset": offset, "phase": phase,
-            "extra_seconds": statistics.fmean(s["seconds"] for s in inside) -
-            statistics.fmean(s["seconds"] for s in outside) if inside and outside else 0.0,
+            "extra_seconds": statistics.median(s["seconds"] for s in inside) -
+            statistics.median(s["seconds"] for s in outside) if inside and outside else 0.0,
             "steps": list(numbers),
             "trace_ids": [s["trace_id"] for s in sorted(inside, key=lambda s: s["seconds"], reverse=True)[:5]]}
 

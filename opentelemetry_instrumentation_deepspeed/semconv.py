@@ -106,7 +106,7 @@ COMM_DTYPE = "comm.dtype"
 COMM_ASYNC = "comm.async"
 COMM_SEQUENCE = "comm.sequence"
 # Point-to-point ops: only the ranks at their two ends issue them, so they count apart from the group's collectives
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list"})
 COMM_ALGBW = "comm.algbw"
 COMM_BUSBW = "comm.busbw"
 COMM_TIMING = "comm.timing"

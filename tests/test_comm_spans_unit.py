@@ -262,6 +262,38 @@ def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are
     assert call is not None and call.sequence == 0 and not observer.broken
 
 
+def test_an_object_collective_of_torch_is_one_collective_of_its_own_name(one_rank):
+    """torch pickles the objects into tensors and moves them with two tensor collectives (their sizes, their bytes):
+    all_gather_object was two all_gathers, broadcast_object_list two broadcasts, scatter_object_list a broadcast and
+    two scatters; deepspeed.comm's were one call each."""
+    instrumentor = CommInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider())
+    observer = instrumentor._observer
+    try:
+        dist = torch.distributed
+        dist.barrier()
+        seen = [(observer.between_steps.route.span_name, observer.between_steps.sequence)]
+        gathered = [None]
+        dist.all_gather_object(gathered, {"loss": 1.5})
+        seen.append((observer.between_steps.route.span_name, observer.between_steps.sequence))
+        objects = [{"seed": 7}]
+        dist.broadcast_object_list(objects, src=0)
+        seen.append((observer.between_steps.route.span_name, observer.between_steps.sequence))
+        dist.gather_object("rank 0", [None], dst=0)
+        seen.append((observer.between_steps.route.span_name, observer.between_steps.sequence))
+        received = [None]
+        dist.scatter_object_list(received, ["shard 0"], src=0)
+        seen.append((observer.between_steps.route.span_name, observer.between_steps.sequence))
+        assert gathered == [{"loss": 1.5}] and received == ["shard 0"], "the program's results are its own"
+        first = seen[0][1]
+        assert seen == [("comm.barrier", first), ("comm.all_gather_object", first + 1),
+                        ("comm.broadcast_object_list", first + 2), ("comm.gather_object", first + 3),
+                        ("comm.scatter_object_list", first + 4)]
+        assert observer.between_steps.end is not None and not observer.broken
+    finally:
+        instrumentor.uninstrument()
+
+
 def test_the_collectives_of_a_coalescing_block_are_one_collective_at_its_end(one_rank):
     """Inside torch's _coalescing_manager the calls only queue their tensors; the block's end runs them as one. They
     were recorded as finished calls that never ran (0.01-0.05 ms each), and the transfer itself was not seen."""

@@ -29,6 +29,10 @@ _OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "broadcast": (("tensor",), "one"),
     "broadcast_object_list": ((), "one"),
     "all_gather_object": ((), "one"),
+    "gather_object": ((), "one"),
+    "scatter_object_list": ((), "one"),
+    "send_object_list": ((), "one"),
+    "recv_object_list": ((), "one"),
     "reduce": (("tensor",), "one"),
     "gather": (("tensor",), "one"),
     "scatter": (("tensor",), "one"),
@@ -43,12 +47,16 @@ _OPS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
 # Point-to-point ops (semconv.P2P_OPS) by direction: a rank's k-th send to a peer is that peer's k-th receive from it
-_DIRECTIONS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "batch_isend_irecv": "batch"}
+_DIRECTIONS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "batch_isend_irecv": "batch",
+               "send_object_list": "send", "recv_object_list": "recv"}
 # Point-to-point ops: the parameter that names the rank at the other end
-_PEERS = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+_PEERS = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src", "send_object_list": "dst",
+          "recv_object_list": "src"}
 
-# Ops of deepspeed.comm.comm that its timed_op wraps (deepspeed 0.19), and the tensor
-# collectives of torch.distributed that a program can call without DeepSpeed.
+# Ops of deepspeed.comm.comm that its timed_op wraps (deepspeed 0.19), and the collectives of torch.distributed that
+# a program can call without DeepSpeed. Torch's object collectives pickle the objects into tensors and move them with
+# two tensor collectives (their sizes, then their bytes): observed as one call, they are one collective, as
+# deepspeed.comm's are, where the two inside would be two of another name.
 DEEPSPEED_OPS = (
     "broadcast", "broadcast_object_list", "all_gather", "all_gather_object", "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv",
@@ -59,7 +67,8 @@ TORCH_OPS = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
     "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
     "all_to_all_single", "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
+    "irecv", "batch_isend_irecv", "barrier", "monitored_barrier", "broadcast_object_list", "all_gather_object",
+    "gather_object", "scatter_object_list", "send_object_list", "recv_object_list",
 )
 
 # torch.distributed._functional_collectives (DTensor's redistributions, tensor parallelism, norms over DTensors):

@@ -249,6 +249,23 @@ def test_point_to_point_calls_are_numbered_per_peer_apart_from_the_group_s_colle
     assert observer._groups[id(None)].sequence == 1, "what a hang report's last sequences read: one collective"
 
 
+def test_a_peer_named_by_its_rank_in_the_group_is_numbered_as_its_global_rank(monkeypatch):
+    """torch's send(group_dst=) and recv(group_src=) name the other end by its rank in the call's group: such calls had
+    no peer, and a rank's sends to two peers shared one count."""
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=False)
+    group = object()  # ranks 2 and 3 of the world: group rank 1 is global rank 3
+    observer._groups[id(group)] = _Group("1", 2, "gloo")
+    monkeypatch.setattr(torch.distributed, "get_global_rank", lambda of, rank: {0: 2, 1: 3}[rank] if of is group
+                        else pytest.fail("the call's own group"))
+    send, recv = OpSpec.of("send", torch.distributed.send), OpSpec.of("recv", torch.distributed.recv)
+    issued = [observer.issued(send, (CpuTensor(),), {"group": group, "group_dst": 1}),
+              observer.issued(send, (CpuTensor(),), {"group": group, "dst": 3}),
+              observer.issued(recv, (CpuTensor(),), {"group": group, "group_src": 0}),
+              observer.issued(recv, (CpuTensor(), None, group, 0, 1), {})]
+    assert [(call.sequence, call.peer) for call in issued] == [(0, 3), (1, 3), (0, 2), (0, 3)]
+    assert not observer.broken
+
+
 def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are():
     """A rank outside a group calls its collectives too (torch returns at once); a probe may call one before the
     process group exists. Neither may turn collective tracing off for the training that follows."""

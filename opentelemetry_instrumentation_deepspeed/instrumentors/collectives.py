@@ -10,6 +10,7 @@ for all-gather, reduce-scatter and all-to-all, times 1 otherwise.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 # op -> (candidate names of the parameter that carries this rank's data, bus factor kind)
@@ -52,6 +53,8 @@ _DIRECTIONS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv",
 # Point-to-point ops: the parameter that names the rank at the other end
 _PEERS = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src", "send_object_list": "dst",
           "recv_object_list": "src"}
+# ... or its rank in the call's group (torch 2.6 on), where the program names it so
+_GROUP_PEERS = {name: f"group_{peer}" for name, peer in _PEERS.items()}
 
 # Ops of deepspeed.comm.comm that its timed_op wraps (deepspeed 0.19), and the collectives of torch.distributed that
 # a program can call without DeepSpeed. Torch's object collectives pickle the objects into tensors and move them with
@@ -145,6 +148,8 @@ class OpSpec:
     peer_index: int = -1
     peer_name: str | None = None  # the parameter that names the rank at the other end (send, recv, isend, irecv)
     p2p: str | None = None  # a point-to-point op's direction (send, recv, batch): numbered per direction and peer
+    group_peer_index: int = -1
+    group_peer_name: str | None = None  # the parameter that names the other end by its rank in the group
     functional: bool = False  # a functional collective's: it completes where its result is waited for
 
     @classmethod
@@ -157,8 +162,9 @@ class OpSpec:
             return parameters.index(parameter) if parameter in parameters else -1
 
         peer_name = _PEERS.get(name) if _PEERS.get(name) in parameters else None
+        group_peer = _GROUP_PEERS.get(name) if _GROUP_PEERS.get(name) in parameters else None
         return cls(name, kind, index(data_name), data_name, index("group"), index("async_op"), name in ALWAYS_ASYNC,
-                   index(peer_name), peer_name, _DIRECTIONS.get(name))
+                   index(peer_name), peer_name, _DIRECTIONS.get(name), index(group_peer), group_peer)
 
     @classmethod
     def of_functional(cls, name: str, function) -> OpSpec:
@@ -172,7 +178,18 @@ class OpSpec:
 
     def peer(self, args, kwargs) -> int | None:
         """The global rank at the other end of a send or recv (None: any source)."""
-        peer = args[self.peer_index] if 0 <= self.peer_index < len(args) else kwargs.get(self.peer_name)
+        count = len(args)
+        peer = args[self.peer_index] if 0 <= self.peer_index < count else kwargs.get(self.peer_name)
+        if peer is None and self.group_peer_name is not None:
+            local = (args[self.group_peer_index] if 0 <= self.group_peer_index < count
+                     else kwargs.get(self.group_peer_name))
+            if isinstance(local, int):
+                group = args[self.group_index] if 0 <= self.group_index < count else kwargs.get("group")
+                dist = sys.modules["torch.distributed"]
+                try:
+                    return dist.get_global_rank(group or dist.distributed_c10d._get_default_group(), local)
+                except (ValueError, RuntimeError):  # no such rank in the group: torch's call raises it to the program
+                    return None
         return peer if isinstance(peer, int) else None
 
     def read(self, args, kwargs) -> tuple[object, int, object, bool]:

@@ -142,3 +142,37 @@ def test_a_bounded_exit_against_a_black_hole_counts_every_span_and_point(tmp_pat
     assert points >= 3 + 2  # the three counter points, and the self-metrics of the lost spans
     assert f"1500 spans and {points} metric data points" in line, line
     assert "exit_timeout" in line
+
+
+@pytest.mark.slow  # a subprocess with the SDK and its exporters: 2 s
+def test_ctrl_c_during_the_exit_flush_leaves_the_collector_and_says_what_was_lost(tmp_path):
+    """A second Ctrl-C while the telemetry is flushed at exit: a traceback out of the exit handler, the stages after it
+    skipped, nothing said about what was lost. Now what waits on the collector is left behind, as at the deadline,
+    and the summary says so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+    from tests.otlp_receiver import Misbehaving
+
+    server = Misbehaving(status=None)
+    try:
+        process = subprocess.Popen([sys.executable, "-c", _BLACK_HOLE_EXIT.format(repo=str(REPO)), server.endpoint],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT": "60"})
+        assert process.stdout.readline().startswith("EXITING")
+        time.sleep(1.0)  # in the flush of the spans, which waits on the black hole
+        pressed = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+        ended = time.monotonic()
+    finally:
+        process.kill()
+        server.close()
+    assert ended - pressed < 10, "not the exit's 60 s budget"
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if "were not delivered" in line]
+    assert "1500 spans" in line and "the exit did not wait for: flush spans" in line and "(a second Ctrl-C)" in line

@@ -280,8 +280,8 @@ def summary() -> str | None:
     if not spans and not points:
         return None
     suppressed = sum(log_filter.suppressed for log_filter in _filters)
-    cut = (f"; the exit did not wait for: {', '.join(lifecycle.cut_short)} "
-           f"({env.OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT}={env.exit_timeout():g} s)") if lifecycle.cut_short else ""
+    why = lifecycle.cut_by or f"{env.OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT}={env.exit_timeout():g} s"
+    cut = f"; the exit did not wait for: {', '.join(lifecycle.cut_short)} ({why})" if lifecycle.cut_short else ""
     return (f"opentelemetry-instrumentation-deepspeed: {spans} spans and {points} metric data points of this "
             f"process were not delivered (first error: {LEDGER.first_error}; {suppressed} repeated warnings "
             f"suppressed{cut}); training was not affected.")

@@ -17,7 +17,8 @@ its handlers under a stage, and the order is the list's, not the order of regist
   give up by then, and a stage that has not ended is left behind. The stage after each flush
   counts what it left undelivered (queued, or in an export that never returned) as lost, so the
   metrics and the summary line, which come after the last flush attempt, count every span and
-  point exactly.
+  point exactly. Ctrl-C while they run (on the main thread) leaves the stages that wait on the
+  world behind, as the deadline would; the quick ones, the counts and the summary, still run.
 - A process forked from a rank (a DataLoader worker, by default on Linux) inherits its SDK,
   whose own at-fork hooks restart the export threads there: the child would export a frozen
   copy of the rank's cumulative metrics under the rank's resource. In a forked child the
@@ -114,6 +115,7 @@ _terminate_when_done = False  # a SIGTERM came while the stages ran: die by it o
 _deadline = 0.0  # time.monotonic() by which the running stage must end
 _extra_seconds = 0.0  # a configured wait at exit (Prometheus's last scrape) on top of the budget
 cut_short: list[str] = []  # stages that had not ended by their deadline, left behind
+cut_by: str | None = None  # what cut the exit short before the deadline (a KeyboardInterrupt in it)
 _wakeup: int | None = None  # the fd this module set as the interpreter's wakeup fd
 
 
@@ -183,18 +185,29 @@ def finish(reason: str, spent: float = 0.0) -> None:
     global _deadline  # noqa: PLW0603
     if os.getpid() != _pid or not _finished.acquire(blocking=False):
         return
+    global cut_by  # noqa: PLW0603
     try:
         started, budget = time.monotonic(), max(env.exit_timeout() - spent, 0.0)
         extra = 0.0
         for stage in EXIT_ORDER:
-            if stage == FINAL_SCRAPE:
-                extra = _extra_seconds
-            share = _ENDS_BY.get(stage)
-            if share is None:
-                _run_exit_stage(stage, reason)
-            else:
-                _deadline = started + share * budget + extra
-                _run_bounded(stage, reason)
+            try:
+                if stage == FINAL_SCRAPE:
+                    extra = _extra_seconds
+                share = _ENDS_BY.get(stage)
+                if share is None:
+                    _run_exit_stage(stage, reason)
+                elif cut_by is not None:
+                    if _at_exit[stage]:
+                        cut_short.append(stage)
+                else:
+                    _deadline = started + share * budget + extra
+                    _run_bounded(stage, reason)
+            except KeyboardInterrupt:
+                # Ctrl-C again while the telemetry is flushed: whoever pressed it will not wait for the collector.
+                # What waits on the world is left behind, as at the deadline; the counts and the summary line run.
+                cut_by = "a second Ctrl-C"
+                if _at_exit[stage] and stage not in cut_short:
+                    cut_short.append(stage)
     finally:
         _done.set()
         if _terminate_when_done:

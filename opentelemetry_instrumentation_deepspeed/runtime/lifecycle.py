@@ -182,10 +182,9 @@ def finish(reason: str, spent: float = 0.0) -> None:
     """Run the exit stages, in order, with ``reason`` for open steps, within the exit budget less
     ``spent`` (seconds since the signal that ended the process, when they start late). Once, in the
     process that registered them; when a SIGTERM came meanwhile, the process then dies by it."""
-    global _deadline  # noqa: PLW0603
+    global _deadline, cut_by  # noqa: PLW0603
     if os.getpid() != _pid or not _finished.acquire(blocking=False):
         return
-    global cut_by  # noqa: PLW0603
     try:
         started, budget = time.monotonic(), max(env.exit_timeout() - spent, 0.0)
         extra = 0.0

@@ -85,6 +85,9 @@ TRAINING_STEP_PROCESS_CPU = "training.step.process.cpu"
 TRAINING_STEP_THREAD_CPU_WAIT = "training.step.thread.cpu.wait"
 # ... and the run-queue delays of the process's native threads (communication, intra-op), summed, as a share of it
 TRAINING_STEP_NATIVE_THREADS_CPU_WAIT = "training.step.native_threads.cpu.wait"
+# On training.step: seconds the training thread spent in synchronous collectives after the previous step closed and
+# before this one started (a barrier after rank 0's checkpoint): of the gap between the two, a wait for the other ranks
+TRAINING_STEP_BETWEEN_COMM = "training.step.between.comm"
 # On forward, backward and optimizer_step spans: the share of the phase the training thread waited for a CPU
 TRAINING_PHASE_THREAD_CPU_WAIT = "training.phase.thread.cpu.wait"
 # A plain PyTorch loop's data parallelism, on training.step: "ddp", "fsdp", or "none" (trace_training())

@@ -221,6 +221,24 @@ def test_a_rank_that_lingers_between_steps_is_named_and_the_loop_s_own_work_ever
         "HOST WORK", 1, "between_steps")
 
 
+def test_a_rank_that_lingers_between_steps_before_a_barrier_is_named_and_the_rank_in_the_barrier_waits():
+    """Rank 0 checkpoints every 5th step, then every rank meets it in a barrier: each rank's gap before the step is the
+    same, and the diagnosis said nothing (the loop's own work on every rank). The time rank 1 spent in the barrier
+    (its step's ``training.step.between.comm``) is a wait for rank 0, not its own work."""
+    def barrier(rank, step):
+        return {semconv.TRAINING_STEP_BETWEEN_COMM: 0.15} if rank == 1 and step % 5 == 0 else {}
+
+    report = analyse(synthetic_job(30, extra=every(5, 150, part="between_steps"), attributes=barrier))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"], verdict["period"]) == ("HOST WORK", 0, "between_steps",
+                                                                                        5), verdict
+    assert verdict["chain"]["waiting"]["1"] == pytest.approx(0.15, rel=0.2)
+    assert "rank 1 waits for it in collectives" in verdict["summary"], verdict["summary"]
+    assert any("in 6 of those steps the wait was in a collective before the step" in line
+               for line in verdict["evidence"]), verdict["evidence"]
+    assert verdict["share_of_run"] < 1, "the run is its steps and the time between them"
+
+
 @pytest.mark.parametrize(("start", "rank"), [(13, 0), (19, 1)])
 def test_a_stall_that_starts_mid_run_is_found_from_where_it_starts(start, rank):
     """Every 4th step from step 16 (or 20) of 40: over the whole run too few of the class's steps are slow, and the

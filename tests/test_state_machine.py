@@ -302,10 +302,17 @@ def test_a_start_event_starts_a_phase_or_does_nothing():
                 actions[-1] == state.START_PHASE and next_state == phase_of[event]), (_state, event)
 
 
+class Call:
+    """A collective as the recorder sees it."""
+
+    in_step = False
+    parent = "not set"
+    is_async = False
+    start = 0
+    end = None
+
+
 def test_collectives_join_the_open_step_under_the_running_phase():
-    class Call:
-        in_step = False
-        parent = "not set"
 
     rec, engine, records = recorder()
     outside = Call()
@@ -323,6 +330,39 @@ def test_collectives_join_the_open_step_under_the_running_phase():
     assert records[0].collectives == [*calls, between] and all(c.in_step for c in records[0].collectives)
     forward_phase = records[0].phases[0]
     assert all(c.parent is forward_phase for c in calls) and between.parent is None
+
+
+def test_the_time_in_collectives_between_two_steps_is_the_next_step_s_wait_for_the_others():
+    """Rank 0 checkpoints after a step, then every rank meets it in a barrier: the other ranks' gap before the next
+    step was read as their own work, and the rank that worked was not told apart."""
+    import threading
+
+    rec, engine, records = recorder()
+
+    def step(fetched):
+        rec.data_waited(fetched, fetched + 10)
+        rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+        rec.phase_ended(rec.backward_started(engine))
+        engine.step(rec)
+
+    step(10)
+
+    def issued(start, end, is_async=False):
+        call = Call()
+        call.start, call.is_async = start, is_async
+        rec.comm_issued(call)
+        call.end = end  # it returns (a synchronous call), or its handle is waited for
+        return call
+
+    barrier = issued(100, 250_000_100)
+    issued(300, 400, is_async=True)  # a handle the loop waits for later, if at all: not the thread's wait
+    elsewhere = threading.Thread(target=issued, args=(500, 90_000_500))  # a monitoring thread's: not the loop's
+    elsewhere.start()
+    elsewhere.join()
+    assert not barrier.in_step, "measured as issued outside any step, as before"
+    step(300_000_000)
+    step(400_000_000)
+    assert [record.between_comm for record in records] == [0, 250_000_000, 0]
 
 
 @pytest.mark.parametrize(("where", "method"), [(StepBuilder, "_end_phase"), (StepRecorder, "_close")])

@@ -97,6 +97,8 @@ def test_a_loop_that_never_steps_keeps_the_log_short():
 class Collective:
     in_step = False
     parent = None
+    is_async = False
+    start = 0
     end = None  # completed on the host: its time
 
 

@@ -42,6 +42,7 @@ class _Step:
     seen: bool = False
     cpu_wait: float | None = None  # the share of the step its training thread waited for a CPU
     native_wait: float | None = None  # ... and its native threads (gloo's), summed
+    between_comm: float = 0.0  # seconds its thread spent in collectives before it (after the step before it)
     phases: list = field(default_factory=list)  # (part, start, end, share of it the training thread waited for a CPU)
     comm: list = field(default_factory=list)  # synchronous collectives: (start, end, group, sequence)
 
@@ -162,6 +163,7 @@ class Analysis:
                                                                         span.trace_id, span.start, span.end)
                     step.cpu_wait = span.attributes.get(semconv.TRAINING_STEP_THREAD_CPU_WAIT)
                     step.native_wait = span.attributes.get(semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT)
+                    step.between_comm = span.attributes.get(semconv.TRAINING_STEP_BETWEEN_COMM, 0.0)
                     step.seen = True
                 self._inputs.add(span)  # the input layer
             elif span.name in PHASES:
@@ -203,8 +205,8 @@ class Analysis:
         for (step_job, rank, _trace), step in self._steps.items():
             if step_job == job and step.seen:
                 comm[rank][step.number] = step.comm
-        steps = findings_module.StepFindings({rank: _steady(s) for rank, s in by_rank.items()}, waits.follow(comm),
-                                             stages=self.pipeline.ran(job))
+        steps = findings_module.StepFindings({rank: _steady(s) for rank, s in by_rank.items()},
+                                             _followed(comm, by_rank), stages=self.pipeline.ran(job))
         found = steps.all()
         straggler = steps.straggler(found)
         found += findings_module.hardware_findings(gpu, found)
@@ -360,6 +362,7 @@ class Analysis:
                 "parts": {name: value / 1e9 for name, value in parts.items()},
                 "cpu_wait": None if step.cpu_wait is None else min(step.cpu_wait, 1.0) * total / 1e9,
                 "native_wait": None if step.native_wait is None else step.native_wait * total / 1e9,
+                "between_comm": step.between_comm,
                 "phase_waits": phase_waits or None}
 
     def _last_arrival(self, job: str, group, sequence) -> int | None:
@@ -403,13 +406,25 @@ class Analysis:
         return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
 
 
+def _followed(comm: dict, by_rank: dict[int, list[dict]]) -> waits.Waits:
+    """Who waited for whom in the collectives of the steps, and in those before each step (a barrier after rank 0's
+    checkpoint), which count as a wait for the others in the step after them."""
+    followed = waits.follow(comm)
+    for rank, steps in by_rank.items():
+        for step in steps:
+            if step["between_comm"]:
+                followed.waited[step["step"]][rank] += step["between_comm"]
+    return followed
+
+
 def _between_steps(steps: list[dict]) -> None:
     """Each step's ``between_steps``: from the end of the rank's step before it (the step numbered one less) to its
-    start, the loop's own code; 0 after a step not seen (its number skipped, the first)."""
+    start, the loop's own code, less what its thread spent in collectives there (a wait for the other ranks); 0 after
+    a step not seen (its number skipped, the first)."""
     previous = None
     for step in steps:
         gap = step["start"] - previous["end"] if previous is not None and previous["step"] == step["step"] - 1 else 0
-        step["parts"]["between_steps"] = max(gap, 0) / 1e9
+        step["parts"]["between_steps"] = max(gap / 1e9 - step["between_comm"], 0.0) if gap > 0 else 0.0
         previous = step
 
 

@@ -120,7 +120,12 @@ class StepFindings:
         self.stages = stages
         self.parts = {rank: {s["step"]: s["parts"] for s in steps} for rank, steps in steady.items()}
         self.traces = {rank: {s["step"]: s["trace_id"] for s in steps} for rank, steps in steady.items()}
-        totals = [sum(s["seconds"] for s in steps) for steps in steady.values() if steps]
+        # rank -> step -> seconds its thread spent in collectives before the step (after the one before)
+        self.between = {rank: {s["step"]: s.get("between_comm") or 0.0 for s in steps}
+                        for rank, steps in steady.items()}
+        # The run: its steps and the loop's code between them (a rank's checkpoint, the others' wait for it there).
+        totals = [sum(s["seconds"] + s["parts"]["between_steps"] + (s.get("between_comm") or 0.0) for s in steps)
+                  for steps in steady.values() if steps]
         self.run_seconds = statistics.median(totals) if totals else 0.0
         self.min_cost = MIN_COST_SHARE * self.run_seconds
         medians = [statistics.median(s["seconds"] for s in steps) for steps in steady.values() if steps]
@@ -264,6 +269,12 @@ class StepFindings:
             late = sum(self.waits.late_rank(step)[0] in ranks for step in pattern.steps)
             evidence.append(f"{_ranks_text(ranks)} arrived last at the collectives in {late} of "
                             f"{len(pattern.steps)} of those steps")
+            before = sum(any(self.between[rank].get(step, 0.0) > 0.5 * waiting[rank] for rank in waiting)
+                         for step in pattern.steps)
+            if before:
+                evidence.append(f"in {before} of those steps the wait was in a collective before the step (a barrier "
+                                "after the stall), outside any step's span: in the comm metrics, and the steps' "
+                                f"{semconv.TRAINING_STEP_BETWEEN_COMM}")
         p_value = max(member[2].p_value for member in members)
         evidence.append(f"permutation test: p = {p_value:.3f} ({periodic.PERMUTATIONS} shuffles of the steps)")
         if pattern.since is not None:

@@ -38,6 +38,7 @@ _INPUT_TYPES = {semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_
                 semconv.TRAINING_STEP_HOST_CPU_BUSY: (int, float), semconv.TRAINING_STEP_HOST_CPU_IDLE: (int, float),
                 semconv.TRAINING_STEP_PROCESS_CPU: (int, float), semconv.TRAINING_STEP_THREAD_CPU_WAIT: (int, float),
                 semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT: (int, float), semconv.HOST_NAME: str,
+                semconv.TRAINING_STEP_BETWEEN_COMM: (int, float),
                 semconv.TRAINING_PHASE_THREAD_CPU_WAIT: (int, float)}
 _KEPT += tuple(_MODEL_TYPES) + tuple(_INPUT_TYPES)
 

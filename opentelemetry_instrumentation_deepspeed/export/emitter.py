@@ -151,14 +151,17 @@ def _comm_attributes(issued: int, dropped: int) -> dict:
 
 
 def _counts(record: StepRecord, kept: int, comm: dict) -> dict:
-    """The step's collectives (``kept`` in its record; ``comm``: ``_comm_counts``'s), those that got no span, and the
-    phases it did not keep. Past the builder's MAX_COLLECTIVES a collective is counted, and has no span (all of them
-    ask for one, or none do: the process's comm mode)."""
+    """The step's collectives (``kept`` in its record; ``comm``: ``_comm_counts``'s), those that got no span, the
+    phases it did not keep, and the time its thread spent in collectives before it. Past the builder's
+    MAX_COLLECTIVES a collective is counted, and has no span (all of them ask for one, or none do: the process's
+    comm mode)."""
     dropped = record.collectives_dropped
     spans_dropped = dropped if dropped and record.latest_dropped.spanned else 0
     attributes = _comm_attributes(kept + dropped, sum(counts[1] for counts in comm.values()) + spans_dropped)
     if record.phases_dropped:
         attributes[semconv.TRAINING_STEP_PHASES_DROPPED] = record.phases_dropped
+    if record.between_comm:
+        attributes[semconv.TRAINING_STEP_BETWEEN_COMM] = round(record.between_comm / 1e9, 6)
     return attributes
 
 

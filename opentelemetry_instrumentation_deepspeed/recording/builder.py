@@ -16,7 +16,8 @@ An entry is a tuple ``(event, actions, now, data, ended, started, step)``:
 - ``started``: as a phase started: (its payload, GPU event, schedstat), the payload being a forward's
   (samples, tokens, input batch), a backward's loss as ``scalars.take`` kept it;
 - ``step``: as the step opened, (number, profiled, its first fetch made with no step open, else when it
-  opened); as it closed, (skipped, gradient norm, scalars' copy event, schedstat, stopped profiler).
+  opened, ns its thread spent in synchronous collectives since the last step closed); as it closed,
+  (skipped, gradient norm, scalars' copy event, schedstat, stopped profiler).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class StepBuilder(Component):
         self._waits = [wait for wait in self._waits if wait[2]]
 
     def _open_step(self, entry) -> None:
-        number, profiled, fetched_or_opened = entry[6]
+        number, profiled, fetched_or_opened, between = entry[6]
         waits = self._waits
         # The step starts where the loop began fetching for it, not at a look-ahead made in the step before; with no
         # fetch, where it opened (before a profiler started, which its first phase starts after).
@@ -173,6 +174,7 @@ class StepBuilder(Component):
         waits.clear()
         record.gpu = self._gpu
         record.profiled = profiled
+        record.between_comm = between
         self.open = record
 
     def _start_phase(self, entry) -> None:

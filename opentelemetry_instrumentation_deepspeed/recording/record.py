@@ -129,6 +129,8 @@ class StepRecord:
     phase: Phase | None = None  # the phase running now
     profile: object = None  # the stopped torch.profiler of a profiled step, for the emitter to read
     profiled: bool = False
+    # ns the training thread spent in synchronous collectives after the previous step closed, before this one started
+    between_comm: int = 0
     gpu: object = None  # the GpuTimeline of its phases' events, on CUDA
     # Each micro-batch's loss and the step's gradient norm, as recording.scalars.take kept them: host
     # floats, or copies of CUDA scalars readable once ``scalars_copied`` (a CUDA event) has completed.

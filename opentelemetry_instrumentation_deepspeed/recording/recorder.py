@@ -45,6 +45,7 @@ IDLE_LOG_LIMIT = 256
 # A step that does not close (a loop that never calls engine.step()) hands the recorder over past it too: the
 # builder keeps its record bounded (builder.MAX_PHASES), and the log must not grow either.
 LOG_LIMIT = 8192
+MAX_BETWEEN = 64  # synchronous collectives kept between two steps (their time sums; the rest are not counted)
 _ENDS = {state.END_PHASE, state.FAIL_PHASE, state.INTERRUPT_PHASE}
 
 
@@ -100,6 +101,9 @@ class StepRecorder(Component):
         # unless the loop fetched more than a step's micro-batches before it), else from its opening.
         self._fetch_start: int | None = None
         self._step_start = 0
+        # Synchronous collectives the training thread issued since the last step closed (a barrier after rank 0's
+        # checkpoint): their time before the next step is a wait for the other ranks, not the loop's own work.
+        self._between: list = []
         # (state, event) -> None where the event does nothing, else (next state or None, the builder's actions,
         # whether they open a step, end a running phase, close the step, fail it): one lookup per event.
         self._rows = {key: _row(next_state, names, self.builder.actions)
@@ -264,6 +268,9 @@ class StepRecorder(Component):
         """A collective issued now joins the open step, under the running phase (the emitter counts them,
         and keeps their spans within the span limit). Any thread may call this (backward hooks run on autograd's)."""
         if self.state == State.IDLE or self.broken or self.builder.broken:
+            if (self.state == State.IDLE and not self.broken and not collective.is_async
+                    and len(self._between) < MAX_BETWEEN and _get_ident() == self.thread):
+                self._between.append(collective)
             return
         collective.in_step = True
         self._append((COLLECTIVE, self._joining, 0, collective, None, None, None))
@@ -369,6 +376,11 @@ class StepRecorder(Component):
         start = self._step_start = fetched if fetched is not None else time.time_ns()
         if self._gpu is not None:
             self._gpu.anchor_if_idle()
+        between = 0
+        if self._between:
+            between = sum(call.end - call.start for call in self._between if call.end is not None and
+                          call.start < start)
+            self._between = []
         profiled = False
         profiler = self.profiler
         if profiler is not None and not profiler.broken:
@@ -376,7 +388,7 @@ class StepRecorder(Component):
                 profiled = profiler.step_opened(number)
             except Exception:  # noqa: BLE001 - the profiler's own failure turns the profiler off, not the step
                 profiler.fail(_STEP_OPENED)
-        return number, profiled, start
+        return number, profiled, start, between
 
     def _ended(self) -> tuple:
         """What is read as the running phase ends: the schedstat (where it was read at the start), its GPU event,

@@ -86,6 +86,12 @@ def draw_healthy(rng: random.Random) -> Draw:
     return Draw(args, Expected("none"), ranks)
 
 
+def draw_healthy_barrier(rng: random.Random) -> Draw:
+    """The healthy draw on 2 ranks, every rank in a barrier after each step: the loop's own collective between them."""
+    draw = draw_healthy(rng)
+    return Draw([*draw.args, "--barrier"], draw.expected, 2)
+
+
 def draw_healthy_small(rng: random.Random) -> Draw:
     # The issue's healthy case: a tiny model whose gloo all-reduce is a real, variable share of the step.
     return Draw(["--steps", "20", "--zero-stage", "2", "--micro-batch-size", "8", "--seed", str(rng.randint(1, 9999))],
@@ -168,6 +174,13 @@ def draw_host_work_rank(rng: random.Random) -> Draw:
     return Draw(["--steps", str(steps), "--host-work",
                  f"{every}:{work}:{rank}", *_zero(rng)],
                 Expected("HOST WORK", rank, every, 1 % every, "between_steps"))
+
+
+def draw_host_work_barrier(rng: random.Random) -> Draw:
+    """As host-work-rank, and every rank then meets in a barrier (the usual ``if rank == 0: save(); barrier()``):
+    every rank's gap before the next step is the same; the others' is their wait in the barrier."""
+    draw = draw_host_work_rank(rng)
+    return Draw([*draw.args, "--barrier"], draw.expected)
 
 
 def draw_slow_rank(rng: random.Random) -> Draw:
@@ -309,6 +322,7 @@ class FaultClass:
 CLASSES = [
     FaultClass("healthy", draw_healthy, notes="1-2 ranks, 12-30 steps, grad accum 1-2, ZeRO 0-3, micro-batch 8-64, "
                "sequence 32/64"),
+    FaultClass("healthy-barrier", draw_healthy_barrier, notes="the healthy draw on 2 ranks, a barrier after each step"),
     FaultClass("healthy-small", draw_healthy_small, notes="the issue's case: 2 ranks, ZeRO-2, micro-batch 8, 20 steps"),
     FaultClass("healthy-neighbour", draw_healthy_neighbour,
                notes="2 ranks, 300-600 steps; from 1-4 s into the run another 2-rank job or 1-3 spinning processes "
@@ -325,6 +339,8 @@ CLASSES = [
                notes="one rank's loader stalls 80-300 ms every 3rd-6th step from step 20-40 on, 6-8 times"),
     FaultClass("host-work-rank", draw_host_work_rank,
                notes="one rank's loop works 80-300 ms on the host after every 3rd-6th step, before the next one"),
+    FaultClass("host-work-barrier", draw_host_work_barrier,
+               notes="as host-work-rank, then a barrier on every rank after each step"),
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),
     FaultClass("slow-rank-long", draw_slow_rank_long,
                notes="one rank 20-60 ms slower in a phase for 150-250 steps; in half the draws 1-3 spinning processes "

@@ -18,7 +18,7 @@ from opentelemetry_instrumentation_deepspeed import (
     DeepSpeedInstrumentor,
 )
 from opentelemetry_instrumentation_deepspeed.runtime import session
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, launch
 
 pytestmark = pytest.mark.slow  # trains the example with real DeepSpeed, in this process
 
@@ -163,3 +163,45 @@ def test_instrumented_again_after_uninstrument_observes_collectives():
                             text=True, timeout=120, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "sequences {'0': 1}" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+_COMPILED_ENGINE = """
+import os
+import torch, deepspeed
+from torch import nn
+
+for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+    os.environ.setdefault(name, value)
+
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+          "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
+engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+compiled = torch.compile(engine, backend="eager")
+for _ in range(4):
+    loss = compiled(torch.randn(4, 16)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+"""
+
+
+def test_a_torch_compiled_engine_warns_as_without_us_and_every_forward_is_seen(tmp_path):
+    """torch.compile(engine) traced our wrapper: "Dynamo does not know how to trace the builtin `time.time_ns`" (and
+    `_thread.get_ident`), and graph breaks there, besides DeepSpeed's own (its timers' `time.time`)."""
+    script = tmp_path / "compiled_engine.py"
+    script.write_text(_COMPILED_ENGINE)
+    runs = {}
+    for instrumented in (False, True):
+        (tmp_path / str(instrumented)).mkdir()
+        runs[instrumented] = launch(tmp_path / str(instrumented), "python", script=script, instrument=instrumented)
+    for run in runs.values():
+        run.check()
+
+    def dynamo_warnings(run) -> list[str]:
+        return sorted(line.split("UserWarning: ")[1][:80] for line in run.output.splitlines()
+                      if "UserWarning: Dynamo" in line)
+
+    assert dynamo_warnings(runs[True]) == dynamo_warnings(runs[False]), runs[True].output[-3000:]
+    assert "time_ns" not in runs[True].output and "get_ident" not in runs[True].output
+    names = [span.name for span in runs[True].spans]
+    assert names.count("training.forward") == names.count("training.step") == 4

@@ -7,6 +7,7 @@ import inspect
 import types
 from unittest import mock
 
+import pytest
 import wrapt
 
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
@@ -237,3 +238,21 @@ def test_a_patch_that_fails_leaves_the_users_import_going_on(tmp_path, monkeypat
         sys.modules.pop("a_module_of_theirs", None)
     assert a_module_of_theirs.VALUE == 7
     assert "could not instrument a_module_of_theirs" in caplog.text
+
+
+@pytest.mark.slow  # importing torch._dynamo takes 5 s
+def test_torch_compile_skips_our_bookkeeping_and_traces_the_wrappers_that_step_aside():
+    """torch.compile(engine) traced our engine wrapper's clocks and thread ids, warned of each builtin there and broke
+    its graph at them. Skipped, that code runs outside the graph as plain Python; the collectives' and a plain loop's
+    wrappers, which step aside while torch traces them, stay traceable (a fullgraph=True graph holds them)."""
+    from torch._dynamo import trace_rules
+
+    from opentelemetry_instrumentation_deepspeed.export import emitter
+    from opentelemetry_instrumentation_deepspeed.instrumentors import comm, engine, torch_loop
+    from opentelemetry_instrumentation_deepspeed.instrumentors.patching import keep_out_of_compiled_graphs
+    from opentelemetry_instrumentation_deepspeed.recording import recorder
+    from opentelemetry_instrumentation_deepspeed.runtime import session
+
+    keep_out_of_compiled_graphs()
+    assert all(trace_rules.check_file(module.__file__).skipped for module in (engine, recorder, emitter, session))
+    assert not any(trace_rules.check_file(module.__file__).skipped for module in (comm, torch_loop))

@@ -19,7 +19,12 @@ from opentelemetry.metrics import get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors import pipeline
-from opentelemetry_instrumentation_deepspeed.instrumentors.patching import unwrap_methods, when_imported, wrap_methods
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
+    keep_out_of_compiled_graphs,
+    unwrap_methods,
+    when_imported,
+    wrap_methods,
+)
 from opentelemetry_instrumentation_deepspeed.package import _instruments
 from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
@@ -288,6 +293,7 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         # import hook registered here may fire after uninstrument().
         self._patching = True
         session.leave_if_silent(self, kwargs)
+        keep_out_of_compiled_graphs()
 
         def patch(module):
             if self._patching:

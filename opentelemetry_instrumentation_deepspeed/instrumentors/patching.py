@@ -43,6 +43,33 @@ def when_imported(module_name: str, patch: Callable[[object], None]) -> None:
         wrapt.register_post_import_hook(guarded, module_name)
 
 
+# What torch.compile must not trace: the bookkeeping our wrappers do around a call (clocks, thread ids, records) is
+# not traceable. Traced, torch.compile(engine) warned of each builtin it met there and broke its graph at them anyway;
+# skipped, that code runs as plain Python outside the graph, and dynamo compiles the wrapped call itself, as it would
+# without us (the same warnings as an uninstrumented run). The wrappers that step aside while torch traces them stay
+# traceable, so that a graph torch.compile(fullgraph=True) lets nothing break holds them: the collectives'
+# (instrumentors.comm: a functional collective) and a plain loop's (instrumentors.torch_loop: a module's hooks).
+_NOT_TRACED = ("recording", "export", "runtime", "instrumentors.engine", "instrumentors.dataloader",
+               "instrumentors.pipeline")
+_kept_out = False
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Once dynamo's rules are loaded (by torch.compile, or before), our modules above are among the files it skips."""
+    global _kept_out  # noqa: PLW0603 - once per process
+    if not _kept_out:
+        _kept_out = True
+        when_imported("torch._dynamo.trace_rules", _skip_ours)
+
+
+def _skip_ours(trace_rules) -> None:
+    add = getattr(trace_rules, "add", None)  # torch 2.x's; another torch traces them as before
+    if add is not None:
+        package = __name__.rpartition(".instrumentors.")[0]
+        for name in _NOT_TRACED:
+            add(f"{package}.{name}")
+
+
 def original_of(value):
     """The function ``value`` replaced, if it is one of our replacements (not through another library's proxy
     around one); else None."""

@@ -35,7 +35,11 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.instrumentors.patching import Patches, when_imported
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
+    Patches,
+    keep_out_of_compiled_graphs,
+    when_imported,
+)
 from opentelemetry_instrumentation_deepspeed.package import _instruments_torch
 from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.recording.state import State
@@ -498,6 +502,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs):
         patches = Patches()
         _state.instrumentor, _state.patches = self, patches
+        keep_out_of_compiled_graphs()
         _state.tracer_provider, _state.meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
 
         def patch_ddp(module):

@@ -291,6 +291,64 @@ def test_slow_steps_are_profiled_within_a_budget_of_the_run(monkeypatch):
     assert steps(0.3) == [] and steps(0.02) == [number], "once paid for, a slow step is profiled again"
 
 
+def test_a_profile_waits_for_a_step_that_is_recorded_and_never_ends_the_program_s_own(monkeypatch, tmp_path):
+    """Sampled-out steps were profiled (their stop cost 16-28 ms each) and the profile thrown away; our session ended
+    the program's own torch.profiler, emptied; a rank with a pending request did not look at the trigger file, and
+    profiled a step the others did not."""
+    import os
+
+    import torch
+
+    monkeypatch.setattr(torch.profiler, "profile", _Kineto)
+    trigger = tmp_path / "trigger"
+    profiler = StepProfiler(every=0, trigger=str(trigger), top=8, slow_factor=3)
+    recorded = {9, 10, 16}
+    profiler.worth = lambda number: number in recorded
+
+    def profiled(number: int, seconds: float = 0.02) -> bool:
+        started = profiler.step_opened(number)
+        profiler.step_closed(seconds)
+        return started
+
+    assert [profiled(number) for number in range(1, 7)] == [False] * 6
+    assert not profiled(7, seconds=0.5), "slow: the next step is asked for"
+    assert not profiled(8), "not recorded: the request waits"
+    assert profiled(9)
+    trigger.write_text("")
+    assert [profiled(number) for number in range(10, 16)] == [False] * 6, "the trigger is read at every 8th step"
+    assert profiled(16), "touched: read there, and recorded"
+    recorded.update({24, 32})
+    assert not any(profiled(number) for number in range(17, 23))
+    assert not profiled(23, seconds=0.5)
+    os.utime(trigger, ns=(1, 1))  # touched again, with a slow step's request pending for step 24
+    assert profiled(24), "one profile for both"
+    assert [profiled(number) for number in range(25, 33)] == [False] * 8, "every rank read the touch at step 24"
+
+    monkeypatch.setattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+    profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
+    assert not profiler.step_opened(1), "the program profiles: ours would end its session"
+
+
+def test_a_profile_that_fails_to_start_half_way_is_stopped(monkeypatch):
+    import torch
+
+    class HalfStarted(_Kineto):
+        stopped = False
+
+        def start(self):
+            raise RuntimeError("Kineto enabled, then a metadata call failed")
+
+        def stop(self):
+            HalfStarted.stopped = True
+
+    monkeypatch.setattr(torch.profiler, "profile", HalfStarted)
+    profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
+    with pytest.raises(RuntimeError):
+        profiler.step_opened(1)
+    profiler.fail("StepProfiler.step_opened")  # as the recorder does
+    assert HalfStarted.stopped and profiler._profile is None
+
+
 def test_a_start_event_starts_a_phase_or_does_nothing():
     # StepRecorder._start numbers a new phase for any start event whose row has actions: every such row is either
     # empty or ends by starting the phase its next state names.

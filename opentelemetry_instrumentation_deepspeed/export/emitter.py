@@ -68,8 +68,9 @@ class StepFacts:
         _flush_first(writer.provider)
         self.metrics = metrics
         self.emits_root = identity.rank == 0  # rank 0 emits each step's root, under the ids every rank derives
-        self.step_ids = trace_ids.StepIds(identity.job_id, trace_ids.root_decision(writer.sampler),
-                                          trace_ids.engine_ordinal(identity.job_id, identity.rank))
+        self._job_id, self._engine_ordinal = identity.job_id, trace_ids.engine_ordinal(identity.job_id, identity.rank)
+        self._decide = trace_ids.root_decision(writer.sampler)
+        self.step_ids = trace_ids.StepIds(self._job_id, self._decide, self._engine_ordinal)
         self.root_attributes = {semconv.TRAINING_STEP_SAMPLES: engine.train_batch_size(),
                                 semconv.TRAINING_WORLD_SIZE: identity.world_size}
         self.static = {
@@ -86,6 +87,15 @@ class StepFacts:
         self.held_root: _HeldRoot | None = None
         # The last step written and its end: the hang watchdog's sign of progress between steps.
         self.last_written, self.last_end = 0, 0
+
+
+    def recorded(self, number: int) -> bool:
+        """Whether step ``number``'s spans are recorded (its root sampled), as every rank decides it. Any thread:
+        derived afresh, not from ``step_ids``, whose blocks the emitter's thread renews."""
+        trace_id, _span_id = trace_ids.step_ids(self._job_id, number, self._engine_ordinal)
+        if self._decide is not None:
+            return self._decide(trace_id)
+        return trace_ids.sampled(self.writer.provider, trace_id, semconv.SPAN_GLOBAL_STEP)
 
 
 class _HeldRoot:
@@ -198,6 +208,12 @@ class Emitter(Component):
         self.dropped_records = 0  # steps and collectives let go past MAX_QUEUED
 
     # -- any thread -----------------------------------------------------------------------------
+
+    @property
+    def emits_profiles(self) -> bool:
+        """A profiled step's operators and kernels can still become spans (neither this emitter nor its kernel
+        emission failed): the profiler starts no profile that nothing would emit."""
+        return not self.broken and not self._kernels.broken
 
     def submit(self, item: StepRecord | StepRecorder | Collective, drain: bool = True) -> None:
         """``drain`` False: the submitting thread never drains, whatever waits (a backend's thread, in a future's

@@ -83,6 +83,8 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
     facts = StepFacts(SpanWriter(tracer_provider), metrics, identity, engine,
                       profile_top=step_profiler.top if step_profiler is not None else 0,
                       comm_span_limit=env.comm_span_limit())
+    if step_profiler is not None:
+        step_profiler.worth = lambda number: sink.emits_profiles and facts.recorded(number)
     on_cuda = _on_cuda(engine, cuda)
     recorder = StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), _allocator(on_cuda),
                             _device_scalars(on_cuda))

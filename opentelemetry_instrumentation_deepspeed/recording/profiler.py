@@ -5,13 +5,19 @@ someone touches the trigger file (``OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER``: eac
 its modification time at every ``TRIGGER_EVERY``-th step), or when the previous step took more
 than ``OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR`` times the median of the recent unprofiled ones
 (the next step is profiled, to catch a recurring cause) and profiling has cost the training thread
-less than ``SLOW_BUDGET`` of the run's steps so far. The profiler runs from the step's first
-event to its close, and is stopped whatever happens: step close, step failure, process exit. The
-stopped profiler goes with the step's record; ``export.kernels`` turns its events into spans.
+less than ``SLOW_BUDGET`` of the run's steps so far. A step whose spans will not be recorded (the
+sampler drops it), or whose profile nothing would emit (the emitter or its kernel spans failed), is
+not profiled: a trigger's or a slow step's request waits for the next one that is. Nor is any step
+while the program runs a torch.profiler of its own: a second session would end the program's,
+emptied, at our stop. The profiler runs from the step's first phase (the data wait before it is
+not profiled) to its close, and is stopped whatever happens: step close, step failure, process
+exit. The stopped profiler goes with the step's record; ``export.kernels`` turns its events into
+spans.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -45,6 +51,9 @@ class StepProfiler(Component):
         self._unprofiled = 0
         self._spent = 0.0  # seconds the profiled steps and their stops cost the training thread
         self._profile = None
+        # number -> whether a profile of that step can come to anything (its spans sampled, an emitter to make them):
+        # asked only where a step is to be profiled (engine.build_recorder sets it)
+        self.worth = None
         # Kineto logs every start and stop on stderr; a user's own setting wins.
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")
 
@@ -70,18 +79,22 @@ class StepProfiler(Component):
     # calls them (a frame fewer each, once per step), with the same broken check and the same fail().
     def step_opened(self, number: int) -> bool:
         """Start the profiler if step ``number`` is to be profiled."""
-        wanted = ((self._every and number % self._every == 0) or self._requested
-                  or (number % TRIGGER_EVERY == 0 and self._triggered()))
-        if not wanted or self._profile is not None:
+        # The trigger first: every rank looks at it at the same steps, whatever else asked for a profile here.
+        if self._trigger and number % TRIGGER_EVERY == 0 and self._triggered():
+            self._requested = True
+        if not ((self._every and number % self._every == 0) or self._requested) or self._profile is not None:
             return False
-        self._requested = False
         torch = sys.modules["torch"]
+        if torch._C._autograd._profiler_enabled():
+            return False  # the program's own torch.profiler: a second session would end it, emptied, at our stop
+        if self.worth is not None and not self.worth(number):
+            return False  # its spans would not be recorded (sampled out), or nothing can emit them: a request waits
+        self._requested = False
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profile = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
-        profile.start()
-        self._profile = profile
+        profile = self._profile = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
+        profile.start()  # kept first: a start that fails half-way leaves a profile for fail() to stop
         return True
 
     def _stop(self):
@@ -94,10 +107,16 @@ class StepProfiler(Component):
         """Turned off by its own failure: a profile it was running is stopped too (Kineto left running would cost
         every later step), as far as it still can be."""
         super().fail(where)
+        started = self._profile is not None
         try:
             self._stop()
         except Exception:  # noqa: BLE001 - already failing: what stops, stops
             pass
+        torch = sys.modules.get("torch")
+        if started and torch is not None:
+            with contextlib.suppress(Exception):  # a session left on by a start or a stop that failed part-way is ours
+                if torch._C._autograd._profiler_enabled():
+                    torch._C._autograd._disable_profiler()
 
     @fail_open
     def abandon(self, _reason: str = "") -> None:

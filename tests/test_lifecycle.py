@@ -74,6 +74,27 @@ def test_exit_runs_the_stages_in_order_once_and_past_a_failing_handler():
     assert "broken failed at exit (stage 'drain')" in result.stderr and "a handler's bug" in result.stderr
 
 
+def test_ctrl_c_in_a_quick_stage_cuts_that_handler_and_what_waits_on_the_world_not_the_rest():
+    """A KeyboardInterrupt in a quick stage (on the exiting thread) was counted as a collector stage left behind, the
+    stage's other handlers skipped, and in the report stage it lost the summary line."""
+    result = _run("""
+        def pressed(reason):
+            raise KeyboardInterrupt
+        lifecycle.at_exit(lifecycle.CLOSE_OPEN_STEPS, pressed)
+        lifecycle.at_exit(lifecycle.CLOSE_OPEN_STEPS, lambda reason: say("exit", "close open steps again"))
+        lifecycle.finish("first")
+        say("cut", lifecycle.cut_by, "|", ",".join(lifecycle.cut_short))
+    """)
+    assert result.returncode == 0, result.stderr
+    stages = [rest for _, rest in _lines(result, "exit")]
+    assert "close open steps again" in stages and "report | first" in stages, stages
+    waits_on_the_world = [f"{stage} | first" for stage in (lifecycle.DRAIN, lifecycle.FLUSH_SPANS,
+                                                           lifecycle.FINAL_SCRAPE, lifecycle.FLUSH_METRICS)]
+    assert not set(waits_on_the_world) & set(stages), "left behind once Ctrl-C was pressed"
+    assert _lines(result, "cut") == [(_lines(result, "cut")[0][0], "a second Ctrl-C | drain,flush spans,final "
+                                      "scrape,flush metrics,flush logs")], result.stdout
+
+
 def test_handlers_wait_for_exit_in_a_process_that_never_installs():
     result = _run("")
     assert next(rest for _, rest in _lines(result, "exit")) == f"{lifecycle.STOP_PROFILER} | {lifecycle.EXITED}"

@@ -349,6 +349,41 @@ def test_a_profile_that_fails_to_start_half_way_is_stopped(monkeypatch):
     assert HalfStarted.stopped and profiler._profile is None
 
 
+def test_a_waiting_request_outlives_a_slow_step_past_the_budget_and_a_failed_stop_ends_our_session(monkeypatch,
+                                                                                                     tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.profiler, "profile", _Kineto)
+    trigger = tmp_path / "trigger"
+    profiler = StepProfiler(every=0, trigger=str(trigger), top=8, slow_factor=3)
+    profiler.worth = lambda number: number != 16  # step 16 is sampled out
+    for number in range(1, 16):
+        profiler.step_opened(number)
+        profiler.step_closed(0.02)
+    profiler._spent = 10.0  # profiling has cost far more than the budget allows a slow step
+    trigger.write_text("")
+    assert not profiler.step_opened(16)
+    profiler.step_closed(0.5)  # slow, past the budget: the trigger's request must stay
+    assert profiler.step_opened(17), "the trigger's profile, on the next step that is recorded"
+
+    class StopFails(_Kineto):
+        def stop(self):
+            raise RuntimeError("stop failed half-way")
+
+    disabled = []
+    monkeypatch.setattr(torch.profiler, "profile", StopFails)
+    monkeypatch.setattr(torch._C._autograd, "_profiler_enabled", lambda: not disabled)
+    monkeypatch.setattr(torch._C._autograd, "_disable_profiler", lambda: disabled.append(True))
+    profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
+    monkeypatch.setattr(torch._C._autograd, "_profiler_enabled", lambda: False)
+    assert profiler.step_opened(1)
+    monkeypatch.setattr(torch._C._autograd, "_profiler_enabled", lambda: not disabled)
+    with pytest.raises(RuntimeError):
+        profiler.step_closed(0.02)
+    profiler.fail("StepProfiler.step_closed")  # as the recorder does
+    assert disabled == [True] and profiler._profile is None, "the session it left on is ended"
+
+
 def test_a_start_event_starts_a_phase_or_does_nothing():
     # StepRecorder._start numbers a new phase for any start event whose row has actions: every such row is either
     # empty or ends by starting the phase its next state names.

@@ -98,9 +98,10 @@ class StepProfiler(Component):
         return True
 
     def _stop(self):
-        profile, self._profile = self._profile, None
+        profile = self._profile
         if profile is not None:
             profile.stop()
+            self._profile = None  # only once stopped: a stop that raised leaves its session for fail() to end
         return profile
 
     def fail(self, where: str) -> None:
@@ -112,6 +113,7 @@ class StepProfiler(Component):
             self._stop()
         except Exception:  # noqa: BLE001 - already failing: what stops, stops
             pass
+        self._profile = None
         torch = sys.modules.get("torch")
         if started and torch is not None:
             with contextlib.suppress(Exception):  # a session left on by a start or a stop that failed part-way is ours
@@ -135,7 +137,8 @@ class StepProfiler(Component):
         # A profiled step is slow by construction: only unprofiled ones make the baseline.
         if self._slow_factor:
             if self._slow_above is not None and seconds > self._slow_above:
-                self._requested = self._spent <= SLOW_BUDGET * self._unprofiled * self._median
+                # A request already waiting (the trigger's, for a step that is recorded) stays, whatever the budget.
+                self._requested = self._requested or self._spent <= SLOW_BUDGET * self._unprofiled * self._median
             self._recent.append(seconds)
             self._unprofiled += 1
             # A median per step costs more inside a step than it is worth: one every few steps.

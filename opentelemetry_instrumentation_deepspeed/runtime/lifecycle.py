@@ -99,6 +99,7 @@ FORK_ORDER = (RESEED_IDS, FORGET, SILENCE, STOP_SDK)
 EXITED = "the process exited during this step"
 TERMINATED = "terminated by SIGTERM"
 INTERRUPTED = "interrupted by SIGINT"
+INTERRUPTED_EXIT = "a second Ctrl-C"  # what cut the exit short, in the summary line
 GRACE_SECONDS = 2.0  # a signal's own handler has this long to start before another thread takes over
 
 _logger = logging.getLogger(__name__)
@@ -204,8 +205,8 @@ def finish(reason: str, spent: float = 0.0) -> None:
             except KeyboardInterrupt:
                 # Ctrl-C again while the telemetry is flushed: whoever pressed it will not wait for the collector.
                 # What waits on the world is left behind, as at the deadline; the counts and the summary line run.
-                cut_by = "a second Ctrl-C"
-                if _at_exit[stage] and stage not in cut_short:
+                cut_by = INTERRUPTED_EXIT
+                if stage in _ENDS_BY and _at_exit[stage] and stage not in cut_short:
                     cut_short.append(stage)
     finally:
         _done.set()
@@ -268,9 +269,12 @@ def _run_bounded(stage: str, reason: str) -> None:
 
 
 def _run_exit_stage(stage: str, reason: str) -> None:
+    global cut_by  # noqa: PLW0603
     for handler in list(_at_exit[stage]):
         try:
             handler(reason)
+        except KeyboardInterrupt:  # in a quick stage, on the main thread: that handler is cut, the next ones run
+            cut_by = INTERRUPTED_EXIT
         except Exception:  # the process is exiting: say so and go on
             _logger.warning("opentelemetry-instrumentation-deepspeed: %s failed at exit (stage %r)",
                             _name(handler), stage, exc_info=True)

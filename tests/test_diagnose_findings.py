@@ -461,3 +461,22 @@ def test_a_none_verdict_names_the_waits_no_test_explained():
     assert "data wait is 17% of step time" in summary and "wait for each other 30% of step time" in summary
     quiet = _quiet({"shares": {**shares, "data_wait": 0.01, "comm_wait": 0.2}, "step_seconds_p50": 0.032})
     assert "data wait" not in quiet and "each other" not in quiet, "a healthy run's shares: nothing to name"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_compute_slowdown_on_one_rank_from_mid_run_names_that_rank(seed):
+    """Rank 1's forward and backward 4 times slower from step 20 of 30 (a throttled device): COMPUTE, with no rank,
+    though only that rank's compute changed and the other waited for it."""
+    def tokens(_rank, _step):
+        return {semconv.TRAINING_STEP_PADDED_TOKENS: 256, semconv.TRAINING_STEP_TOKENS: 256,
+                semconv.TRAINING_STEP_SEQUENCE_LENGTH: 32}
+
+    def slower(ranks):
+        return lambda rank, step: {"forward": 24, "backward": 36} if rank in ranks and step >= 20 else {}
+
+    verdict = analyse(synthetic_job(30, seed=seed, extra=slower({1}), attributes=tokens))["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["change_step"]) == ("COMPUTE", 1, 20), verdict
+    assert verdict["summary"].startswith("rank 1: from step 20") and "only rank 1's forward and backward grew" in \
+        verdict["evidence"][0]
+    verdict = analyse(synthetic_job(30, seed=seed, extra=slower({0, 1}), attributes=tokens))["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["change_step"]) == ("COMPUTE", None, 20), verdict

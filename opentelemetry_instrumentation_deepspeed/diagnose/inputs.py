@@ -290,7 +290,8 @@ def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> t
         if load is not None:
             loads.append(load)
             continue
-        found.append(_compute_finding(steps, seconds, per_token, before, after, run_seconds))
+        found.append(_compute_finding(steps, seconds, per_token, before, after, run_seconds,
+                                      _compute_changed_rank(by_rank, steps, before, after)))
     found.sort(key=lambda finding: finding["cost_seconds"], reverse=True)
     return found, loads
 
@@ -442,24 +443,48 @@ def _real_share(steps: list[dict], before: range, after: range) -> str | None:
     return f"real (non-padding) tokens: {shares[0]:.0%} of the padded ones before, {shares[1]:.0%} after"
 
 
+def _compute_changed_rank(by_rank: dict[int, list[dict]], steps: list[dict], before: range,
+                          after: range) -> tuple[int, float] | None:
+    """(rank, factor) of the one rank whose own forward and backward grew ``PER_TOKEN_FACTOR`` times or more across
+    the split where no other rank's did (a slower device on that rank; the others wait for it); else None."""
+    if len(by_rank) < 2:
+        return None
+    first, second = {steps[i]["step"] for i in before}, {steps[i]["step"] for i in after}
+    grown = []
+    for rank, rank_steps in by_rank.items():
+        compute = {s["step"]: s["parts"].get("forward", 0.0) + s["parts"].get("backward", 0.0) for s in rank_steps}
+        was = [value for number, value in compute.items() if number in first]
+        now = [value for number, value in compute.items() if number in second]
+        if not was or not now or statistics.median(was) <= 0:
+            return None
+        factor = statistics.median(now) / statistics.median(was)
+        if factor >= PER_TOKEN_FACTOR:
+            grown.append((rank, factor))
+    return grown[0] if len(grown) == 1 else None
+
+
 def _compute_finding(steps: list[dict], seconds: list[float], per_token: list[float], before: range, after: range,  # noqa: PLR0917
-                     run_seconds: float) -> dict:
+                     run_seconds: float, changed: tuple[int, float] | None = None) -> dict:
     at = after[0]
     change_step = steps[at]["step"]
     time_before, time_after, cost = _cost(seconds, before, after)
     factor = statistics.median(per_token[i] for i in after) / statistics.median(per_token[i] for i in before)
     separated = _separation([per_token[i] for i in before], [per_token[i] for i in after])
+    who = "" if changed is None else f"rank {changed[0]}: "
+    more = [] if changed is None else [f"only rank {changed[0]}'s forward and backward grew ({_factor(changed[1])}): "
+                                       "the other ranks wait for it"]
     return {"layer": "COMPUTE",
-            "summary": f"from step {change_step}, time per token {_factor(factor)} with the same tokens per step "
-                       f"(step time {time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms): the compute got "
+            "summary": f"{who}from step {change_step}, time per token {_factor(factor)} with the same tokens per "
+                       f"step (step time {time_before * 1e3:.1f} -> {time_after * 1e3:.1f} ms): the compute got "
                        "slower per token (hardware or model), not the input",
-            "evidence": [f"padded tokens per step: median {_median_padded(steps, before):.0f} before, "
+            "evidence": [*more, f"padded tokens per step: median {_median_padded(steps, before):.0f} before, "
                          f"{_median_padded(steps, after):.0f} after",
                          f"time per padded token: {_duration(statistics.median(per_token[i] for i in before))} in "
                          f"steps {steps[before[0]]['step']}-{steps[before[-1]]['step']}, "
                          f"{_duration(statistics.median(per_token[i] for i in after))} in steps "
                          f"{change_step}-{steps[after[-1]]['step']}; {separated:.0%} of the steps on each side "
                          "lie on their side of the middle"],
-            "remedies": REMEDIES["COMPUTE"], "rank": None, "step": change_step, "change_step": change_step,
+            "remedies": REMEDIES["COMPUTE"], "rank": None if changed is None else changed[0], "step": change_step,
+            "change_step": change_step,
             "cost_seconds": cost, "share_of_run": cost / run_seconds if run_seconds else None,
             "confidence": round(separated, 3), "trace_ids": [steps[at - 1]["trace_id"], steps[at]["trace_id"]]}

@@ -480,3 +480,19 @@ def test_a_compute_slowdown_on_one_rank_from_mid_run_names_that_rank(seed):
         verdict["evidence"][0]
     verdict = analyse(synthetic_job(30, seed=seed, extra=slower({0, 1}), attributes=tokens))["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["change_step"]) == ("COMPUTE", None, 20), verdict
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_rank_s_input_change_takes_over_that_rank_s_straggler_finding(seed):
+    """Rank 1's sequences alone double from step 15 (its forward and backward with them): a review's two such jobs
+    read "straggler" first and INPUT second. The change is why the others wait for it: one finding."""
+    def tokens(rank, step):
+        padded = 512 if rank == 1 and step >= 15 else 256
+        return {semconv.TRAINING_STEP_PADDED_TOKENS: padded, semconv.TRAINING_STEP_TOKENS: padded,
+                semconv.TRAINING_STEP_SEQUENCE_LENGTH: padded // 8}
+
+    report = analyse(synthetic_job(30, seed=seed, attributes=tokens,
+                                   extra=lambda rank, step: {"forward": 8, "backward": 16}
+                                   if rank == 1 and step >= 15 else {}))
+    assert [(f["layer"], f["rank"], f.get("change_step")) for f in report["findings"]] == [("INPUT", 1, 15)]
+    assert any("rank 1 is the one the others wait for" in line for line in report["verdict"]["evidence"])

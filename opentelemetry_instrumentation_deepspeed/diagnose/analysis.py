@@ -236,6 +236,7 @@ class Analysis:
         model = self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)
         changes, result["host_load"] = inputs.findings(self._inputs, job, by_rank)
         result["host_load"] += steps.host_load
+        _explain_late_ranks(changes, result["findings"], steps.waits.held)
         result["findings"] = findings_module.ranked(result["findings"] + model + changes)
         result["verdict"] = (result["findings"][0] if result["findings"]
                              else findings_module.none(_quiet(job_summary, result["host_load"])))
@@ -404,6 +405,30 @@ class Analysis:
         if anomalies and len(anomalies) * 2 > count:
             anomaly = max(anomalies, key=lambda a: a["extra_seconds"])
         return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
+
+
+def _explain_late_ranks(changes: list[dict], found: list[dict], held: dict[int, dict[int, float]]) -> None:
+    """An INPUT or COMPUTE change on one rank takes over the late-rank finding on that rank where the others waited
+    for it three times as long per step (medians) from the change on as before it: the change is why they wait.
+    Ranked as the surer of the two, at the larger cost. A rank whose sequences alone grew from step 15 read
+    "straggler" first."""
+    for change in changes:
+        rank, at = change.get("rank"), change.get("change_step")
+        late = next((f for f in found if rank is not None and f.get("rank") == rank and f.get("test") == "signed-rank"),
+                    None)
+        if late is None or at is None:
+            continue
+        waited = held.get(rank, {})
+        before = [seconds for step, seconds in waited.items() if step < at]
+        after = [seconds for step, seconds in waited.items() if step >= at]
+        if not before or not after or statistics.median(after) < 3 * statistics.median(before):
+            continue
+        found.remove(late)
+        change["evidence"] = [*change["evidence"], f"rank {rank} is the one the others wait for: {late['summary']}",
+                              *late["evidence"]]
+        if late["cost_seconds"] > change["cost_seconds"]:
+            change["cost_seconds"], change["share_of_run"] = late["cost_seconds"], late["share_of_run"]
+        change["confidence"] = max(change["confidence"], late["confidence"])
 
 
 def _followed(comm: dict, by_rank: dict[int, list[dict]]) -> waits.Waits:

@@ -88,7 +88,6 @@ class StepFacts:
         # The last step written and its end: the hang watchdog's sign of progress between steps.
         self.last_written, self.last_end = 0, 0
 
-
     def recorded(self, number: int) -> bool:
         """Whether step ``number``'s spans are recorded (its root sampled), as every rank decides it. Any thread:
         derived afresh, not from ``step_ids``, whose blocks the emitter's thread renews."""

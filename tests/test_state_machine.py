@@ -324,6 +324,13 @@ def test_a_profile_waits_for_a_step_that_is_recorded_and_never_ends_the_program_
     assert profiled(24), "one profile for both"
     assert [profiled(number) for number in range(25, 33)] == [False] * 8, "every rank read the touch at step 24"
 
+    profiler.worth = lambda number: False  # a sampler that drops every trace
+    assert not profiled(33, seconds=0.5)
+    asked = []
+    profiler.worth = lambda number: asked.append(number) or False
+    assert not any(profiled(number) for number in range(34, 134))
+    assert len(asked) == 64, "a request waits 64 steps, then is dropped: not asked at every step"
+
     monkeypatch.setattr(torch._C._autograd, "_profiler_enabled", lambda: True)
     profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
     assert not profiler.step_opened(1), "the program profiles: ours would end its session"

@@ -37,6 +37,7 @@ SLOW_BUDGET = 0.005
 # Steps between two looks at the trigger file: a system call inside a step costs ~25 us. Multiples
 # of the step number, so that every rank looks at the same steps and profiles the same one.
 TRIGGER_EVERY = 8
+MAX_WAIT = 64  # steps a request waits for a step whose profile can come to anything
 
 
 class StepProfiler(Component):
@@ -54,6 +55,7 @@ class StepProfiler(Component):
         # number -> whether a profile of that step can come to anything (its spans sampled, an emitter to make them):
         # asked only where a step is to be profiled (engine.build_recorder sets it)
         self.worth = None
+        self._waited = 0  # steps the pending request has waited for one that is worth a profile
         # Kineto logs every start and stop on stderr; a user's own setting wins.
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")
 
@@ -88,8 +90,12 @@ class StepProfiler(Component):
         if torch._C._autograd._profiler_enabled():
             return False  # the program's own torch.profiler: a second session would end it, emptied, at our stop
         if self.worth is not None and not self.worth(number):
-            return False  # its spans would not be recorded (sampled out), or nothing can emit them: a request waits
-        self._requested = False
+            # Its spans would not be recorded (sampled out), or nothing can emit them: a request waits, a while.
+            self._waited += 1
+            if self._waited >= MAX_WAIT:  # none comes (a sampler that drops every trace): not asked at every step
+                self._requested, self._waited = False, 0
+            return False
+        self._requested, self._waited = False, 0
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)

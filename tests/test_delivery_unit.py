@@ -160,7 +160,9 @@ def test_ctrl_c_during_the_exit_flush_leaves_the_collector_and_says_what_was_los
 
     server = Misbehaving(status=None)
     try:
-        process = subprocess.Popen([sys.executable, "-c", _BLACK_HOLE_EXIT.format(repo=str(REPO)), server.endpoint],
+        # A terminal's foreground process: a shell's background job (a CI runner's) starts with SIGINT ignored.
+        script = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + _BLACK_HOLE_EXIT
+        process = subprocess.Popen([sys.executable, "-c", script.format(repo=str(REPO)), server.endpoint],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    env={**os.environ, "OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT": "60"})
         assert process.stdout.readline().startswith("EXITING")

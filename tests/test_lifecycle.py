@@ -39,6 +39,8 @@ lifecycle.at_exit(lifecycle.DRAIN, broken)
 lifecycle.at_exit(lifecycle.DRAIN, lambda reason: say("exit", "drain again"))
 for stage in reversed(lifecycle.FORK_ORDER):
     lifecycle.in_forked_child(stage, lambda stage=stage: say("child", stage))
+for stage in reversed(lifecycle.BEFORE_FORK_ORDER):
+    lifecycle.before_fork(stage, lambda stage=stage: say("forking", stage))
 """
 
 
@@ -188,6 +190,7 @@ def test_a_forked_child_runs_its_stages_in_order_and_none_of_the_exit():
     child = _lines(result, "child")
     assert parent not in {pid for pid, _ in child}
     assert [rest for _, rest in child] == [*lifecycle.FORK_ORDER, "sigterm default True"]
+    assert _lines(result, "forking") == [(parent, stage) for stage in lifecycle.BEFORE_FORK_ORDER], "in the parent"
     assert {pid for pid, _ in _lines(result, "exit")} == {parent}
 
 

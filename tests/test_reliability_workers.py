@@ -145,3 +145,21 @@ def test_spawned_workers_export_nothing(spawn_run):
 def test_forked_workers_export_nothing(fork_run):
     _check_cumulative_metrics_never_go_back(fork_run)
 
+
+
+def test_workers_forked_inside_a_profiled_step_record_nothing(tmp_path):
+    """A loop that restarts its iterator where an epoch runs out, inside a step (3 micro-batches an epoch, 2 a step):
+    the new epoch's workers are forked from the training thread while a profile runs. They inherited the session
+    and recorded every operator they ran for as long as they lived."""
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    run = launch_script(tmp_path, "train_workers.py", "python", "--steps", "4", "--grad-accum", "2",
+                        "--epoch-micro-batches", "3", "--workers", "2", "--probe-dir", str(probes),
+                        env={"OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY": "1",
+                             "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR": "0"}, timeout=480).check()
+    records = [json.loads(path.read_text()) for path in probes.glob("worker-*.json")]
+    assert len(records) == 2 * 3, records  # epochs start at micro-batches 0, 3 (step 2's second) and 6 (step 4's)
+    assert [record["profiling"] for record in records] == [False] * 6
+    steps = {span.attributes["training.step"]: span for span in run.spans if span.name == "training.step"}
+    profiled = {span.trace_id for span in run.spans if "profile.kind" in span.attributes}
+    assert steps[2].trace_id in profiled, "the step keeps the operators profiled before the fork"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from opentelemetry_instrumentation_deepspeed import semconv
@@ -391,6 +393,55 @@ def test_a_waiting_request_outlives_a_slow_step_past_the_budget_and_a_failed_sto
         profiler.step_closed(0.02)
     profiler.fail("StepProfiler.step_closed")  # as the recorder does
     assert disabled == [True] and profiler._profile is None, "the session it left on is ended"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_process_forked_inside_a_profiled_step_records_nothing_and_the_step_keeps_its_profile():
+    """A loop that restarts its DataLoader's iterator inside a step forks the new epoch's workers there: a child of
+    the profiling thread inherited its Kineto session and recorded every operator it ran for good. The lifecycle's
+    END_PROFILE stage calls ``before_fork`` as the process forks (tests/test_lifecycle.py; a real DataLoader's
+    workers: tests/test_reliability_workers.py)."""
+    import torch
+
+    profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
+    assert profiler.step_opened(1)
+    tensor = torch.ones(4)
+    for _ in range(5):
+        tensor = tensor + 1
+    reading, writing = os.pipe()
+    profiler.before_fork()
+    pid = os.fork()
+    if pid == 0:  # the child: is it recording?
+        os.write(writing, b"1" if torch._C._autograd._profiler_enabled() else b"0")
+        os._exit(0)
+    os.close(writing)
+    inherited = os.read(reading, 1)
+    os.close(reading)
+    os.waitpid(pid, 0)
+    for _ in range(3):
+        tensor = tensor * 2  # after the fork: no longer profiled
+    assert inherited == b"0", "the child inherited the running profile"
+    profile = profiler.step_closed(0.01)
+    names = [event.name for event in profile.events()]
+    assert names.count("aten::add") == 5 and "aten::mul" not in names, "the step keeps what was profiled before"
+    assert not torch._C._autograd._profiler_enabled()
+    assert profiler.step_opened(2) and profiler.step_closed(0.01) is not None, "the next step is profiled again"
+
+
+def test_a_fork_from_another_thread_leaves_the_profile_running():
+    """Only the thread that started the session hands it to a child; another thread's fork need not end it."""
+    import threading
+
+    import torch
+
+    profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
+    assert profiler.step_opened(1)
+    forking = threading.Thread(target=profiler.before_fork)
+    forking.start()
+    forking.join()
+    torch.ones(2).add(1)
+    profile = profiler.step_closed(0.01)
+    assert "aten::add" in [event.name for event in profile.events()]
 
 
 def test_a_start_event_starts_a_phase_or_does_nothing():

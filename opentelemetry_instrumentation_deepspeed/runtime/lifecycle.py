@@ -26,6 +26,8 @@ its handlers under a stage, and the order is the list's, not the order of regist
   records inherited from the rank are dropped, the instrumentation goes silent, the SDK is
   stopped and the global providers are reset to the API's no-op ones; exporters (wrapped by
   ``delivery``) export nothing from another pid, and SIGTERM is left to the default.
+- Before a fork, on the forking thread: a profile that thread runs ends (the child would inherit
+  its session and record every operator it runs, for as long as it lives).
 - SIGTERM, which elastic agents and launchers send to stop a rank, normally kills Python
   without running any of this. When nothing else handles it, a handler runs the exit stages,
   then restores the default and re-sends the signal: the process dies as it would have, by
@@ -95,6 +97,9 @@ FORGET = "forget"  # drop recording state and queued records inherited from the 
 SILENCE = "silence"  # session.silent = True; SIGTERM handler back to default
 STOP_SDK = "stop sdk"  # stop the inherited SDK threads, reset the global providers
 FORK_ORDER = (RESEED_IDS, FORGET, SILENCE, STOP_SDK)
+# Stages in this process as it forks, on the forking thread, before the fork.
+END_PROFILE = "end profile"  # a torch.profiler session that thread runs ends; its step keeps what it recorded
+BEFORE_FORK_ORDER = (END_PROFILE,)
 
 EXITED = "the process exited during this step"
 TERMINATED = "terminated by SIGTERM"
@@ -105,6 +110,7 @@ GRACE_SECONDS = 2.0  # a signal's own handler has this long to start before anot
 _logger = logging.getLogger(__name__)
 _at_exit: dict[str, list[Callable[[str], None]]] = {stage: [] for stage in EXIT_ORDER}
 _in_child: dict[str, list[Callable[[], None]]] = {stage: [] for stage in FORK_ORDER}
+_before_fork: dict[str, list[Callable[[], None]]] = {stage: [] for stage in BEFORE_FORK_ORDER}
 _providers: tuple = (None, None, None)
 _pid: int | None = None  # the process whose exit this is: set when the first exit handler registers
 _fork_hooked = False
@@ -130,6 +136,12 @@ def at_exit(stage: str, handler: Callable[[str], None]) -> None:
 def in_forked_child(stage: str, handler: Callable[[], None]) -> None:
     """Run ``handler()`` in every process forked from this one, in ``stage``."""
     _in_child[_known(stage, FORK_ORDER)].append(handler)
+    _hook_fork()
+
+
+def before_fork(stage: str, handler: Callable[[], None]) -> None:
+    """Run ``handler()`` in this process as it forks, on the forking thread, in ``stage``."""
+    _before_fork[_known(stage, BEFORE_FORK_ORDER)].append(handler)
     _hook_fork()
 
 
@@ -298,17 +310,25 @@ def _hook_fork() -> None:
     global _fork_hooked  # noqa: PLW0603
     if not _fork_hooked and hasattr(os, "register_at_fork"):
         _fork_hooked = True
-        os.register_at_fork(after_in_child=_forked)
+        os.register_at_fork(before=_forking, after_in_child=_forked)
+
+
+def _forking() -> None:
+    _run_fork_stages(BEFORE_FORK_ORDER, _before_fork, "as the process forked")
 
 
 def _forked() -> None:
-    for stage in FORK_ORDER:
-        for handler in list(_in_child[stage]):
+    _run_fork_stages(FORK_ORDER, _in_child, "in a forked child")
+
+
+def _run_fork_stages(order: tuple[str, ...], handlers: dict, where: str) -> None:
+    for stage in order:
+        for handler in list(handlers[stage]):
             try:
                 handler()
-            except Exception:  # a child must start whatever happens here
-                _logger.debug("opentelemetry-instrumentation-deepspeed: %s failed in a forked child (stage %r)",
-                              _name(handler), stage, exc_info=True)
+            except Exception:  # the fork, and the child, must go on whatever happens here
+                _logger.debug("opentelemetry-instrumentation-deepspeed: %s failed %s (stage %r)",
+                              _name(handler), where, stage, exc_info=True)
 
 
 def _name(handler) -> str:

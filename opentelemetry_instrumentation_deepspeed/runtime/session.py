@@ -166,6 +166,7 @@ def end_with_the_process() -> None:
     lifecycle.at_exit(lifecycle.STOP_PROFILER, _stop_profilers)
     lifecycle.at_exit(lifecycle.CLOSE_OPEN_STEPS, _close_open_steps)
     lifecycle.at_exit(lifecycle.DRAIN, lambda _reason: emitter().drain(final=True))
+    lifecycle.before_fork(lifecycle.END_PROFILE, _end_profiles)
     lifecycle.in_forked_child(lifecycle.FORGET, registry.forget_all)
     lifecycle.in_forked_child(lifecycle.FORGET, lambda: emitter().forget())
     lifecycle.in_forked_child(lifecycle.SILENCE, _go_silent)
@@ -177,6 +178,14 @@ def _stop_profilers(_reason: str) -> None:
     for recorder in registry.all_recorders():
         if recorder.profiler is not None:
             recorder.profiler.abandon()
+
+
+def _end_profiles() -> None:
+    from opentelemetry_instrumentation_deepspeed.recording import registry
+
+    for recorder in registry.all_recorders():
+        if recorder.profiler is not None:
+            recorder.profiler.before_fork()
 
 
 def _close_open_steps(reason: str) -> None:

@@ -34,6 +34,9 @@ def parse_args(argv=None):
     parser.add_argument("--persistent", action="store_true")
     parser.add_argument("--prefetch-factor", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1, help="the steps are split over this many epochs")
+    parser.add_argument("--epoch-micro-batches", type=int, default=0,
+                        help="epochs of this many micro-batches instead, the iterator restarted where one runs out "
+                             "(inside a step, where gradient accumulation does not divide it)")
     parser.add_argument("--slow-sample", type=int, default=-1, help="index of the sample that loads slowly")
     parser.add_argument("--slow-ms", type=float, default=0.0)
     parser.add_argument("--probe-dir", required=True)
@@ -78,9 +81,24 @@ class Probe:
             "tracer_provider": _name(trace.get_tracer_provider()),
             "meter_provider": _name(metrics.get_meter_provider()),
             "sigterm": _name(handler) if callable(handler) else str(handler),
+            "profiling": torch._C._autograd._profiler_enabled(),  # a torch.profiler session inherited from its rank
         }
         path = pathlib.Path(self.directory) / f"worker-{os.getpid()}.json"
         path.write_text(json.dumps(record))
+
+
+def cycle(engine, loader, args) -> None:
+    """The loop of many training scripts: micro-batches drawn for ever, a new epoch's iterator where one runs out."""
+    batches = iter(loader)
+    for _ in range(args.steps):
+        for _ in range(args.grad_accum):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                batches = iter(loader)
+                batch = next(batches)
+            engine.backward(engine(**batch))
+            engine.step()
 
 
 def main(argv=None):
@@ -99,15 +117,17 @@ def main(argv=None):
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     per_epoch = args.steps // args.epochs
-    dataset = SlowSample(per_epoch * args.grad_accum * args.micro_batch_size * world_size, args.slow_sample,
-                         args.slow_ms / 1000)
+    micro_batches = args.epoch_micro_batches or per_epoch * args.grad_accum
+    dataset = SlowSample(micro_batches * args.micro_batch_size * world_size, args.slow_sample, args.slow_ms / 1000)
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
                         multiprocessing_context=args.context, persistent_workers=args.persistent,
                         prefetch_factor=args.prefetch_factor,
                         worker_init_fn=Probe(args.probe_dir))
     engine.train()
-    for _ in range(args.epochs):
+    if args.epoch_micro_batches:
+        cycle(engine, loader, args)
+    for _ in range(0 if args.epoch_micro_batches else args.epochs):
         batches = iter(loader)  # non-persistent workers are started anew here, mid-job, as in most loops
         for _ in range(per_epoch):
             for _ in range(args.grad_accum):

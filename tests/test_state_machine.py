@@ -444,6 +444,39 @@ def test_a_fork_from_another_thread_leaves_the_profile_running():
     assert "aten::add" in [event.name for event in profile.events()]
 
 
+def test_a_step_that_autograd_s_thread_opens_is_not_profiled_there():
+    """A direct backward that opens a step runs its prologue on autograd's thread (a device's, on CUDA): a session
+    started there is that thread's, and the step's close on the training thread would find none to stop."""
+    import threading
+
+    profiler = Profiler({1, 2})
+    rec, engine, records = recorder(profiler=profiler)
+    opening = threading.Thread(target=rec.backward_started, args=(engine,), kwargs={"direct": True})
+    opening.start()
+    opening.join()
+    rec.direct_backward_ended()
+    engine.step(rec)
+    micro_batch(rec, engine)
+    assert [(r.number, r.profile) for r in records] == [(1, None), (2, "profile of step 2")]
+
+
+def test_the_exit_on_another_thread_leaves_the_profile_to_its_own(capfd):
+    """The hang watchdog's thread runs the exit of a rank stuck in native code: a stop there finds no session."""
+    import threading
+
+    import torch
+
+    profiler = StepProfiler(every=1, trigger=None, top=8, slow_factor=0)
+    assert profiler.step_opened(1)
+    exiting = threading.Thread(target=profiler.abandon, args=("terminated by SIGTERM",))
+    exiting.start()
+    exiting.join()
+    assert torch._C._autograd._profiler_enabled() and not profiler.broken
+    profiler.abandon()
+    assert not torch._C._autograd._profiler_enabled()
+    assert "no active profiling session" not in capfd.readouterr().err
+
+
 def test_a_start_event_starts_a_phase_or_does_nothing():
     # StepRecorder._start numbers a new phase for any start event whose row has actions: every such row is either
     # empty or ends by starting the phase its next state names.

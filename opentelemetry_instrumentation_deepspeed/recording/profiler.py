@@ -144,8 +144,11 @@ class StepProfiler(Component):
 
     @fail_open
     def abandon(self, _reason: str = "") -> None:
-        """The step failed, or the process exits: stop the profiler, emit nothing."""
-        self._stop()
+        """The step failed, or the process exits: stop the profiler, emit nothing. Only the thread that started it
+        can (the hang watchdog's thread runs the exit of a rank stuck in native code: the stop would find no session
+        there, and warn three times)."""
+        if self._profile is None or threading.get_ident() == self._thread:
+            self._stop()
 
     def step_closed(self, seconds: float):
         """The stopped profiler of a profiled step (its events are read off the training thread), else None."""

@@ -369,8 +369,9 @@ class StepRecorder(Component):
 
     def _open(self, engine, event: str) -> tuple[int, bool, int]:
         number = self._number = engine.global_steps + 1
+        here = _get_ident()
         if event != Event.DIRECT_BACKWARD:  # its prologue runs on autograd's thread (a device's, on CUDA)
-            self.thread = _get_ident()
+            self.thread = here
         fetched, self._fetch_start = self._fetch_start, None
         # Where the step starts: its first fetch, else here, before the profiler starts (the clock is read only then).
         start = self._step_start = fetched if fetched is not None else time.time_ns()
@@ -383,7 +384,9 @@ class StepRecorder(Component):
             self._between = []
         profiled = False
         profiler = self.profiler
-        if profiler is not None and not profiler.broken:
+        # Not from autograd's thread: a Kineto session is its thread's, and the step closes on the training thread,
+        # whose stop would find none (the session left on, on that thread, for good).
+        if profiler is not None and not profiler.broken and here == self.thread:
             try:
                 profiled = profiler.step_opened(number)
             except Exception:  # noqa: BLE001 - the profiler's own failure turns the profiler off, not the step

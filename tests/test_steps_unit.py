@@ -166,7 +166,13 @@ def test_root_decisions_known_beforehand_are_the_samplers_own(sampler):
         assert decide(trace_id) == sampler.should_sample(Context(), trace_id, "root").decision.is_sampled()
 
 
-def test_any_other_sampler_is_asked_at_every_step():
+@pytest.mark.parametrize("profile_every", ["0", "1"])
+def test_any_other_sampler_is_asked_at_every_step_and_only_by_the_emitter(profile_every, monkeypatch):
+    """A step to be profiled asked the sampler ahead, on the training thread, whether its spans would be recorded:
+    a second question for the same root, which a rate-limiting sampler answers with its next token."""
+    monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", profile_every)
+    monkeypatch.setenv("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0")
+
     class EveryOther(Sampler):
         def __init__(self):
             self.asked = 0
@@ -186,6 +192,8 @@ def test_any_other_sampler_is_asked_at_every_step():
     kept = sorted(s.attributes["training.step"] for s in exporter.get_finished_spans() if s.name == "training.step")
     assert sampler._root.asked == 6, "once per step, by the emitter"
     assert kept == [1, 3, 5]
+    assert recorder.facts.recorded(7), "not known ahead: profiled, and the profile dropped with its trace"
+    assert sampler._root.asked == 6
 
 
 def test_gradient_accumulation_opens_one_step_per_boundary():

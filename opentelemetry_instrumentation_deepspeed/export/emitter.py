@@ -89,12 +89,13 @@ class StepFacts:
         self.last_written, self.last_end = 0, 0
 
     def recorded(self, number: int) -> bool:
-        """Whether step ``number``'s spans are recorded (its root sampled), as every rank decides it. Any thread:
-        derived afresh, not from ``step_ids``, whose blocks the emitter's thread renews."""
-        trace_id, _span_id = trace_ids.step_ids(self._job_id, number, self._engine_ordinal)
-        if self._decide is not None:
-            return self._decide(trace_id)
-        return trace_ids.sampled(self.writer.provider, trace_id, semconv.SPAN_GLOBAL_STEP)
+        """Whether step ``number``'s spans may be recorded (its root sampled), as every rank decides it. Any thread:
+        derived afresh, not from ``step_ids``, whose blocks the emitter's thread renews. True where the sampler's
+        decision is not a function of the trace id (a custom sampler): it is not asked ahead, for the emitter asks
+        it once for that root, and a second question would cost a rate-limiting sampler a token."""
+        if self._decide is None:
+            return True
+        return self._decide(trace_ids.step_ids(self._job_id, number, self._engine_ordinal)[0])
 
 
 class _HeldRoot:

@@ -175,6 +175,7 @@ def test_a_slow_step_gets_the_next_one_profiled(monkeypatch):
         engine.step(recorder)
         assert "aten::mm" in {span.name for span in operators_in(exporter)}
         assert not profiler_running()
+        assert recorder.profiler._emitted > 0, "what its spans cost the emitter counts in the profiler's budget"
     finally:
         env.reset_cache()
 

@@ -294,6 +294,34 @@ def test_slow_steps_are_profiled_within_a_budget_of_the_run(monkeypatch):
     assert steps(0.3) == [] and steps(0.02) == [number], "once paid for, a slow step is profiled again"
 
 
+def test_the_budget_counts_what_the_profiles_cost_the_emitter(monkeypatch):
+    """Making a profile spans takes the emitter's thread about as long again as the profiled step took the training
+    thread's, on the same CPUs: both count."""
+    import torch
+
+    monkeypatch.setattr(torch.profiler, "profile", _Kineto)
+    profiler = StepProfiler(every=0, trigger=None, top=8, slow_factor=3)
+    number = 0
+
+    def steps(seconds: float, count: int = 1) -> list[int]:
+        nonlocal number
+        profiled = []
+        for _ in range(count):
+            number += 1
+            if profiler.step_opened(number):
+                profiled.append(number)
+            profiler.step_closed(seconds)
+        return profiled
+
+    assert steps(0.02, 10) == [] and steps(0.3) == [] and steps(0.05) == [12]
+    profiler.emitted(0.06)
+    # 30 ms of the training thread and 60 of the emitter's: 0.5% of 20 ms steps covers them after 900 steps.
+    assert steps(0.02, 650) == []
+    assert steps(0.3) == [] and steps(0.02) == [], "650 steps paid for the training thread's 30 ms alone"
+    assert steps(0.02, 400) == []
+    assert steps(0.3) == [] and steps(0.02) == [number]
+
+
 def test_a_profile_waits_for_a_step_that_is_recorded_and_never_ends_the_program_s_own(monkeypatch, tmp_path):
     """Sampled-out steps were profiled (their stop cost 16-28 ms each) and the profile thrown away; our session ended
     the program's own torch.profiler, emptied; a rank with a pending request did not look at the trigger file, and

@@ -79,6 +79,7 @@ class StepFacts:
             semconv.TRAINING_MICRO_BATCH_SIZE: engine.train_micro_batch_size_per_gpu(),
         }
         self.profile_top = profile_top
+        self.profile_cost = None  # called with the CPU seconds each profile's spans took (the profiler's budget)
         self.comm_span_limit = comm_span_limit  # collective spans per step; the others are counted
         self.summed_losses = getattr(engine, "summed_losses", False)  # a plain loop's backwards get loss / G
         self.host_cpu = HostCpu()
@@ -486,10 +487,7 @@ class Emitter(Component):
                 more[semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT] = round(cpus[4], 3)
         more.update(_counts(record, len(collectives), comm))
         if intervals is not None and not self._kernels.broken:
-            try:
-                more.update(kernels.emit(writer, record.profile, intervals, step.context, facts.profile_top))
-            except Exception:  # noqa: BLE001 - ours (or a new Kineto's): profiles stop, steps go on
-                self._kernels.fail("kernels.emit")
+            more.update(self._operators(record, intervals, step.context))
         record.profile = None  # the profiler's events are large: not kept any longer than this
         writer.end(step, record.start, record.end, more, _status(record.failure))
         if root is not None:
@@ -512,6 +510,19 @@ class Emitter(Component):
         if sampled is None:
             sampled = trace_ids.sampled(writer.provider, trace_id, semconv.SPAN_GLOBAL_STEP)
         return None, None, remote_parent(trace_id, root_span_id, sampled)
+
+    def _operators(self, record: StepRecord, intervals: list, context) -> dict:
+        """A profiled step's operator and kernel spans; their CPU time goes to the profiler's budget."""
+        facts = record.facts
+        try:
+            started = time.thread_time()
+            counts = kernels.emit(facts.writer, record.profile, intervals, context, facts.profile_top)
+            if facts.profile_cost is not None:
+                facts.profile_cost(time.thread_time() - started)
+        except Exception:  # noqa: BLE001 - ours (or a new Kineto's): profiles stop, steps go on
+            self._kernels.fail("kernels.emit")
+            return {}
+        return counts
 
     def _phases(self, record: StepRecord, step, intervals: list | None, writers: set,  # noqa: PLR0917
                 by_micro_step: dict, comm: dict) -> dict:

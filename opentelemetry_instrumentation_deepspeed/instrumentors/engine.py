@@ -85,6 +85,7 @@ def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
                       comm_span_limit=env.comm_span_limit())
     if step_profiler is not None:
         step_profiler.worth = lambda number: sink.emits_profiles and facts.recorded(number)
+        facts.profile_cost = step_profiler.emitted
     on_cuda = _on_cuda(engine, cuda)
     recorder = StepRecorder(engine, facts, sink.submit, step_profiler, _gpu_timeline(on_cuda), _allocator(on_cuda),
                             _device_scalars(on_cuda))

@@ -5,7 +5,7 @@ someone touches the trigger file (``OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER``: eac
 its modification time at every ``TRIGGER_EVERY``-th step), or when the previous step took more
 than ``OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR`` times the median of the recent unprofiled ones
 (the next step is profiled, to catch a recurring cause) and profiling has cost the training thread
-less than ``SLOW_BUDGET`` of the run's steps so far. A step whose spans will not be recorded (the
+and the emitter's less than ``SLOW_BUDGET`` of the run's steps so far. A step whose spans will not be recorded (the
 sampler drops it), or whose profile nothing would emit (the emitter or its kernel spans failed), is
 not profiled: a trigger's or a slow step's request waits for the next one that is. Nor is any step
 while the program runs a torch.profiler of its own: a second session would end the program's,
@@ -33,7 +33,8 @@ _BASELINE_EVERY = 5  # unprofiled steps between two medians of the recent ones
 # A profile costs the training thread tens of ms here (the profiled step's records, the stop) and the emitter about
 # as much again. After every slow step of a job whose slow steps recur (a loader that stalls every 6th step), it
 # added 30-60% to a 2-rank job of 20 ms steps: a slow step is profiled while what profiling has cost the training
-# thread (each profiled step beyond the recent median, and its stop) is within this share of the unprofiled steps.
+# thread (each profiled step beyond the recent median, and its stop) and the emitter's (its spans) is within this
+# share of the unprofiled steps.
 SLOW_BUDGET = 0.005
 # Steps between two looks at the trigger file: a system call inside a step costs ~25 us. Multiples
 # of the step number, so that every rank looks at the same steps and profiles the same one.
@@ -52,6 +53,7 @@ class StepProfiler(Component):
         self._median = 0.0  # seconds: the recent median, the baseline a profiled step's cost is counted from
         self._unprofiled = 0
         self._spent = 0.0  # seconds the profiled steps and their stops cost the training thread
+        self._emitted = 0.0  # CPU seconds the emitter's thread spent making the profiles spans (written there only)
         self._profile = None
         self._thread: int | None = None  # the thread that started the running profile: the session is that thread's
         self._ended = None  # the open step's profile, ended before the step closed (the profiling thread forked)
@@ -142,6 +144,11 @@ class StepProfiler(Component):
                 if torch._C._autograd._profiler_enabled():
                     torch._C._autograd._disable_profiler()
 
+    def emitted(self, seconds: float) -> None:
+        """What making a profile spans cost the emitter's thread: as much again as the profiled step cost the training
+        thread (24-43 ms a profile, in the review of 2026-12-06), on the host's CPUs and the GIL they share."""
+        self._emitted += seconds
+
     @fail_open
     def abandon(self, _reason: str = "") -> None:
         """The step failed, or the process exits: stop the profiler, emit nothing. Only the thread that started it
@@ -163,7 +170,8 @@ class StepProfiler(Component):
         if self._slow_factor:
             if self._slow_above is not None and seconds > self._slow_above:
                 # A request already waiting (the trigger's, for a step that is recorded) stays, whatever the budget.
-                self._requested = self._requested or self._spent <= SLOW_BUDGET * self._unprofiled * self._median
+                self._requested = self._requested or (self._spent + self._emitted
+                                                      <= SLOW_BUDGET * self._unprofiled * self._median)
             self._recent.append(seconds)
             self._unprofiled += 1
             # A median per step costs more inside a step than it is worth: one every few steps.

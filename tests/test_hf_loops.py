@@ -112,6 +112,18 @@ def test_instrumentation_changes_no_loss_and_no_weight(runs, loop):
     assert len(trained["losses"]) == (len(STEP_SIZES) if loop == "trainer" else sum(STEP_SIZES))
 
 
+def test_the_trainer_s_loss_is_the_one_it_logs(runs):
+    """The Trainer divides each micro-batch's loss by the accumulation itself and calls ``engine.backward(loss,
+    scale_wrt_gas=False)``: read as an undivided loss, each step's was the logged one over 2 (the partial steps', of
+    one micro-batch, were right), and a healthy run's partial step could read as a loss spike."""
+    run, trained = runs("trainer")
+    for rank, spans in run.by_rank().items():
+        steps = sorted((s for s in spans if s.name == "training.step"), key=lambda s: s.attributes["training.step"])
+        # The Trainer logs the mean over ranks, rounded to 4 decimals; every rank reads the same data on CPU.
+        assert [round(s.attributes["training.loss"], 4) for s in steps] == pytest.approx(trained["losses"],
+                                                                                      abs=1.5e-4), f"rank {rank}"
+
+
 def test_accelerate_launch_with_deepspeed_trains_what_torchrun_trains_uninstrumented(runs):
     """``opentelemetry-instrument accelerate launch --use_deepspeed --num_processes 2``: the same 2 ranks,
     losses and final weights as the loop under plain torchrun (its tree: the tree test above)."""

@@ -41,6 +41,19 @@ def test_host_losses_are_averaged_as_a_training_loop_prints_them():
     assert step.attributes["training.grad_norm"] == 0.5
 
 
+def test_losses_given_as_the_step_s_shares_are_summed():
+    """``engine.backward(loss, scale_wrt_gas=False)``: DeepSpeed does not divide the loss, the caller did (the
+    Trainer); a partial step of one micro-batch is that loss."""
+    recorder, engine, exporter = recorder_on(0, grad_accum=3)
+    shares = [torch.tensor(v / 3) for v in (2.3456789, 1.1, 0.7)]
+    for share in shares:
+        recorder.forward_ended(recorder.forward_started(engine), share)
+        recorder.phase_ended(recorder.backward_started(engine, loss=share, share=True))
+        engine.step(recorder)
+    (step,) = steps_of(exporter)
+    assert step.attributes["training.loss"] == sum(share.item() for share in shares)
+
+
 def test_a_direct_backward_takes_the_forwards_scalar_output_without_keeping_it():
     recorder, engine, exporter = recorder_on(0)
     loss = torch.tensor(3.25, requires_grad=True) * 1.0

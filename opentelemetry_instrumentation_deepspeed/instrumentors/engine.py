@@ -187,8 +187,10 @@ def _backward(backward):
         if recorder is None or recorder.broken:
             return backward(self, *args, **kwargs)
         loss = args[0] if args else kwargs.get("loss")
+        # scale_wrt_gas=False (the Trainer's, by keyword): the loss is the step's share already, undivided by DeepSpeed.
+        share = bool(kwargs) and kwargs.get("scale_wrt_gas", True) is False
         try:
-            phase = _backward_started(recorder, self, False, loss)
+            phase = _backward_started(recorder, self, False, loss, share)
         except Exception:  # noqa: BLE001 - ours only
             recorder.fail(_backward_started.__qualname__)
             phase = None

@@ -180,8 +180,9 @@ class StepRecorder(Component):
             self._forward_output = weakref.ref(loss) if getattr(loss, "ndim", None) == 0 else None
 
     @fail_open
-    def backward_started(self, engine, direct: bool = False, loss=None) -> int | None:
-        """``loss``: what ``engine.backward(loss)`` was given; a direct backward's is the forward's output."""
+    def backward_started(self, engine, direct: bool = False, loss=None, share: bool = False) -> int | None:
+        """``loss``: what ``engine.backward(loss)`` was given; a direct backward's is the forward's output. ``share``:
+        the loss is the step's share already (``scale_wrt_gas=False``)."""
         event = Event.DIRECT_BACKWARD if direct else Event.BACKWARD
         row = self._rows[self.state, event]
         if row is None:
@@ -192,6 +193,8 @@ class StepRecorder(Component):
         taken = None if loss is None else scalars.take(loss, self._device_scalars)
         if taken is not None:
             self._losses = True
+            if share:
+                taken = scalars.Share(taken)
         return self._start(event, row, engine, taken)
 
     @fail_open

@@ -55,6 +55,17 @@ class DeviceScalars:
         return value if self._issued <= index + SLOTS else None  # overwritten meanwhile: unknown
 
 
+class Share:
+    """A micro-batch's loss given as its share of the step's already: ``engine.backward(loss, scale_wrt_gas=False)``,
+    which DeepSpeed does not divide by the accumulation (the Hugging Face Trainer's, whose loss is divided, or
+    normalized by the step's tokens, before). The step's loss is the sum of such shares, not their mean."""
+
+    __slots__ = ("taken",)
+
+    def __init__(self, taken):
+        self.taken = taken
+
+
 def take(tensor, ring: DeviceScalars | None):
     """A host float now, a ``Pending`` copy of a CUDA scalar, or None (another device, not a tensor); one taken
     already is kept as it is."""
@@ -79,7 +90,9 @@ def value(taken) -> float | None:
 def step_loss(losses: list, summed: bool = False) -> float | None:
     """The step's loss: each micro-batch's over their number, summed in order, as a loop that prints
     ``sum(loss.item() / accumulation)`` computes it (so the two agree to the bit); ``summed``: each was divided
-    already (a plain loop's ``(loss / accumulation).backward()``), and they are summed in order."""
+    already (a plain loop's ``(loss / accumulation).backward()``; a ``Share``), and they are summed in order."""
+    if any(type(taken) is Share for taken in losses):
+        summed, losses = True, [taken.taken if type(taken) is Share else taken for taken in losses]
     values = [value(taken) for taken in losses]
     if not values or any(v is None for v in values):
         return None

@@ -279,6 +279,25 @@ def test_a_call_on_a_group_torch_cannot_name_is_not_observed_and_later_calls_are
     assert call is not None and call.sequence == 0 and not observer.broken
 
 
+def _warn_once_here():
+    warnings.warn("shown once", UserWarning, stacklevel=1)
+
+
+def test_resolving_a_functional_collective_s_group_leaves_the_warnings_shown_once_shown_once(one_rank):
+    """FSDP2's clip_grad_norm_ runs functional collectives at every step: each resolution reset what the process's
+    once-only warnings had shown (a catch_warnings() block, left), and torch's repeated at every step."""
+    from opentelemetry_instrumentation_deepspeed.instrumentors.comm import _process_group
+
+    default = torch.distributed.distributed_c10d._get_default_group()
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        for group in (default.group_name, [0]):
+            _warn_once_here()
+            assert _process_group(group) is default
+        _warn_once_here()
+    assert [str(warning.message) for warning in shown] == ["shown once"]
+
+
 def test_an_object_collective_of_torch_is_one_collective_of_its_own_name(one_rank):
     """torch pickles the objects into tensors and moves them with two tensor collectives (their sizes, their bytes):
     all_gather_object was two all_gathers, broadcast_object_list two broadcasts, scatter_object_list a broadcast and

@@ -28,7 +28,6 @@ import logging
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -705,9 +704,11 @@ def _process_group(group):
     from torch.distributed import _functional_collectives as funcol
     from torch.distributed import distributed_c10d
 
-    with warnings.catch_warnings():  # torch's own call warns the user once (a list of ranks is deprecated)
-        warnings.simplefilter("ignore")
-        resolved = funcol._resolve_group(group)
+    # A list of ranks is resolved as torch resolves it, without its deprecation warning (torch's own call warns the
+    # user). Not by silencing it: leaving catch_warnings() resets what every once-only warning of the process has
+    # shown, and this runs at each functional collective (FSDP2's clip_grad_norm_): they repeated at every step.
+    resolved = (distributed_c10d._resolve_group_name_by_ranks_and_tag(group, "") if isinstance(group, list)
+                else funcol._resolve_group(group))
     return distributed_c10d._resolve_process_group(resolved) if isinstance(resolved, str) else resolved
 
 

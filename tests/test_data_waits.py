@@ -149,3 +149,62 @@ def test_instrumented_again_before_training_registers_the_worker_metrics_once(mo
         assert len(registered) == 1
     finally:
         instrumentor.uninstrument()
+
+
+def _ids(length):
+    return lambda samples: {"input_ids": torch.ones(len(samples), length, dtype=torch.long)}
+
+
+def _forward_lengths(record) -> list:
+    return [phase.inputs[1] for phase in record.phases if phase.name == "forward"]  # (samples, length, tokens)
+
+
+@pytest.mark.parametrize("fetch_first", [True, False], ids=["trainer", "interleaved"])
+def test_an_evaluation_loop_through_the_bare_module_feeds_no_step(recorded, fetch_first):
+    """The Trainer evaluates the unwrapped module (a DDP loop its ``model.module``): no wrapper sees those forwards.
+    Their fetches were taken as the next step's: its start moved back over the whole evaluation, and each forward
+    took the batch fetched before its own, for the rest of the run."""
+    engine, records = recorded
+    train = torch.utils.data.DataLoader(list(range(8)), batch_size=2, collate_fn=_ids(4))
+    evaluation = torch.utils.data.DataLoader(list(range(9)), batch_size=3, collate_fn=_ids(7))
+    batches = iter(train)
+    for step in range(2):
+        if step == 1:
+            evaluated = time.time_ns()
+            for _batch in evaluation:  # three batches, forwards unseen, to the loader's end
+                pass
+        if fetch_first:  # the Trainer fetches the step's micro-batches, then runs them
+            fetched = [next(batches) for _ in range(2)]
+            for _batch in fetched:
+                train_micro_batch(registry.active(), engine)
+        else:
+            for _ in range(2):
+                next(batches)
+                train_micro_batch(registry.active(), engine)
+    assert [len(record.waits) for record in records] == [2, 2]
+    assert records[1].start > evaluated
+    assert [_forward_lengths(record) for record in records] == [[4, 4], [4, 4]]
+
+
+def test_an_epoch_s_last_partial_step_keeps_the_fetch_made_before_its_loader_ended(recorded):
+    """The Trainer fetches a step's micro-batches first: at an epoch's end the loader runs out after the last one,
+    before its forward."""
+    engine, records = recorded
+    train = torch.utils.data.DataLoader(list(range(6)), batch_size=2, collate_fn=_ids(4))
+    for _epoch in range(2):
+        batches = iter(train)
+        while True:
+            fetched = []
+            for _ in range(2):
+                try:
+                    fetched.append(next(batches))
+                except StopIteration:
+                    break
+            if not fetched:
+                break
+            if len(fetched) == 1:
+                engine.micro_steps = 1  # a partial step's one micro-batch is its boundary
+            for _batch in fetched:
+                train_micro_batch(registry.active(), engine)
+    assert [len(record.waits) for record in records] == [2, 1, 2, 1]
+    assert all(_forward_lengths(record) == [4] * len(record.waits) for record in records)

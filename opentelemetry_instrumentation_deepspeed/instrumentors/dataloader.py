@@ -8,6 +8,8 @@ so a loader around a DataLoader counts once, and one wait is one batch handed to
 batch Accelerate fetches ahead, or the batches rank 0 fetches to dispatch, are inside it.
 A ``next()`` that ends the iteration (``StopIteration``) is the end of an epoch, not a wait, and
 one made on another thread than the training thread (a background prefetcher's) is not the loop's.
+Where an iterator ends with fetches no forward took, and the next fetch comes first, those fed an
+evaluation loop through the bare module (which no wrapper sees): they are no step's.
 
 Once training starts, the CPU and memory of the rank's child processes (its DataLoader workers,
 and any other child) are observed at collection, summed: ``training.data.workers.*``.
@@ -64,6 +66,9 @@ def _next(original):
         start = time.time_ns()
         try:
             batch = original(self)
+        except StopIteration:
+            recorder.ran_out()
+            raise
         finally:
             _nesting.inside = False
         if not recorder.broken:

@@ -85,6 +85,10 @@ class StepRecorder(Component):
         # one (a pseudo-labelling pass, a probe, or an evaluation's), 2 one and a fetch after it. Another then makes
         # it an evaluation loop, whose fetches fed no step.
         self._no_grad = 0
+        # The phases started when a loader's iterator ran out with fetches that no forward took and no step open (an
+        # evaluation loop that calls the bare module, unseen: the Trainer's, a DDP loop's model.module): where the
+        # next fetch comes before another phase, those fed no step.
+        self._ran_out: int | None = None
         self._losses = False  # a loss was taken in the open step (on CUDA its copy needs the step's event)
         # The training thread's schedstat, read as steps close (on a quiet host, a close QUIET_READS_EVERY after the
         # last read): its wait for a CPU; and as each phase starts and ends while the emitter's figures say it
@@ -132,6 +136,10 @@ class StepRecorder(Component):
 
     @fail_open
     def data_waited(self, start: int, end: int) -> None:
+        if self._ran_out is not None:
+            if self._ran_out == self._phases and self.state == State.IDLE:
+                self.not_training()  # no forward took what the ended iterator gave: not the next step's
+            self._ran_out = None
         if self._no_grad == 1:
             self._no_grad = 2
         if self.state == State.IDLE:
@@ -141,6 +149,15 @@ class StepRecorder(Component):
                 self._hand_over()
         self._append((Event.DATA_WAIT, self._rows[self.state, Event.DATA_WAIT][1], end, (start, end), None, None,
                       None))
+
+    @fail_open
+    def ran_out(self) -> None:
+        """A loader's iterator ended (``StopIteration``). Fetches pending with no step open then fed no step if the
+        next fetch (another iterator's) comes before any forward: an evaluation loop that our wrappers do not see
+        ran over them. A forward first takes them (an epoch's last, partial step: the Trainer fetches a step's
+        micro-batches before its forwards)."""
+        if self.state == State.IDLE and self._fetch_start is not None:
+            self._ran_out = self._phases
 
     @fail_open
     def not_training(self) -> None:

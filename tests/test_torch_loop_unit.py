@@ -369,6 +369,23 @@ def test_the_step_loss_is_the_loop_s_own_under_accumulation_and_a_grad_scaler(tr
     assert [step.attributes["training.loss"] for step in steps] == printed
 
 
+def test_scalar_losses_given_to_one_backward_together_are_the_step_s_loss(traced):
+    """``torch.autograd.backward([loss_a, loss_b])``: no step had a loss."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trace_training(model, optimizer)
+    printed = []
+    for _ in range(2):
+        output = model(torch.randn(3, 4))
+        losses = (output.pow(2).mean(), output.abs().mean())
+        torch.autograd.backward(losses)
+        optimizer.step()
+        optimizer.zero_grad()
+        printed.append((losses[0].detach() + losses[1].detach()).item())
+    steps = [span for span in traced() if span.name == "training.step"]
+    assert [step.attributes["training.loss"] for step in steps] == printed
+
+
 def test_a_loss_the_scaler_s_copy_refuses_turns_step_tracing_off_not_the_loop(traced, monkeypatch, caplog):
     """Taken as GradScaler.scale() scales it, on the user's call: a failure there (a tensor subclass the CUDA copy
     refuses, a DTensor) is logged once and turns step tracing off; scale() returns its result."""

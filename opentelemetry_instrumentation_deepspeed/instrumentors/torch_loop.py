@@ -308,7 +308,7 @@ def _backward(backward):
         if recorder is None:
             return backward(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
-        loss = tensors if getattr(tensors, "ndim", None) == 0 else None
+        loss = tensors if getattr(tensors, "ndim", None) == 0 else _summed(tensors)
         scaled = getattr(_depth, "scaled", None)
         if scaled is not None and loss is not None and scaled[0]() is loss:
             loss = scaled[1]  # the loss GradScaler.scale() was given, as taken then: it does not move with the scale
@@ -322,6 +322,19 @@ def _backward(backward):
         return result
 
     return wrapper
+
+
+def _summed(tensors):
+    """The sum of scalar tensors given together (``torch.autograd.backward([loss_a, loss_b])``), detached; else None."""
+    if type(tensors) not in (list, tuple) or not tensors or any(getattr(t, "ndim", None) != 0 for t in tensors):
+        return None
+    try:
+        total = tensors[0].detach()
+        for tensor in tensors[1:]:
+            total = total + tensor.detach()  # no sync: on a device, the sum stays there, as one loss does
+    except Exception:  # noqa: BLE001 - scalars on different devices: no loss, the backward goes on
+        return None
+    return total
 
 
 def _before_step(optimizer, args, kwargs):

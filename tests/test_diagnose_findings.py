@@ -108,6 +108,27 @@ def test_a_stall_on_one_rank_is_named_on_that_rank_and_the_other_waits_for_it():
     assert report["ranks"][1]["anomaly"]["period"] == 5 and report["ranks"][0]["anomaly"] is None
 
 
+def untraced_gradient_sync(spans) -> list:
+    """The job as DDP shows it: its gradient all-reduce runs in the reducer's C++, with no span; a rank's wait for the
+    others falls in its backward, and nothing joins the ranks."""
+    return [span for span in spans if not span.name.startswith(semconv.SPAN_COMM_PREFIX)]
+
+
+@pytest.mark.parametrize(("seed", "part"), [(0, "data_wait"), (1, "data_wait"), (2, "between_steps"),
+                                            (3, "data_wait")])
+def test_with_no_collective_traced_a_rank_s_loader_stall_is_the_cause_of_the_others_longer_backward(seed, part):
+    """DDP: every 4th step rank 1's loader stalls 150 ms, and rank 0's backward grows as much (its wait inside the
+    reducer's all-reduce). Read as two causes of equal cost, the verdict blamed either rank, run to run."""
+    report = analyse(untraced_gradient_sync(synthetic_job(24, seed=seed, extra=every(4, 150, rank=1, part=part))))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"], verdict["period"]) == (
+        "data loading" if part == "data_wait" else "HOST WORK", 1, part, 4), report["findings"]
+    assert [f for f in report["findings"] if f.get("period")] == [verdict], "one cause, not two"
+    assert verdict["chain"]["waiting"]["0"] == pytest.approx(0.15, rel=0.2)
+    assert "rank 0 waits for it in its backward" in verdict["summary"]
+    assert verdict["cost_seconds"] == pytest.approx(0.9, rel=0.2)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_stall_the_other_ranks_do_not_wait_for_costs_the_job_nothing(seed):
     # Every 4th step rank 0 takes its all-reduce's result 15 ms late, but rank 1's optimizer step is 25 ms longer in

@@ -49,6 +49,7 @@ WHAT = {"data_wait": "data wait", "forward": "forward", "backward": "backward", 
         "between_steps": "the loop's own code before the step (after the previous one)",
         "compute": "compute (forward, backward and optimizer step)"}
 COMPUTE = ("forward", "backward", "optimizer")
+LOCAL_PARTS = ("data_wait", "unaccounted", "between_steps")  # a rank's own: never its wait for another rank
 
 REMEDIES = {
     "data loading": ["more DataLoader workers (num_workers) and prefetch_factor", "pin_memory and persistent_workers",
@@ -171,6 +172,7 @@ class StepFindings:
                     best[key] = (part, pattern)
             for (period, offset), (part, pattern) in best.items():
                 by_pattern[(part, period, offset)].append((rank, part, pattern))
+        unseen = self._unseen_waits(by_pattern)
         taken = defaultdict(set)  # rank -> the (period, offset) of its own patterns
         for (_part, period, offset), members in by_pattern.items():
             for rank, _p, _pattern in members:
@@ -180,9 +182,30 @@ class StepFindings:
             for rank, _part, pattern in members:
                 if rank not in self.patterns or pattern.cost > self.patterns[rank].cost:
                     self.patterns[rank] = pattern
-        found = [self._periodic_finding(part, members) for (part, _p, _o), members in by_pattern.items()]
+        found = [self._periodic_finding(part, members, unseen.get((period, offset), {}) if part in LOCAL_PARTS else {})
+                 for (part, period, offset), members in by_pattern.items()]
         found = [finding for finding in found if finding is not None]
         return found + self._shared_stalls(by_pattern, reported={(f["period"], f["offset"]) for f in found})
+
+    def _unseen_waits(self, by_pattern: dict) -> dict[tuple[int, int], dict[int, tuple[float, str]]]:
+        """Ranks that wait for another's stall where no collective shows it: DDP all-reduces the gradients in its
+        reducer's C++, untraced, so a rank that waits for a peer's loader waits inside its own backward. A pattern
+        in a phase (forward, backward, optimizer step) on some ranks, in the steps of another rank's stall in its
+        loader or its loop's code, with no collective of theirs joined in those steps, is those ranks' wait for it,
+        not a cause of theirs: taken out of ``by_pattern``, and returned, {(period, offset): {rank: (its effect,
+        the phase it waited in)}}. (Where collectives show the waits, they tell; who waits for a stall in another's
+        phase cannot be told without them: both stay.)"""
+        unseen: dict = defaultdict(dict)
+        local = {(period, offset): {rank for rank, _part, _pattern in members}
+                 for (part, period, offset), members in by_pattern.items() if part in LOCAL_PARTS}
+        for key in [key for key in by_pattern if key[0] in COMPUTE and key[1:] in local]:
+            members = by_pattern[key]
+            ranks = {rank for rank, _part, _pattern in members}
+            steps = set().union(*(pattern.steps for _rank, _part, pattern in members))
+            if not ranks & local[key[1:]] and not steps & self.waits.joined_in:
+                del by_pattern[key]
+                unseen[key[1:]].update({rank: (pattern.effect, key[0]) for rank, _part, pattern in members})
+        return unseen
 
     def _shared_stalls(self, by_pattern: dict, reported: set) -> list[dict]:
         """Every rank stalls in the same steps, each in a part of its own (rank 0 in its loader, rank 1 in its forward:
@@ -236,7 +259,9 @@ class StepFindings:
             if pattern is not None:
                 members.append((rank, part, pattern))
 
-    def _periodic_finding(self, part: str, members: list[tuple[int, str, periodic.Pattern]]) -> dict | None:
+    def _periodic_finding(self, part: str, members: list[tuple[int, str, periodic.Pattern]],
+                          unseen: dict[int, tuple[float, str]]) -> dict | None:
+        """``unseen``: the ranks that wait for this stall inside a phase of theirs (``_unseen_waits``)."""
         ranks = sorted(rank for rank, _part, _pattern in members)
         everywhere = len(ranks) == len(self.steady) and len(ranks) > 1
         rank, _part, pattern = max(members, key=lambda member: member[2].cost)
@@ -244,7 +269,9 @@ class StepFindings:
             return None  # the loop's own work on every rank (an evaluation, a checkpoint): its choice, no one waits
         waiting = {} if everywhere else self._waiting_in(pattern.steps, exclude=set(ranks))
         cost = max(member[2].cost for member in members)
-        if not everywhere and self.waits.joined and not self.stages:
+        if unseen:  # as below, the others' wait, read from the phase they waited in
+            cost = min(cost, max(effect for effect, _phase in unseen.values()) * len(pattern.steps))
+        elif not everywhere and self.waits.joined and not self.stages:
             # What some ranks' stall costs a data-parallel job is the others' wait for it, up to the stall (as a
             # late rank's does): a stall the others do not wait for fell into their own lateness, and cost nothing.
             cost = min(cost, max(waiting.values(), default=0.0) * len(pattern.steps))
@@ -258,6 +285,10 @@ class StepFindings:
         summary = f"every {_ordinal(pattern.period)} step{since}, {where} stalls {_ms(pattern.effect)} in {WHAT[part]}"
         evidence = [f"slow steps {pattern.steps} (step number = {pattern.offset} mod {pattern.period}), "
                     f"{_ms(pattern.effect)} more {WHAT[part]} than in the other steps (median)"]
+        for other, (effect, phase) in sorted(unseen.items()):
+            summary += f"; rank {other} waits for it in its {WHAT[phase]}"
+            evidence.append(f"in those steps rank {other}'s {WHAT[phase]} is {_ms(effect)} longer: its wait for "
+                            f"{_ranks_text(ranks)}, in a collective not traced (DDP's gradient all-reduce)")
         if waiting:
             summary += f"; {_ranks_text(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} for it in collectives"
             if len(waiting) > 6:
@@ -289,7 +320,8 @@ class StepFindings:
                        period=pattern.period, offset=pattern.offset, phase=part, steps=pattern.steps,
                        extra_seconds=pattern.effect, ranks=ranks, test="permutation",
                        chain={"late_ranks": [] if everywhere else ranks, "phase": part,
-                              "waiting": {str(r): s for r, s in sorted(waiting.items())}})
+                              "waiting": {str(r): s for r, s in sorted({**waiting, **{
+                                  other: effect for other, (effect, _phase) in unseen.items()}}.items())}})
 
     def _waiting_in(self, steps: list[int], exclude: set[int]) -> dict[int, float]:
         """Ranks that wait longer in collectives in ``steps`` than in the others: the median difference."""

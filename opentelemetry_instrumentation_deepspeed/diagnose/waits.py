@@ -30,6 +30,7 @@ class Waits:
     # rank -> arrival lateness (seconds after the first rank) at every collective it joined with others
     lateness: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     joined: int = 0  # collectives seen on at least two ranks
+    joined_in: set[int] = field(default_factory=set)  # the steps that hold one of them
 
     def late_rank(self, step: int) -> tuple[int | None, float]:
         """The rank that held the others longest in ``step``, and for how long."""
@@ -58,6 +59,7 @@ def follow(comm: dict[int, dict[int, list]]) -> Waits:
         first = min(start for start, _e, _s in arrivals.values())
         longest = 0.0
         for rank, (start, end, own_step) in arrivals.items():
+            waits.joined_in.add(own_step)
             waits.lateness[rank].append((start - first) / 1e9)
             if rank != last_rank:
                 waited = max(min(last, end) - start, 0) / 1e9

@@ -129,6 +129,28 @@ def test_with_no_collective_traced_a_rank_s_loader_stall_is_the_cause_of_the_oth
     assert verdict["cost_seconds"] == pytest.approx(0.9, rel=0.2)
 
 
+@pytest.mark.parametrize(("seed", "part"), [(0, "forward"), (1, "forward"), (2, "between_steps"), (3, "data_wait")])
+def test_with_no_collective_traced_a_rank_late_in_every_step_is_found_by_the_others_longer_backward(seed, part):
+    """DDP: rank 1 is 30 ms late in every step; rank 0 waits for it inside its backward (the reducer's all-reduce).
+    With nothing of the others' wait traced, the late-rank rule costed it nothing: NONE."""
+    report = analyse(untraced_gradient_sync(synthetic_job(24, seed=seed, extra=lambda rank, _step: {part: 30}
+                                                          if rank == 1 else {})))
+    verdict = report["verdict"]
+    layer = {"data_wait": "data loading", "between_steps": "HOST WORK"}.get(part, "straggler")
+    assert (verdict["layer"], verdict["rank"], verdict["phase"]) == (layer, 1, part), report["findings"]
+    assert verdict["summary"].endswith("they wait for it in their backward")
+    assert verdict["cost_seconds"] == pytest.approx(24 * 0.03, rel=0.25)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_with_no_collective_traced_a_rank_late_in_its_own_backward_is_not_told_from_the_others_wait(seed):
+    """Rank 1's backward 30 ms longer: rank 0's is as long, waiting inside it. Who waits for whom is not in the
+    spans; no rank is named."""
+    report = analyse(untraced_gradient_sync(synthetic_job(24, seed=seed, extra=lambda rank, _step: {"backward": 30}
+                                                          if rank == 1 else {})))
+    assert not [f for f in report["findings"] if f.get("test") == "signed-rank"], report["findings"]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_stall_the_other_ranks_do_not_wait_for_costs_the_job_nothing(seed):
     # Every 4th step rank 0 takes its all-reduce's result 15 ms late, but rank 1's optimizer step is 25 ms longer in

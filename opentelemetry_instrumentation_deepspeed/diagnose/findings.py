@@ -355,7 +355,8 @@ class StepFindings:
         # false-alarm rate at ALPHA.
         alpha = ALPHA / (len(self.steady) * (len(OWN_PARTS) + 1))
         for rank in sorted(self.steady):
-            held = self.waits.held.get(rank, {})
+            unseen = self._unseen_held(rank, numbers)
+            held = {**unseen, **self.waits.held.get(rank, {})}
             if sum(held.values()) < self.min_cost:
                 continue  # its cost is at most the others' wait for it
             excesses = {step: excess_of.of(rank, step) for step in numbers}
@@ -382,29 +383,52 @@ class StepFindings:
                 continue
             if self._waited_for_cpu(rank, part, numbers, excess):
                 continue
-            late = [step for step in numbers if self.waits.late_rank(step)[0] == rank]
+            late = [step for step in numbers if self.waits.late_rank(step)[0] == rank or unseen.get(step)]
             lateness = self.waits.lateness.get(rank, [])
             traces = self.traces.get(rank, {})
             slowest = sorted(late, key=lambda step: -held.get(step, 0.0))[:5]
             waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step in numbers)
                        for other in self.steady if other != rank}
             extra = statistics.median(excess.values())
+            per_step = _ms(sum(held.get(step, 0.0) for step in numbers) / len(numbers))
+            if unseen and not lateness:  # no collective joined: the others' wait is in their backward
+                where = "their backward"
+                arrival = [f"the other ranks' backward is longer than its own in {len(late)} of {len(numbers)} "
+                           f"steps, {per_step} per step: their wait for it in the gradient all-reduce, which is not "
+                           "traced (DDP's reducer)"]
+            else:
+                where = "collectives"
+                arrival = [f"the last to arrive at the collectives in {len(late)} of {len(numbers)} steps; the "
+                           f"others wait {per_step} per step for it",
+                           f"arrives {_ms(statistics.fmean(lateness) if lateness else 0.0)} late on average at "
+                           f"{len(lateness)} collectives joined across ranks"]
             found.append(finding(
                 "straggler" if part in (*COMPUTE, "compute") else LAYER_OF_PART[part],
                 f"rank {rank}'s {WHAT[part]} takes {_ms(extra)} longer than the other ranks' (median per step); "
-                f"they wait for it in collectives",
+                f"they wait for it in {where}",
                 evidence=[f"longer than the other ranks' median in {longer} of {len(numbers)} steps "
-                          f"(Wilcoxon signed-rank test: p = {p_value:.2g})",
-                          f"the last to arrive at the collectives in {len(late)} of {len(numbers)} steps; the others "
-                          f"wait {_ms(sum(held.get(step, 0.0) for step in numbers) / len(numbers))} per step for it",
-                          f"arrives {_ms(statistics.fmean(lateness) if lateness else 0.0)} late on average at "
-                          f"{len(lateness)} collectives joined across ranks"],
+                          f"(Wilcoxon signed-rank test: p = {p_value:.2g})", *arrival],
                 rank=rank, step=numbers[0], cost_seconds=cost, run_seconds=self.run_seconds,
                 confidence=1 - p_value, trace_ids=[traces[s] for s in slowest if s in traces], phase=part,
                 steps=late, extra_seconds=extra, test="signed-rank",
                 chain={"late_ranks": [rank], "phase": part,
                        "waiting": {str(r): s for r, s in sorted(waiting.items()) if s > 0}}))
         return found
+
+    def _unseen_held(self, rank: int, numbers: list[int]) -> dict[int, float]:
+        """Per step with no collective joined in it (DDP all-reduces the gradients in its reducer's C++, untraced): how
+        much longer the longest of the other ranks' backward took than this rank's. Where the ranks wait for each
+        other inside the backward, that is their wait for this rank; a rank late in its own backward holds none
+        (the others' wait and its own work cannot be told apart there)."""
+        held = {}
+        for step in numbers:
+            if step in self.waits.joined_in:
+                continue
+            own = self.parts[rank][step].get("backward", 0.0)
+            longest = max(self.parts[other][step].get("backward", 0.0) for other in self.steady if other != rank)
+            if longest > own:
+                held[step] = longest - own
+        return held
 
     def _waited_for_cpu(self, rank: int, part: str, numbers: list[int], excess: dict[int, float]) -> bool:
         """Whether the rank is late because its training thread waited for a CPU more than the others' did: with

@@ -169,6 +169,22 @@ def test_sigint_after_the_thread_moved_on_from_a_reported_stop_is_the_program_s(
     assert taken_over == []
 
 
+def test_steps_that_close_between_two_looks_set_the_threshold_too():
+    """Steps shorter than the watchdog's poll open and close between its looks: it learned nothing from them, and a
+    job whose every step was short was reported at 10 floors (300 s at the default), not at the floor."""
+    recorder, engine, _ = recorder_on(0, job="short-steps")
+    dog = watchdog.Watchdog(floor=2.0)
+    dog.watch(recorder, start=False)
+    for _ in range(5):
+        train_step(recorder, engine)  # no look while it runs
+    emitter().drain()
+    assert list(dog._watched[0].durations) == [], "it saw none open"
+    recorder.forward_started(engine)
+    start = recorder.open.start
+    (report,) = _check_from_another_thread(dog, start + int(2.5e9))
+    assert report.number == 6 and report.threshold == 2.0
+
+
 def test_a_failed_step_does_not_count_as_a_step_time():
     recorder, engine, _ = recorder_on(0, job="failed-step")
     dog = watchdog.Watchdog(floor=1.0)

@@ -50,6 +50,7 @@ _logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 0.5
 LIMIT = 1024  # items waiting past which the submitting thread drains (the emitter's thread could not run)
+RECENT_STEPS = 64  # closed steps whose slowest the hang watchdog's threshold reads (as its own WINDOW)
 MAX_QUEUED = 4 * LIMIT  # items waiting past which steps and collectives are dropped (a drain runs, slower than them)
 MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _YIELD_EVERY = 8  # records emitted between two releases of the GIL
@@ -88,6 +89,10 @@ class StepFacts:
         self.held_root: _HeldRoot | None = None
         # The last step written and its end: the hang watchdog's sign of progress between steps.
         self.last_written, self.last_end = 0, 0
+        # The slowest of the last RECENT_STEPS steps written that closed without an error: the hang watchdog's
+        # threshold reads it (steps that open and close between two of its looks, it never sees open).
+        self.recent_seconds: deque = deque(maxlen=RECENT_STEPS)
+        self.slowest_recent: float | None = None
 
     def recorded(self, number: int) -> bool:
         """Whether step ``number``'s spans may be recorded (its root sampled), as every rank decides it. Any thread:
@@ -445,6 +450,9 @@ class Emitter(Component):
         step = writer.child(semconv.SPAN_STEP, parent, {semconv.TRAINING_STEP: record.number, **facts.static},
                             record.start)
         facts.last_written, facts.last_end = record.number, record.end
+        if record.failure is None:
+            facts.recent_seconds.append((record.end - record.start) / 1e9)
+            facts.slowest_recent = max(facts.recent_seconds)
         intervals: list | None = [] if record.profile is not None and step.recording else None
         by_micro_step, batch_sums, counted = batches.summarize(list(record.phases))
         collectives = list(record.collectives)

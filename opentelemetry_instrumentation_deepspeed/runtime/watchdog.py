@@ -2,9 +2,10 @@
 
 The training thread does nothing for it. Every poll (at most a second) the watchdog's own thread
 reads each recorder's open record (``recording/record.py``: set-once or append-only fields), and
-the steps it sees close give it their durations. A step open longer than ``threshold`` (the
-larger of ``OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT`` and ``FACTOR`` times the slowest of the last
-``WINDOW`` steps it saw close; ``FIRST_STEP_FACTOR`` times the floor before one closed) is reported:
+the steps it sees close give it their durations, as do the steps the emitter writes (those that
+open and close between two looks). A step open longer than ``threshold`` (the larger of
+``OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT`` and ``FACTOR`` times the slowest of the last ``WINDOW``
+steps closed; ``FIRST_STEP_FACTOR`` times the floor before one closed) is reported:
 a ``HangReport`` (the step, its open phase and since when, the collective in flight, the last
 sequence issued per group, the training thread's Python stack from ``sys._current_frames``) goes
 to the emitter, which writes it as a ``training.hang`` span, and the tracer provider is flushed
@@ -209,7 +210,7 @@ class Watchdog(Component):
             if record is None:
                 reports += self._between_steps(watched, now)
                 continue
-            limit = threshold(watched.durations, self.floor)
+            limit = self._threshold(watched)
             open_seconds = (now - record.start) / 1e9
             if open_seconds > max(limit, watched.next_report):
                 watched.next_report = 2 * max(open_seconds, limit)
@@ -217,6 +218,13 @@ class Watchdog(Component):
         if reports:
             self._send(reports)
         return reports
+
+    def _threshold(self, watched: _Watched) -> float:
+        """``threshold`` of the steps this thread saw close and of those the emitter wrote: a step that opens and
+        closes between two looks (steps shorter than the poll) is the emitter's only, and without it the threshold
+        stayed at ``FIRST_STEP_FACTOR`` floors (300 s at the default) however many such steps closed."""
+        written = getattr(watched.recorder.facts, "slowest_recent", None)
+        return threshold(watched.durations if written is None else [*watched.durations, written], self.floor)
 
     def _between_steps(self, watched: _Watched, now: int) -> list[HangReport]:
         """No step open: a report when the training thread has stayed where it is, with no step
@@ -245,7 +253,7 @@ class Watchdog(Component):
             # idle_since first: the metric reader's thread reads the two without a lock.
             watched.idle_since, watched.where, watched.next_report = now, where, 0.0
             return resumed
-        limit = threshold(watched.durations, self.floor)
+        limit = self._threshold(watched)
         if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):
             return resumed
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
@@ -388,7 +396,7 @@ class Watchdog(Component):
         for watched in list(self._watched):
             record = watched.recorder.open
             if record is not None:
-                emitter().submit(self._report(watched, record, now, reason, threshold(watched.durations, self.floor)))
+                emitter().submit(self._report(watched, record, now, reason, self._threshold(watched)))
 
     def _observe_open(self, _options, now: int | None = None):
         """How long this rank has made no step progress: its open step's age; with no step open, how long

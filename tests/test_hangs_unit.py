@@ -347,6 +347,26 @@ def test_a_rank_that_stopped_between_steps_is_named_with_the_step_it_did_not_sta
                                          "at train.py:152 in block_forever"), finding["summary"]
 
 
+@pytest.mark.parametrize(("stopped_at", "waiting_at"), [((8, "forward", False), (8, "backward", False)),
+                                                       ((9, None, True), (9, "backward", False)),
+                                                       ((9, "data.wait", True), (9, "backward", False))])
+def test_with_the_gradient_all_reduce_untraced_the_rank_further_on_in_its_backward_waits(stopped_at, waiting_at):
+    """DDP: the reducer's all-reduce has no span, so the rank waiting in it reports no collective. Both ranks read as
+    stopped, the one waiting named first."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [])
+    for rank, (step, phase, between) in ((1, stopped_at), (0, waiting_at)):
+        report = _report(rank, step=step, phase=phase, stack=STACK_RANK1 if rank == 1 else STACK_RANK0)
+        if between:
+            report.attributes[semconv.HANG_BETWEEN_STEPS] = True
+        hangs.add(report)
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] == 1, finding["summary"]
+    assert f"rank 0 waits for rank 1 in backward of step {waiting_at[0]}, in a collective not traced" in \
+        finding["summary"]
+
+
 def test_a_rank_without_a_report_is_named_by_the_sequence_it_never_reached():
     hangs = Hangs()
     for rank in (0, 1, 2):

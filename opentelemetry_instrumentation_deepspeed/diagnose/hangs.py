@@ -175,7 +175,8 @@ class Hangs:
             for other in ranks:
                 if other != rank and self._reached.get((job, group, other), -1) < sequence:
                     missing[other].add((group, sequence))
-        stopped = sorted(set(missing) | (set(latest) - set(waiting)))
+        untraced = _waiting_untraced({rank: latest[rank] for rank in set(latest) - set(waiting)})
+        stopped = sorted(set(missing) | (set(latest) - set(waiting) - set(untraced)))
         evidence = [self._rank_line(job, rank, latest.get(rank), waiting, missing) for rank in ranks]
         lost = max(r.attributes.get(semconv.HANG_DURATION) or 0 for r in latest.values())
         step = min(r.attributes.get(semconv.TRAINING_STEP, 0) for r in latest.values())
@@ -198,9 +199,12 @@ class Hangs:
         if stopped:
             culprits = "; ".join(self._stopped_text(job, rank, latest.get(rank), missing.get(rank))
                                  for rank in stopped)
-            waits = "; ".join(f"rank {rank} waits for {_plural(sorted(r for r in stopped if r != rank))} in "
-                              f"{_collective_text(report)}{_during(report)}" for rank, report in sorted(waiting.items())
-                              if any(r != rank for r in stopped))
+            waits = "; ".join([f"rank {rank} waits for {_plural(sorted(r for r in stopped if r != rank))} in "
+                               f"{_collective_text(report)}{_during(report)}"
+                               for rank, report in sorted(waiting.items()) if any(r != rank for r in stopped)]
+                              + [f"rank {rank} waits for {_plural(stopped)} {_place(report.attributes)}, in a "
+                                 "collective not traced (DDP's gradient all-reduce)"
+                                 for rank, report in sorted(untraced.items())])
             summary = f"{culprits}" + (f"; {waits}" if waits else "")
             if len(stopped) == 1 and stopped[0] not in latest and (job, stopped[0]) in self._last_step:
                 step = self._last_step[job, stopped[0]] + 1  # the step it is in: the one after its last closed
@@ -286,6 +290,30 @@ def _with_stacks(finding: dict, latest: dict, stopped) -> dict:
                          for rank, report in sorted(latest.items(), key=lambda item: (item[0] not in stopped, item[0]))
                          if (stack := report.attributes.get(semconv.CODE_STACKTRACE) or "")]
     return finding
+
+
+_PHASE_ORDER = {semconv.PHASE_DATA_WAIT: 0, semconv.PHASE_FORWARD: 1, semconv.PHASE_BACKWARD: 2,
+                semconv.PHASE_OPTIMIZER_STEP: 3}
+
+
+def _position(attributes: dict) -> tuple[int, float]:
+    """How far a rank got: its step, then its phase in it (between steps, before the step's first phase)."""
+    phase = attributes.get(semconv.TRAINING_PHASE)
+    order = _PHASE_ORDER.get(phase, 0.5) if phase or not attributes.get(semconv.HANG_BETWEEN_STEPS) else -1
+    return attributes.get(semconv.TRAINING_STEP, 0), order
+
+
+def _waiting_untraced(unexplained: dict[int, Span]) -> dict[int, Span]:
+    """Of the stuck ranks with no collective in flight, those waiting for another in a collective no span shows: DDP
+    all-reduces the gradients in its reducer's C++, inside the backward, so a rank that reached its backward waits
+    there for a rank further behind (in its forward, its data loader, between steps), which stopped."""
+    if len(unexplained) < 2:
+        return {}
+    positions = {rank: _position(report.attributes) for rank, report in unexplained.items()}
+    behind = min(positions.values())
+    return {rank: report for rank, report in unexplained.items() if positions[rank] > behind
+            and report.attributes.get(semconv.TRAINING_PHASE) == semconv.PHASE_BACKWARD
+            and not report.attributes.get(semconv.HANG_BETWEEN_STEPS)}
 
 
 def _place(attributes: dict) -> str:

@@ -115,18 +115,51 @@ def untraced_gradient_sync(spans) -> list:
 
 
 @pytest.mark.parametrize(("seed", "part"), [(0, "data_wait"), (1, "data_wait"), (2, "between_steps"),
-                                            (3, "data_wait")])
-def test_with_no_collective_traced_a_rank_s_loader_stall_is_the_cause_of_the_others_longer_backward(seed, part):
-    """DDP: every 4th step rank 1's loader stalls 150 ms, and rank 0's backward grows as much (its wait inside the
-    reducer's all-reduce). Read as two causes of equal cost, the verdict blamed either rank, run to run."""
+                                            (3, "data_wait"), (4, "forward"), (5, "forward")])
+def test_with_no_collective_traced_a_rank_s_stall_is_the_cause_of_the_others_longer_backward(seed, part):
+    """DDP: every 4th step rank 1's loader (or forward) stalls 150 ms, and rank 0's backward grows as much (its wait
+    inside the reducer's all-reduce). Read as two causes of equal cost, the verdict blamed either rank, run to
+    run."""
     report = analyse(untraced_gradient_sync(synthetic_job(24, seed=seed, extra=every(4, 150, rank=1, part=part))))
     verdict = report["verdict"]
-    assert (verdict["layer"], verdict["rank"], verdict["phase"], verdict["period"]) == (
-        "data loading" if part == "data_wait" else "HOST WORK", 1, part, 4), report["findings"]
+    layer = {"data_wait": "data loading", "between_steps": "HOST WORK", "forward": "straggler"}[part]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"], verdict["period"]) == (layer, 1, part, 4), \
+        report["findings"]
     assert [f for f in report["findings"] if f.get("period")] == [verdict], "one cause, not two"
     assert verdict["chain"]["waiting"]["0"] == pytest.approx(0.15, rel=0.2)
     assert "rank 0 waits for it in its backward" in verdict["summary"]
     assert verdict["cost_seconds"] == pytest.approx(0.9, rel=0.2)
+
+
+@pytest.mark.parametrize(("waited_in", "joined", "absorbed"), [("unaccounted", False, True), ("backward", False, True),
+                                                               ("unaccounted", True, False), ("forward", False, False)])
+def test_which_patterns_are_the_others_wait_in_a_collective_no_span_shows(waited_in, joined, absorbed):
+    """The Trainer gathers the step's token count between the step's first fetch and its first forward, untraced: a
+    rank waiting there for a peer's loader stalls outside its phases. The verdict was "HOST WORK: rank 0 stalls 301 ms
+    in host work between phases", the stalled loader second. Where a collective was joined in those steps, it
+    tells who waited; a forward is never a wait."""
+    from types import SimpleNamespace
+
+    from opentelemetry_instrumentation_deepspeed.diagnose.findings import StepFindings
+
+    steps = [3, 6, 9, 12]
+    found = SimpleNamespace(waits=SimpleNamespace(joined_in={6} if joined else set()))
+    by_pattern = {("data_wait", 3, 0): [(1, "data_wait", SimpleNamespace(steps=steps, effect=0.3))],
+                  (waited_in, 3, 0): [(0, waited_in, SimpleNamespace(steps=steps, effect=0.29))]}
+    unseen = StepFindings._unseen_waits(found, by_pattern)
+    assert (dict(unseen) == {(3, 0): {0: (0.29, waited_in)}}) is absorbed
+    assert ((waited_in, 3, 0) in by_pattern) is not absorbed
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_a_stall_in_every_second_step_is_searched_though_it_is_the_median(traced):
+    """Stalls in half the steps or more make the stalled value the part's median: the search was skipped as unable
+    to cost anything, and only the waiting rank's part (stalled in fewer of the steps counted) was found."""
+    spans = synthetic_job(22, seed=3, extra=every(2, 200, rank=1))  # 11 of the 21 steps counted
+    report = analyse(spans if traced else untraced_gradient_sync(spans))
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["phase"], verdict["period"]) == (
+        "data loading", 1, "data_wait", 2), report["findings"]
 
 
 @pytest.mark.parametrize(("seed", "part"), [(0, "forward"), (1, "forward"), (2, "between_steps"), (3, "data_wait")])

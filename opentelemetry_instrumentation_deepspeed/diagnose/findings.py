@@ -49,7 +49,9 @@ WHAT = {"data_wait": "data wait", "forward": "forward", "backward": "backward", 
         "between_steps": "the loop's own code before the step (after the previous one)",
         "compute": "compute (forward, backward and optimizer step)"}
 COMPUTE = ("forward", "backward", "optimizer")
-LOCAL_PARTS = ("data_wait", "unaccounted", "between_steps")  # a rank's own: never its wait for another rank
+# Where a rank's wait in a collective no span shows falls: DDP's gradient all-reduce in the backward; a collective
+# issued after the step's first fetch and before its first phase outside the phases.
+UNTRACED_WAITS = ("backward", "unaccounted")
 
 REMEDIES = {
     "data loading": ["more DataLoader workers (num_workers) and prefetch_factor", "pin_memory and persistent_workers",
@@ -155,8 +157,9 @@ class StepFindings:
             found = []
             for part in OWN_PARTS:
                 values = [s["parts"][part] for s in steps]
-                middle = statistics.median(values) if values else 0.0
-                if sum(max(value - middle, 0.0) for value in values) < self.min_cost:
+                # From the lower quartile: stalls in half the steps or more are the median itself.
+                low = sorted(values)[len(values) // 4] if values else 0.0
+                if sum(max(value - low, 0.0) for value in values) < self.min_cost:
                     continue  # no pattern in these values could cost enough: skip the search
                 pattern = periodic.find_period(numbers, values, self.min_cost, self.rng)
                 if pattern:
@@ -182,27 +185,31 @@ class StepFindings:
             for rank, _part, pattern in members:
                 if rank not in self.patterns or pattern.cost > self.patterns[rank].cost:
                     self.patterns[rank] = pattern
-        found = [self._periodic_finding(part, members, unseen.get((period, offset), {}) if part in LOCAL_PARTS else {})
+        found = [self._periodic_finding(part, members, unseen.get((period, offset), {})
+                                        if part not in UNTRACED_WAITS else {})
                  for (part, period, offset), members in by_pattern.items()]
         found = [finding for finding in found if finding is not None]
         return found + self._shared_stalls(by_pattern, reported={(f["period"], f["offset"]) for f in found})
 
     def _unseen_waits(self, by_pattern: dict) -> dict[tuple[int, int], dict[int, tuple[float, str]]]:
-        """Ranks that wait for another's stall where no collective shows it: DDP all-reduces the gradients in its
-        reducer's C++, untraced, so a rank that waits for a peer's loader waits inside its own backward. A pattern
-        in a phase (forward, backward, optimizer step) on some ranks, in the steps of another rank's stall in its
-        loader or its loop's code, with no collective of theirs joined in those steps, is those ranks' wait for it,
-        not a cause of theirs: taken out of ``by_pattern``, and returned, {(period, offset): {rank: (its effect,
-        the phase it waited in)}}. (Where collectives show the waits, they tell; who waits for a stall in another's
-        phase cannot be told without them: both stay.)"""
+        """Ranks that wait for another's stall where no collective shows it. DDP all-reduces the gradients in its
+        reducer's C++, untraced, inside the backward; a collective the loop issues between its first fetch and its
+        first forward (the Trainer gathers the step's token count there) has no span either, and its wait is the
+        step's time outside its phases. A pattern in those parts on some ranks, in the steps of another rank's stall
+        in a part that is never a wait for another (its loader, its forward, its loop's code), with no collective
+        joined in those steps, is those ranks' wait for it, not a cause of theirs: taken out of ``by_pattern``, and
+        returned, {(period, offset): {rank: (its effect, the part it waited in)}}. (Where collectives show the waits,
+        they tell; a stall in another's backward cannot be told from the wait: both stay.)"""
         unseen: dict = defaultdict(dict)
-        local = {(period, offset): {rank for rank, _part, _pattern in members}
-                 for (part, period, offset), members in by_pattern.items() if part in LOCAL_PARTS}
-        for key in [key for key in by_pattern if key[0] in COMPUTE and key[1:] in local]:
+        causes = defaultdict(set)  # (period, offset) -> the ranks stalling there in a part no wait hides in
+        for (part, period, offset), members in by_pattern.items():
+            if part not in UNTRACED_WAITS:
+                causes[period, offset].update(rank for rank, _part, _pattern in members)
+        for key in [key for key in by_pattern if key[0] in UNTRACED_WAITS and key[1:] in causes]:
             members = by_pattern[key]
             ranks = {rank for rank, _part, _pattern in members}
             steps = set().union(*(pattern.steps for _rank, _part, pattern in members))
-            if not ranks & local[key[1:]] and not steps & self.waits.joined_in:
+            if not ranks & causes[key[1:]] and not steps & self.waits.joined_in:
                 del by_pattern[key]
                 unseen[key[1:]].update({rank: (pattern.effect, key[0]) for rank, _part, pattern in members})
         return unseen
@@ -278,7 +285,7 @@ class StepFindings:
             if cost < self.min_cost:
                 return None
         layer = LAYER_OF_PART[part]
-        if layer == "compute" and waiting:
+        if layer == "compute" and (waiting or unseen):
             layer = "straggler"
         where = "on every rank" if everywhere else _ranks_text(ranks)
         since = f" from step {pattern.steps[0]}" if pattern.since is not None else ""
@@ -286,9 +293,11 @@ class StepFindings:
         evidence = [f"slow steps {pattern.steps} (step number = {pattern.offset} mod {pattern.period}), "
                     f"{_ms(pattern.effect)} more {WHAT[part]} than in the other steps (median)"]
         for other, (effect, phase) in sorted(unseen.items()):
-            summary += f"; rank {other} waits for it in its {WHAT[phase]}"
-            evidence.append(f"in those steps rank {other}'s {WHAT[phase]} is {_ms(effect)} longer: its wait for "
-                            f"{_ranks_text(ranks)}, in a collective not traced (DDP's gradient all-reduce)")
+            inside = "its backward" if phase == "backward" else "its step, outside its phases"
+            summary += f"; rank {other} waits for it in {inside}"
+            evidence.append(f"in those steps rank {other}'s time in {inside} is {_ms(effect)} longer: its wait for "
+                            f"{_ranks_text(ranks)}, in a collective not traced (DDP's gradient all-reduce; one "
+                            "issued before the step's first forward, as the Trainer's token-count gather)")
         if waiting:
             summary += f"; {_ranks_text(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} for it in collectives"
             if len(waiting) > 6:

@@ -397,6 +397,25 @@ def test_ranks_waiting_for_each_other_in_different_collectives_are_named_as_cros
     assert "different orders" in finding["summary"]
 
 
+def test_ranks_in_different_collectives_of_the_same_sequence_are_not_one_collective_that_does_not_complete():
+    """FSDP2: rank 1 alone all-reduces in its forward; rank 0 goes on to FSDP's all-gather, the same sequence on the
+    group. The verdict read "every rank waits in all_gather_single ... the collective itself does not complete", with
+    the network's remedies."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(209, "all_gather_single", 25408, "float32")])
+    gather = _report(0, collective=("all_gather_single", 210))
+    reduce = _report(1, collective=("all_reduce", 210))
+    reduce.attributes[semconv.COMM_BYTES] = 20
+    hangs.add(gather)
+    hangs.add(reduce)
+    finding = hangs.findings("job")[0]
+    assert finding["summary"].startswith("the ranks wait in different collectives at the same point: rank 0 in "
+                                         "all_gather_single (group 1, sequence 210, 540160 bytes"), finding["summary"]
+    assert "rank 1 in all_reduce (group 1, sequence 210, 20 bytes" in finding["summary"]
+    assert not any("network" in remedy for remedy in finding["remedies"])
+
+
 def test_every_rank_in_the_same_collective_is_a_collective_that_does_not_complete():
     hangs = Hangs()
     for rank in (0, 1):

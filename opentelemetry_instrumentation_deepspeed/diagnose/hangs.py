@@ -215,6 +215,18 @@ class Hangs:
                 phase = report.get(semconv.TRAINING_PHASE)
                 found["phase"] = "between_steps" if report.get(semconv.HANG_BETWEEN_STEPS) and not phase else phase
             return [_with_stacks(found, latest, stopped)]
+        signatures = {(r.attributes.get(semconv.COMM_OP), r.attributes.get(semconv.COMM_BYTES),
+                       r.attributes.get(semconv.COMM_DTYPE)) for r in waiting.values()}
+        if len(signatures) > 1:
+            # Every rank is in a collective of the same sequence, but not the same collective: one issued on some
+            # ranks only met another rank's next one (FSDP2: a rank's extra all-reduce against the others' all-gather).
+            each = "; ".join(f"rank {rank} in {_collective_text(report)}{_during(report)}"
+                             for rank, report in sorted(waiting.items()))
+            summary = (f"the ranks wait in different collectives at the same point: {each}. The ranks issue their "
+                       "collectives in different orders (one issued on some ranks only)")
+            found = _finding("HANG", summary, evidence, [*REMEDIES["DESYNC"], *REMEDIES["HANG"][1:2]], None, step,
+                             lost, 0.9 if reported_all else 0.7, trace_ids)
+            return [_with_stacks(found, latest, ())]
         report = next(iter(waiting.values()))
         summary = (f"every rank waits in {_collective_text(report)} and none is missing: the collective itself does "
                    "not complete")

@@ -143,7 +143,7 @@ def test_which_patterns_are_the_others_wait_in_a_collective_no_span_shows(waited
     from opentelemetry_instrumentation_deepspeed.diagnose.findings import StepFindings
 
     steps = [3, 6, 9, 12]
-    found = SimpleNamespace(waits=SimpleNamespace(joined_in={6} if joined else set()))
+    found = SimpleNamespace(waits=SimpleNamespace(joined_in={6} if joined else set()), stages=False)
     by_pattern = {("data_wait", 3, 0): [(1, "data_wait", SimpleNamespace(steps=steps, effect=0.3))],
                   (waited_in, 3, 0): [(0, waited_in, SimpleNamespace(steps=steps, effect=0.29))]}
     unseen = StepFindings._unseen_waits(found, by_pattern)

@@ -201,6 +201,8 @@ class StepFindings:
         returned, {(period, offset): {rank: (its effect, the part it waited in)}}. (Where collectives show the waits,
         they tell; a stall in another's backward cannot be told from the wait: both stay.)"""
         unseen: dict = defaultdict(dict)
+        if self.stages:  # a pipeline's stages differ in their phases by design, and wait in their transfers
+            return unseen
         causes = defaultdict(set)  # (period, offset) -> the ranks stalling there in a part no wait hides in
         for (part, period, offset), members in by_pattern.items():
             if part not in UNTRACED_WAITS:
@@ -430,6 +432,8 @@ class StepFindings:
         other inside the backward, that is their wait for this rank; a rank late in its own backward holds none
         (the others' wait and its own work cannot be told apart there)."""
         held = {}
+        if self.stages:  # a pipeline's stages differ in their backward by design
+            return held
         for step in numbers:
             if step in self.waits.joined_in:
                 continue

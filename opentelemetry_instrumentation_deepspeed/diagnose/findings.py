@@ -39,6 +39,7 @@ DATA_WAIT_SHARE = 0.25  # data wait above this share of a step, in most steps
 # ZeRO-2 step on gloo exposes 22-38% with nothing wrong (docs/diagnose.md, "Accuracy").
 COMM_SHARE = 0.50
 BOOTSTRAP = 999  # resamples of the steps for a share's test
+OUTLIER_STEP = 3.0  # a rare step this many times the median step is a hiccup, no part of a steady share
 LATE_STEP_SHARE = 0.20  # a late rank's part must exceed the others' by this share of the median step (median)
 THROTTLED_SHARE = 0.2  # a hardware throttle reason active in this share of a GPU's samples
 
@@ -519,16 +520,24 @@ class StepFindings:
                     ranks = [rank]
                     summary = (f"rank {rank}: {{share:.0%}} of its step time is {what} (the other ranks' "
                                f"{others:.0%} at most)")
-            # Per step, the mean over the ranks of the part and of the step.
-            seconds = [statistics.fmean(self.parts[rank][step][part] for rank in ranks) for step in numbers]
+            # Per step, the mean over the ranks of the part and of the step. A rare step three times the median or
+            # more (a garbage collection's pause, a neighbour's burst) is no steady share's: one such step among 15
+            # put the share of a job whose every other step was 75% exposed communication within chance. Such
+            # steps that recur (a stall every 3rd step) are the job's, and stay.
             totals = [statistics.fmean(_step_time(self.parts[rank][step]) for rank in ranks) for step in numbers]
+            typical = statistics.median(totals)
+            steady = [step for step, total in zip(numbers, totals, strict=True) if total < OUTLIER_STEP * typical]
+            if len(numbers) - len(steady) > max(1, len(numbers) // 20):
+                steady = numbers
+            seconds = [statistics.fmean(self.parts[rank][step][part] for rank in ranks) for step in steady]
+            totals = [statistics.fmean(_step_time(self.parts[rank][step]) for rank in ranks) for step in steady]
             share = sum(seconds) / (sum(totals) or 1.0)
             if share <= threshold or sum(seconds) < self.min_cost:
                 continue
             # Bootstrap over the steps: how often a run of such steps would still be above the threshold.
             below = 0
             for _ in range(BOOTSTRAP):
-                picks = [self.rng.randrange(len(numbers)) for _ in numbers]
+                picks = [self.rng.randrange(len(steady)) for _ in steady]
                 below += sum(seconds[i] for i in picks) <= threshold * sum(totals[i] for i in picks)
             p_value = (below + 1) / (BOOTSTRAP + 1)
             if p_value > ALPHA:
@@ -538,7 +547,9 @@ class StepFindings:
             found.append(finding(
                 layer, summary.format(share=share),
                 evidence=[f"{_ms(statistics.median(seconds))} per step (median{'' if one else ', mean over ranks'}); "
-                          f"above {threshold:.0%} of the step in {above} of {len(numbers)} steps",
+                          f"above {threshold:.0%} of the step in {above} of {len(steady)} steps"
+                          + (f" (of {len(numbers)}: {len(numbers) - len(steady)} three times the median step or "
+                             "longer left out)" if len(steady) < len(numbers) else ""),
                           f"bootstrap over the steps: the share is at most {threshold:.0%} in {below} of "
                           f"{BOOTSTRAP} resamples (p = {p_value:.3f})"],
                 rank=ranks[0] if one else None, cost_seconds=sum(seconds), run_seconds=self.run_seconds,

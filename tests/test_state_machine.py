@@ -572,6 +572,36 @@ def test_the_time_in_collectives_between_two_steps_is_the_next_step_s_wait_for_t
     assert [record.between_comm for record in records] == [0, 250_000_000, 0]
 
 
+def test_a_collective_after_the_step_s_first_fetch_and_before_its_forward_is_the_step_s():
+    """The Trainer fetches a step's micro-batches, then gathers their token count, then runs the forwards: the
+    gather was in no step and in no wait between steps; a rank's wait there for a peer's loader read as host work."""
+    rec, engine, records = recorder(grad_accum=2)
+    submitted = []
+    rec.builder._submit = lambda item: submitted.append(item) if isinstance(item, Call) else records.submit(item)
+    rec.data_waited(100, 110)
+    gather = Call()
+    gather.start = 120
+    rec.comm_issued(gather)
+    gather.end = 170
+    assert gather.in_step is None, "not measured as outside a step when it completes"
+    rec.data_waited(180, 190)
+    for _ in range(2):
+        rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+        rec.phase_ended(rec.backward_started(engine))
+        engine.step(rec)
+    (record,) = records
+    assert record.start == 100 and record.collectives == [gather] and gather.parent is None and gather.in_step
+    assert record.between_comm == 0 and submitted == []
+    # Fetches an evaluation took (its forward seen): its collectives are measured as outside any step.
+    rec.data_waited(300, 310)
+    metric = Call()
+    metric.start, metric.end = 320, 330
+    rec.comm_issued(metric)
+    rec.not_training()
+    rec.replay()
+    assert submitted == [metric] and metric.in_step is False
+
+
 @pytest.mark.parametrize(("where", "method"), [(StepBuilder, "_end_phase"), (StepRecorder, "_close")])
 def test_a_bug_in_an_action_disables_the_recorder_and_ends_the_open_step(where, method, caplog, monkeypatch):
     """A bug in the builder raises as the log is replayed (here: as the step closes), one on the training thread

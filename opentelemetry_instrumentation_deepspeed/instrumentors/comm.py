@@ -258,7 +258,7 @@ class CommObserver(Component):
         call.end = time.time_ns()  # last: the emitter takes a set end as complete
         # Outside any step: its metrics only; none before the SDK is set up (the engine's own
         # start-up broadcasts), as the API would drop them.
-        if not call.in_step and self._sdk_behind():
+        if call.in_step is False and self._sdk_behind():  # None: kept for the next step (StepRecorder.comm_issued)
             self._emitter.submit(call, drain)
 
     def _sdk_behind(self) -> bool:

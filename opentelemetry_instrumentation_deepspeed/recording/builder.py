@@ -69,6 +69,8 @@ class StepBuilder(Component):
             state.KEEP_WAIT, state.ADD_WAIT, state.DROP_WAITS, state.OPEN_STEP, state.START_PHASE, state.END_PHASE,
             state.FAIL_PHASE, state.INTERRUPT_PHASE, state.CLOSE_STEP, state.FAIL_STEP)}
         self.joining = (self._join,)  # a collective's actions
+        self.keeping = (self._keep_collective,)  # ... one issued after the next step's first fetch, before it opens
+        self._early: list = []  # those, until the step opens (its children) or its fetches are dropped (outside any)
 
     def replay(self) -> StepRecord | None:
         """Apply every entry logged so far; the open record after them. A bug in an action is logged once and turns
@@ -117,6 +119,7 @@ class StepBuilder(Component):
                 self.replay()
             self._drop_log()
             self._end_open(now)
+            self._release_early()
 
     def _end_open(self, now: int) -> None:
         with self._lock:
@@ -163,6 +166,23 @@ class StepBuilder(Component):
     def _drop_waits(self, _entry) -> None:
         # An evaluation forward: what was fetched since the last step fed it; a look-ahead is the next step's.
         self._waits = [wait for wait in self._waits if wait[2]]
+        self._release_early()
+
+    def _keep_collective(self, entry) -> None:
+        if self.open is not None or len(self._early) >= MAX_COLLECTIVES:
+            self._outside(entry[3])  # issued as another thread's step opened; or a loop that never steps
+        else:
+            self._early.append(entry[3])
+
+    def _release_early(self, after: int | None = None) -> list:
+        """The collectives kept for the next step: those issued from ``after`` on stay (returned), the others are
+        measured as issued outside any step."""
+        kept = [] if after is None else [call for call in self._early if call.start >= after]
+        for collective in self._early:
+            if after is None or collective.start < after:
+                self._outside(collective)
+        self._early = []
+        return kept
 
     def _open_step(self, entry) -> None:
         number, profiled, fetched_or_opened, between = entry[6]
@@ -172,6 +192,10 @@ class StepBuilder(Component):
         start = next((wait[0] for wait in waits if not wait[2]), fetched_or_opened)
         record = StepRecord(self.facts, number, start, [(w[0], w[1], i) for i, w in enumerate(waits)], [], [])
         waits.clear()
+        if self._early:  # issued after its first fetch, before its first phase: the step's own, under no phase
+            for collective in self._release_early(after=start):
+                collective.in_step, collective.parent = True, None
+                record.collectives.append(collective)
         record.gpu = self._gpu
         record.profiled = profiled
         record.between_comm = between

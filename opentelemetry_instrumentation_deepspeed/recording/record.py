@@ -96,7 +96,9 @@ class Collective:
         self.start = start
         self.end: int | None = None
         self.failure: Failure | None = None
-        self.in_step = False  # issued in an open step, whose record holds it (no reference back: no cycle)
+        # Issued in an open step, whose record holds it (no reference back: no cycle); None: after the next step's
+        # first fetch, kept for it until it opens.
+        self.in_step: bool | None = False
         self.parent: Phase | None = None  # the phase it was issued in; None: the step (or no step)
         # It asks for a span (OTEL_PYTHON_DEEPSPEED_COMM=spans); the emitter clears it past the step's span limit
         self.spanned = spanned

@@ -70,6 +70,7 @@ class StepRecorder(Component):
         self._log = self.builder.log
         self._append = self._log.append
         self._joining = self.builder.joining
+        self._keeping = self.builder.keeping
         self._on_cuda = gpu is not None or memory is not None
         # Handed to the emitter, which has not replayed it yet: a step's close need not hand it over again.
         self.queued = False
@@ -288,8 +289,15 @@ class StepRecorder(Component):
         """A collective issued now joins the open step, under the running phase (the emitter counts them,
         and keeps their spans within the span limit). Any thread may call this (backward hooks run on autograd's)."""
         if self.state == State.IDLE or self.broken or self.builder.broken:
-            if (self.state == State.IDLE and not self.broken and not collective.is_async
-                    and len(self._between) < MAX_BETWEEN and _get_ident() == self.thread):
+            if self.state != State.IDLE or self.broken or _get_ident() != self.thread:
+                return
+            if self._fetch_start is not None:
+                # After the next step's first fetch, before its first phase (the Trainer gathers the step's token
+                # count there): the step's, from where it starts; kept with its fetches until it opens (None: not
+                # yet in a step, nor measured as outside one when it completes; a rank blocked in it is between steps).
+                collective.in_step = None
+                self._append((COLLECTIVE, self._keeping, 0, collective, None, None, None))
+            elif not collective.is_async and len(self._between) < MAX_BETWEEN:
                 self._between.append(collective)
             return
         collective.in_step = True

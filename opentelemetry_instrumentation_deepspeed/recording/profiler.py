@@ -56,7 +56,7 @@ class StepProfiler(Component):
         self._emitted = 0.0  # CPU seconds the emitter's thread spent making the profiles spans (written there only)
         self._profile = None
         self._thread: int | None = None  # the thread that started the running profile: the session is that thread's
-        self._ended = None  # the open step's profile, ended before the step closed (the profiling thread forked)
+        self._stopped = False  # the running profile was stopped before its step closed (the profiling thread forked)
         # number -> whether a profile of that step can come to anything (its spans sampled, an emitter to make them):
         # asked only where a step is to be profiled (engine.build_recorder sets it)
         self.worth = None
@@ -105,17 +105,16 @@ class StepProfiler(Component):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         profile = self._profile = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
-        self._thread, self._ended = threading.get_ident(), None
+        self._thread = threading.get_ident()
         profile.start()  # kept first: a start that fails half-way leaves a profile for fail() to stop
         return True
 
     def _stop(self):
         profile = self._profile
-        if profile is None:
-            profile, self._ended = self._ended, None
-            return profile
-        profile.stop()
-        self._profile = None  # only once stopped: a stop that raised leaves its session for fail() to end
+        if profile is not None:
+            if not self._stopped:
+                profile.stop()
+            self._profile, self._stopped = None, False  # only once stopped: one that raised is left for fail()
         return profile
 
     @fail_open
@@ -125,8 +124,9 @@ class StepProfiler(Component):
         it lives (150 MiB per 50,000 operators), and ending it there processes the parent's events first (70 us
         each). The profile ends here, before the fork; the step keeps what it holds. A fork from another thread
         inherits no session."""
-        if self._profile is not None and threading.get_ident() == self._thread:
-            self._ended = self._stop()
+        if self._profile is not None and not self._stopped and threading.get_ident() == self._thread:
+            self._profile.stop()
+            self._stopped = True
 
     def fail(self, where: str) -> None:
         """Turned off by its own failure: a profile it was running is stopped too (Kineto left running would cost
@@ -137,7 +137,7 @@ class StepProfiler(Component):
             self._stop()
         except Exception:  # noqa: BLE001 - already failing: what stops, stops
             pass
-        self._profile = None
+        self._profile, self._stopped = None, False
         torch = sys.modules.get("torch")
         if started and torch is not None:
             with contextlib.suppress(Exception):  # a session left on by a start or a stop that failed part-way is ours
@@ -154,12 +154,12 @@ class StepProfiler(Component):
         """The step failed, or the process exits: stop the profiler, emit nothing. Only the thread that started it
         can (the hang watchdog's thread runs the exit of a rank stuck in native code: the stop would find no session
         there, and warn three times)."""
-        if self._profile is None or threading.get_ident() == self._thread:
+        if self._profile is None or self._stopped or threading.get_ident() == self._thread:
             self._stop()
 
     def step_closed(self, seconds: float):
         """The stopped profiler of a profiled step (its events are read off the training thread), else None."""
-        if self._profile is not None or self._ended is not None:
+        if self._profile is not None:
             if not self._slow_factor:
                 return self._stop()
             started = time.perf_counter()

@@ -318,6 +318,7 @@ class StepFindings:
                 evidence.append(f"in {before} of those steps the wait was in a collective before the step (a barrier "
                                 "after the stall), outside any step's span: in the comm metrics, and the steps' "
                                 f"{semconv.TRAINING_STEP_BETWEEN_COMM}")
+        waited = {**waiting, **{other: effect for other, (effect, _phase) in unseen.items()}}
         p_value = max(member[2].p_value for member in members)
         evidence.append(f"permutation test: p = {p_value:.3f} ({periodic.PERMUTATIONS} shuffles of the steps)")
         if pattern.since is not None:
@@ -332,8 +333,7 @@ class StepFindings:
                        period=pattern.period, offset=pattern.offset, phase=part, steps=pattern.steps,
                        extra_seconds=pattern.effect, ranks=ranks, test="permutation",
                        chain={"late_ranks": [] if everywhere else ranks, "phase": part,
-                              "waiting": {str(r): s for r, s in sorted({**waiting, **{
-                                  other: effect for other, (effect, _phase) in unseen.items()}}.items())}})
+                              "waiting": {str(r): s for r, s in sorted(waited.items())}})
 
     def _waiting_in(self, steps: list[int], exclude: set[int]) -> dict[int, float]:
         """Ranks that wait longer in collectives in ``steps`` than in the others: the median difference."""

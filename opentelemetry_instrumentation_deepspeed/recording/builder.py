@@ -177,11 +177,12 @@ class StepBuilder(Component):
     def _release_early(self, after: int | None = None) -> list:
         """The collectives kept for the next step: those issued from ``after`` on stay (returned), the others are
         measured as issued outside any step."""
-        kept = [] if after is None else [call for call in self._early if call.start >= after]
-        for collective in self._early:
-            if after is None or collective.start < after:
+        early, self._early, kept = self._early, [], []
+        for collective in early:
+            if after is not None and collective.start >= after:
+                kept.append(collective)
+            else:
                 self._outside(collective)
-        self._early = []
         return kept
 
     def _open_step(self, entry) -> None:

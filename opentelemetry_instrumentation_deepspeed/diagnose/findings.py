@@ -524,13 +524,14 @@ class StepFindings:
             # more (a garbage collection's pause, a neighbour's burst) is no steady share's: one such step among 15
             # put the share of a job whose every other step was 75% exposed communication within chance. Such
             # steps that recur (a stall every 3rd step) are the job's, and stay.
-            totals = [statistics.fmean(_step_time(self.parts[rank][step]) for rank in ranks) for step in numbers]
-            typical = statistics.median(totals)
-            steady = [step for step, total in zip(numbers, totals, strict=True) if total < OUTLIER_STEP * typical]
+            step_time = {step: statistics.fmean(_step_time(self.parts[rank][step]) for rank in ranks)
+                         for step in numbers}
+            typical = statistics.median(step_time.values())
+            steady = [step for step in numbers if step_time[step] < OUTLIER_STEP * typical]
             if len(numbers) - len(steady) > max(1, len(numbers) // 20):
                 steady = numbers
             seconds = [statistics.fmean(self.parts[rank][step][part] for rank in ranks) for step in steady]
-            totals = [statistics.fmean(_step_time(self.parts[rank][step]) for rank in ranks) for step in steady]
+            totals = [step_time[step] for step in steady]
             share = sum(seconds) / (sum(totals) or 1.0)
             if share <= threshold or sum(seconds) < self.min_cost:
                 continue

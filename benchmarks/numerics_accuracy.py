@@ -39,7 +39,11 @@ CASES = {
     "loss-x20-s10-1r": (1, ["--steps", "16", "--grad-accum", "2", "--inject-loss-spike", "10:0:20"],
                         ("MODEL", "loss_spike", 0, 10)),
     "loss-x1.5-s15-1r": (1, ["--steps", "20", "--inject-loss-spike", "15:0:1.5"], ("MODEL", "loss_spike", 0, 15)),
-    "grad-x10-s18-r1": (2, ["--steps", "24", "--inject-grad-spike", "18:1:10"], ("MODEL", "grad_norm_spike", 1, 18)),
+    # DeepSpeed's gradient norm is the job's: a spike on one rank is every rank's (rank None).
+    "grad-x10-s18-r1": (2, ["--steps", "24", "--inject-grad-spike", "18:1:10"],
+                        ("MODEL", "grad_norm_spike", None, 18)),
+    "grad-nan-s11-r0-z2": (2, ["--steps", "16", "--zero-stage", "2", "--inject-grad-nan", "11:0"],
+                           ("MODEL", "nonfinite_grad_norm", None, 11)),
     "grad-x30-s12-1r": (1, ["--steps", "16", "--inject-grad-spike", "12:0:30"], ("MODEL", "grad_norm_spike", 0, 12)),
     "nan-s9-r1": (2, ["--steps", "14", "--zero-stage", "1", "--inject-nan", "9:1"], ("MODEL", "nonfinite_loss", 1, 9)),
     "nan-s20-1r": (1, ["--steps", "24", "--grad-accum", "2", "--inject-nan", "20:0"],

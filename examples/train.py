@@ -295,6 +295,18 @@ class _RaiseOutOfMemory(torch.autograd.Function):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
 
+class _NonFiniteGradient(torch.autograd.Function):
+    """Identity forward; the backward makes every gradient NaN, the loss's value left as it is."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
 class Injection:
     """The numerics and memory faults of one rank, by optimizer step (1-based)."""
 
@@ -309,6 +321,7 @@ class Injection:
         self.loss_spike = parse(args.inject_loss_spike, 3)
         self.grad_spike = parse(args.inject_grad_spike, 3)
         self.nan = parse(args.inject_nan, 2)
+        self.grad_nan = parse(args.inject_grad_nan, 2)
         self.oom = parse(args.inject_oom, 3)
 
     def forward(self, step: int, model) -> None:
@@ -323,6 +336,8 @@ class Injection:
             loss = loss * factor - (loss * (factor - 1)).detach()
         if self.nan and self.nan[0] == step:
             loss = loss * float("nan")
+        if self.grad_nan and self.grad_nan[0] == step:
+            loss = _NonFiniteGradient.apply(loss)
         if self.oom and self.oom[0] == step and self.oom[1] == "backward":
             loss = _RaiseOutOfMemory.apply(loss)
         return loss
@@ -399,8 +414,11 @@ def _numerics_arguments(parser) -> None:
                           help="multiply the loss (and so its gradients) of optimizer step STEP on rank R by F")
     numerics.add_argument("--inject-grad-spike", metavar="STEP:R:F",
                           help="multiply the gradients of step STEP on rank R by F, leaving the loss's value as it is")
-    numerics.add_argument("--inject-nan", metavar="STEP:R", help="the loss of step STEP on rank R is NaN (and so are "
-                                                                 "the weights after it, unless fp16 skips the step)")
+    numerics.add_argument("--inject-nan", metavar="STEP:R",
+                          help="the loss of step STEP on rank R is NaN (and so are the weights after it, unless the "
+                               "optimizer skips the step: fp16's does, and ZeRO 1 and 2's in any precision)")
+    numerics.add_argument("--inject-grad-nan", metavar="STEP:R",
+                          help="the gradients of step STEP on rank R are NaN, the loss's value as it is")
     numerics.add_argument("--inject-oom", metavar="STEP:R:PHASE",
                           help="raise torch.OutOfMemoryError in the forward or backward of step STEP on rank R")
 

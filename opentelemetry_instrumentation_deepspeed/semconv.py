@@ -54,6 +54,7 @@ TRAINING_STEP_PHASES_DROPPED = "training.step.phases_dropped"  # past the phases
 TRAINING_GRADIENT_ACCUMULATION_STEPS = "training.gradient_accumulation_steps"
 TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
 TRAINING_ZERO_STAGE = "training.zero_stage"
+TRAINING_PRECISION = "training.precision"  # fp16, bf16, fp32: DeepSpeed's configuration
 TRAINING_BACKWARD_DIRECT = "training.backward.direct"
 # The model layer, on training.step: the step's loss (the mean over its micro-batches) and global
 # gradient norm, and what the numerics watch found in them (one of NUMERICS_KINDS, comma-joined)

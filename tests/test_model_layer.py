@@ -75,3 +75,20 @@ def test_nan_then_oom_are_named_with_rank_step_and_phase(tmp_path):
     failed = next(s for s in run.by_rank()[1] if s.name == "training.step" and s.attributes["training.step"] == 6)
     assert memory["trace_ids"] == [failed.trace_id]
     assert failed.attributes["training.memory.oom"] == "backward"
+
+
+def test_a_nan_gradient_without_fp16_is_named_at_its_step_not_taken_for_loss_scaling(tmp_path):
+    """fp32 ZeRO-2: DeepSpeed skips a step whose gradients hold a NaN, with no loss scale to calibrate. A review's runs
+    read NONE (the skip taken for fp16's calibration), and a NaN every step read "fp16 overflows step after step"."""
+    run = launch(tmp_path, "torchrun", "--steps", "10", "--micro-batch-size", "4", "--zero-stage", "2",
+                 "--inject-grad-nan", "6:1").check()
+    for spans in run.by_rank().values():
+        steps = {s.attributes["training.step"]: s.attributes for s in spans if s.name == "training.step"}
+        assert {a["training.precision"] for a in steps.values()} == {"fp32"}
+        assert [n for n, a in sorted(steps.items()) if a["training.step.skipped"]] == [6]
+        assert "nonfinite_grad_norm" in steps[6]["training.numerics.anomaly"]
+        assert all(a["training.loss"] == a["training.loss"] for a in steps.values()), "the loss stays finite"
+    verdict = diagnose(tmp_path)["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"]) == \
+        ("MODEL", "nonfinite_grad_norm", None, 6), verdict
+    assert "fp16" not in " ".join(verdict["remedies"])

@@ -3,7 +3,9 @@
 ``NumericsWatch`` judges one rank's steps in order, from their loss, gradient norm and skipped
 flag: a non-finite loss or gradient norm, a loss or gradient-norm spike (``factor`` times the
 median of the recent finite values, and far outside their spread, so a noisy but healthy loss
-never counts), a run of skipped (fp16 overflow) steps after training got going. The emitter runs
+never counts), a run of skipped (fp16 overflow) steps after training got going. Without fp16 loss
+scaling (bf16, fp32) nothing calibrates by skipping: DeepSpeed's ZeRO optimizers skip a step whose
+gradients hold an inf or a NaN, and that is a non-finite gradient norm at once. The emitter runs
 it live (the ``training.numerics.anomalies`` metric and the step's attribute); ``ModelFindings``
 runs it again over a whole run's spans for ``diagnose`` (MODEL), and names each out-of-memory
 error with its rank, step, phase and memory figures (MEMORY).
@@ -24,20 +26,37 @@ SPREAD_FACTOR = 6.0  # ... and this many robust standard deviations (1.4826 MAD)
 SKIPPED_RUN = 3  # consecutive skipped steps, once a step was applied, that make a run
 
 
+# Precisions no loss scaler runs with (``training.precision``): a skipped step there is no calibration.
+UNSCALED = ("bf16", "fp32")
+
+
 class _Baseline:
     def __init__(self, factor: float):
         self.factor = factor
         self.values: deque = deque(maxlen=WINDOW)
 
     def spike(self, value: float) -> float | None:
-        """``value`` over the median when it is a spike, else None; ``value`` then joins the baseline."""
+        """``value`` over the median when it is a spike, else None; ``value`` then joins the baseline.
+
+        The spread is judged on the logarithms where every value is positive: a loss or a norm is noisy by
+        factors, and its spread is skewed (a small batch's mean squared error is a scaled chi-square), so a
+        median and MAD of the values themselves put healthy tails 6 robust deviations out (a review: a healthy
+        regression at 4 samples per step raised a spike in 1 run of 4; simulated, 26% of 60-step runs, 0.5% on
+        the logarithms). A spike is a factor too, so a steady loss loses nothing: x3 still stands out."""
         found = None
         if len(self.values) >= MIN_BASELINE:
-            median = _median(sorted(self.values))
+            ordered = sorted(self.values)
+            median = _median(ordered)
             # The spread (a second sort) only for a candidate: this runs on the emitter's thread every step.
             if median > 0 and value > self.factor * median:
-                spread = 1.4826 * _median(sorted(abs(v - median) for v in self.values))
-                if value - median > SPREAD_FACTOR * spread:
+                if ordered[0] > 0:
+                    logs = [math.log(v) for v in ordered]
+                    center = _median(logs)
+                    excess = math.log(value) - center
+                else:  # a loss that may be negative (a log-likelihood, a reward): the values themselves
+                    logs, center, excess = ordered, median, value - median
+                spread = 1.4826 * _median(sorted(abs(v - center) for v in logs))
+                if excess > SPREAD_FACTOR * spread:
                     found = value / median
         self.values.append(value)
         return found
@@ -49,9 +68,11 @@ def _median(ordered: list) -> float:
 
 
 class NumericsWatch:
-    """One rank's steps, judged in order: ``step`` returns [(kind, detail)] for each anomaly."""
+    """One rank's steps, judged in order: ``step`` returns [(kind, detail)] for each anomaly. ``scaled``: a loss
+    scaler may skip steps (fp16; or the precision is not known)."""
 
-    def __init__(self):
+    def __init__(self, scaled: bool = True):
+        self.scaled = scaled
         self._loss = _Baseline(LOSS_SPIKE_FACTOR)
         self._grad_norm = _Baseline(GRAD_NORM_SPIKE_FACTOR)
         self._applied = False  # a step was applied: skipped steps before it calibrate the loss scale
@@ -66,8 +87,13 @@ class NumericsWatch:
                 ratio = self._loss.spike(loss)
                 if ratio:
                     found.append((semconv.NUMERICS_LOSS_SPIKE, f"loss {loss:.4g}, {ratio:.1f}x the recent median"))
+        if skipped and not self.scaled:
+            # No loss scale to calibrate: the optimizer skipped the step for an inf or a NaN in the gradients.
+            norm = "" if grad_norm is None else f"gradient norm {grad_norm}, "
+            found.append((semconv.NUMERICS_NONFINITE_GRAD_NORM,
+                          f"{norm}the optimizer skipped the step (no fp16 loss scale: not an overflow)"))
         # A skipped step's norm is the overflow itself (inf or NaN by design): the run of skips tells.
-        if grad_norm is not None and not skipped:
+        elif grad_norm is not None and not skipped:
             if not math.isfinite(grad_norm):
                 found.append((semconv.NUMERICS_NONFINITE_GRAD_NORM, f"gradient norm {grad_norm}"))
             else:
@@ -77,7 +103,7 @@ class NumericsWatch:
                                   f"gradient norm {grad_norm:.4g}, {ratio:.1f}x the recent median"))
         if skipped:
             self._skipped_run += 1
-            if self._applied and self._skipped_run == SKIPPED_RUN:
+            if self.scaled and self._applied and self._skipped_run == SKIPPED_RUN:
                 found.append((semconv.NUMERICS_SKIPPED_RUN, f"{SKIPPED_RUN} consecutive steps skipped (overflow)"))
         else:
             self._applied, self._skipped_run = True, 0
@@ -136,42 +162,20 @@ class ModelFindings:
             steps[number] = (span.trace_id, span.end, attributes, known)
 
     def findings(self, job: str, step_seconds: float | None = None) -> list[dict]:
+        ranks = {rank: steps for (step_job, rank), steps in sorted(self._steps.items()) if step_job == job}
+        anomalies = {rank: _anomalies(steps) for rank, steps in ranks.items()}
         found = []
-        for (step_job, rank), steps in sorted(self._steps.items()):
-            if step_job != job:
-                continue
-            found += self._numerics(rank, steps, step_seconds)
+        for kind in _TITLES:
+            entries = {rank: by_kind[kind] for rank, by_kind in anomalies.items() if kind in by_kind}
+            if len(ranks) > 1 and len(entries) == len(ranks) and len({e["step"] for e in entries.values()}) == 1:
+                # The same step on every rank: a global gradient norm (DeepSpeed's is the job's), or weights gone
+                # non-finite everywhere in one update. Naming one rank (the first) would be a guess.
+                found.append(_numerics_finding(kind, None, next(iter(entries.values())), step_seconds))
+            else:
+                found += [_numerics_finding(kind, rank, entry, step_seconds) for rank, entry in entries.items()]
+        for rank, steps in ranks.items():
             found += self._memory(rank, steps)
         return found
-
-    @staticmethod
-    def _numerics(rank: int, steps: dict, step_seconds: float | None) -> list[dict]:
-        watch = NumericsWatch()
-        first: dict = {}
-        for number in sorted(steps):
-            trace_id, _end, attributes, _earlier = steps[number]
-            loss, grad_norm = attributes.get(semconv.TRAINING_LOSS), attributes.get(semconv.TRAINING_GRAD_NORM)
-            skipped = bool(attributes.get(semconv.TRAINING_STEP_SKIPPED))
-            for kind, detail in watch.step(loss, grad_norm, skipped):
-                entry = first.setdefault(kind, {"step": number, "detail": detail, "steps": [], "trace_ids": []})
-                entry["steps"].append(number)
-                entry["trace_ids"].append(trace_id)
-        findings = []
-        for kind, entry in first.items():
-            count = len(entry["steps"])
-            later = ""
-            if count > 1:
-                later = f" (and {count - 1} later step{'s' if count > 2 else ''}: {entry['steps'][1:6]})"
-            findings.append({
-                "layer": "MODEL", "kind": kind, "rank": rank, "step": entry["step"],
-                "summary": f"{_TITLES[kind]} on rank {rank} at step {entry['step']}: {entry['detail']}{later}",
-                "evidence": [f"training.step {n} of rank {rank}" for n in entry["steps"][:5]],
-                "remedies": REMEDIES[kind],
-                # A diverging run loses what follows it: counted as the step time of each affected step.
-                "cost_seconds": step_seconds * count if step_seconds else None,
-                "confidence": _CONFIDENCE[kind], "trace_ids": entry["trace_ids"][:5],
-            })
-        return findings
 
     @staticmethod
     def _memory(rank: int, steps: dict) -> list[dict]:
@@ -185,6 +189,43 @@ class ModelFindings:
                     findings.append(_oom_finding(rank, number, phase, trace_id, attributes))
                 record = earlier
         return findings
+
+
+def _anomalies(steps: dict) -> dict:
+    """One rank's steps judged in order: kind -> its first step, detail, and every step and trace it was seen in."""
+    first_step = steps[min(steps)][2] if steps else {}
+    watch = NumericsWatch(scaled=first_step.get(semconv.TRAINING_PRECISION) not in UNSCALED)
+    found: dict = {}
+    for number in sorted(steps):
+        trace_id, _end, attributes, _earlier = steps[number]
+        loss, grad_norm = attributes.get(semconv.TRAINING_LOSS), attributes.get(semconv.TRAINING_GRAD_NORM)
+        skipped = bool(attributes.get(semconv.TRAINING_STEP_SKIPPED))
+        for kind, detail in watch.step(loss, grad_norm, skipped):
+            entry = found.setdefault(kind, {"step": number, "detail": detail, "steps": [], "trace_ids": []})
+            entry["steps"].append(number)
+            entry["trace_ids"].append(trace_id)
+    return found
+
+
+def _numerics_finding(kind: str, rank: int | None, entry: dict, step_seconds: float | None) -> dict:
+    """``rank`` None: the same anomaly at the same step on every rank."""
+    count = len(entry["steps"])
+    later = f" (and {count - 1} later step{'s' if count > 2 else ''}: {entry['steps'][1:6]})" if count > 1 else ""
+    where = "every rank" if rank is None else f"rank {rank}"
+    remedies = REMEDIES[kind]
+    if rank is None and kind == semconv.NUMERICS_NONFINITE_LOSS:
+        remedies = [f"every rank at once: the same bad input on every rank, or weights that went non-finite in the "
+                    f"update before step {entry['step']} (an inf or a NaN in one rank's gradients is all-reduced into "
+                    "every rank's): look at the gradients of the step before, on each rank", *remedies[1:]]
+    return {
+        "layer": "MODEL", "kind": kind, "rank": rank, "step": entry["step"],
+        "summary": f"{_TITLES[kind]} on {where} at step {entry['step']}: {entry['detail']}{later}",
+        "evidence": [f"training.step {n} of {where}" for n in entry["steps"][:5]],
+        "remedies": remedies,
+        # A diverging run loses what follows it: counted as the step time of each affected step.
+        "cost_seconds": step_seconds * count if step_seconds else None,
+        "confidence": _CONFIDENCE[kind], "trace_ids": entry["trace_ids"][:5],
+    }
 
 
 def _oom_finding(rank: int, number: int, phase: str, trace_id: str, attributes: dict) -> dict:

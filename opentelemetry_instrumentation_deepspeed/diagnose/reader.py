@@ -29,7 +29,7 @@ _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, se
 # The model and memory layers (diagnose/model.py)
 _MODEL_TYPES = {semconv.TRAINING_LOSS: (int, float), semconv.TRAINING_GRAD_NORM: (int, float),
                 semconv.TRAINING_MEMORY_OOM: str, semconv.TRAINING_MEMORY_ALLOCATED: int,
-                semconv.TRAINING_MEMORY_RESERVED: int,
+                semconv.TRAINING_MEMORY_RESERVED: int, semconv.TRAINING_PRECISION: str,
                 **{semconv.TRAINING_MEMORY_PHASE_PEAK.format(phase=phase): int for phase in semconv.PHASES[1:]}}
 # The input layer (diagnose/inputs.py)
 _INPUT_TYPES = {semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_TOKENS: int,

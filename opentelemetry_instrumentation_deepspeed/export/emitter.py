@@ -79,6 +79,8 @@ class StepFacts:
             semconv.TRAINING_ZERO_STAGE: int(engine.zero_optimization_stage()),
             semconv.TRAINING_MICRO_BATCH_SIZE: engine.train_micro_batch_size_per_gpu(),
         }
+        if metrics.precision is not None:
+            self.static[semconv.TRAINING_PRECISION] = metrics.precision
         self.profile_top = profile_top
         self.profile_cost = None  # called with the CPU seconds each profile's spans took (the profiler's budget)
         self.comm_span_limit = comm_span_limit  # collective spans per step; the others are counted

@@ -17,7 +17,7 @@ import weakref
 from opentelemetry.metrics import Observation
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose.model import NumericsWatch
+from opentelemetry_instrumentation_deepspeed.diagnose.model import UNSCALED, NumericsWatch
 from opentelemetry_instrumentation_deepspeed.export.histograms import TimedHistogram
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, observing
@@ -74,7 +74,8 @@ class TrainingMetrics:
         self.loss_scale: float | None = None
         self.loss: float | None = None
         self.grad_norm: float | None = None
-        self.numerics = NumericsWatch()
+        self.precision = precision(engine)
+        self.numerics = NumericsWatch(scaled=self.precision not in UNSCALED)
         self.anomalies = dict.fromkeys(semconv.NUMERICS_KINDS, 0)
         self.memory = None  # the allocator's last reading (recording.allocator.Memory), on CUDA
         self.memory_peaks: dict[str, int] = {}  # each phase's peak in the last step that ran it
@@ -210,6 +211,21 @@ class TrainingMetrics:
         self.skipped += skipped
         if self._flops_per_token and self._peak and tokens:
             self.mfu = tokens * self._flops_per_token / (seconds * self._peak)
+
+
+def precision(engine) -> str | None:
+    """``fp16``, ``bf16`` or ``fp32``, as DeepSpeed's configuration says (fp16: a loss scaler that skips a step on
+    overflow); None where nothing says (a plain loop's, whose scaler, if any, is the program's)."""
+    try:
+        if engine.fp16_enabled():
+            return "fp16"
+        if engine.bfloat16_enabled():
+            return "bf16"
+        if engine.torch_autocast_enabled():
+            return {"torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(engine.torch_autocast_dtype()), "fp32")
+    except AttributeError:  # not DeepSpeed's engine, or a version without one of these
+        return None
+    return "fp32"
 
 
 def _loss_scale(engine) -> float | None:

@@ -25,7 +25,7 @@ def environ(monkeypatch):
                  "OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP",
                  "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER",
                  "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
-                 "SLURM_JOB_ID", "SLURM_STEP_ID", "OTEL_BSP_SCHEDULE_DELAY"):
+                 "SLURM_JOB_ID", "SLURM_STEP_ID", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_PYTHON_ID_GENERATOR"):
         monkeypatch.delenv(name, raising=False)
     env.reset_cache()
     yield monkeypatch
@@ -104,6 +104,49 @@ def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
     assert f"default {default!r}" in record.getMessage()
 
 
+@pytest.mark.parametrize(("name", "value", "settled"), [
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "grpc"),
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "bogus", "grpc"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd", "none"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", "10"),
+    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "abc", "10"),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", "-1", "2048"),
+    ("OTEL_BSP_SCHEDULE_DELAY", "abc", "1000"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "0", "60000"),
+    ("OTEL_TRACES_EXPORTER", "bogus", "deepspeed_file"),
+    ("OTEL_TRACES_EXPORTER", "deepspeed_file, bogus", "deepspeed_file"),
+    ("OTEL_METRICS_EXPORTER", "bogus", "deepspeed_file"),
+    ("OTEL_LOGS_EXPORTER", "bogus", "none"),
+    ("OTEL_PYTHON_ID_GENERATOR", "bogus", "deepspeed_random"),
+])
+def test_sdk_variables_the_sdk_would_fail_on_are_named_once_and_replaced(environ, caplog, name, value, settled):
+    """A review: each of these made the SDK's set-up raise (every signal's telemetry lost, a traceback, no variable
+    named), or retried every export for ever (a negative timeout)."""
+    import os
+
+    environ.setenv(name, value)
+    env.check_all()
+    with caplog.at_level(logging.WARNING):
+        env.settle_sdk_variables()
+        env.settle_sdk_variables()  # a second engine: nothing more to say
+    assert os.environ[name] == settled
+    said = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(said) == 1 and f"{name}={value!r} is not valid" in said[0] and repr(settled) in said[0], said
+
+
+@pytest.mark.parametrize("value", ["   ", " http://127.0.0.1:4318 "])
+def test_an_endpoint_is_taken_without_the_spaces_around_it(environ, value):
+    """A review: a blank endpoint chose OTLP and every span was lost; one with spaces around it passed the URL check,
+    and the HTTP exporter refused the host with a space in it."""
+    import os
+
+    environ.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", value)
+    DeepSpeedDistro().configure()
+    env.settle_sdk_variables()
+    assert os.environ["OTEL_TRACES_EXPORTER"] == ("otlp" if value.strip() else "deepspeed_file")
+    assert os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") == (value.strip() or None)
+
+
 def test_good_values(environ):
     environ.setenv("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT", "2.5")
     environ.setenv("OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR", "/data/otel")
@@ -173,6 +216,21 @@ def test_garbage_in_our_variable_is_reported_once_and_the_run_completes(workdir)
     assert run.trained() == (2, 0)
     assert run.stderr.count("OTEL_PYTHON_DEEPSPEED_JOB_ID_TIMEOUT='soon' is not valid") == 1
     assert len([s for s in run.spans if s.name == "training.step"]) == 2
+
+
+@pytest.mark.slow
+def test_sdk_variables_the_sdk_fails_on_are_named_once_and_the_telemetry_still_written(workdir):
+    """A review: an unknown exporter name, or a negative queue size, made the SDK's set-up raise after the job
+    started: "could not start tracing this engine" with a traceback, and no file at all, metrics included."""
+    bad = {"OTEL_TRACES_EXPORTER": "deepspeed_file,bogus", "OTEL_BSP_MAX_QUEUE_SIZE": "-1",
+           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+    run = launch(workdir, "python", "--steps", "3", env=bad).check()
+    assert run.trained() == (3, 0)
+    for name, value in bad.items():
+        assert run.stderr.count(f"{name}={value!r} is not valid") == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "could not start tracing" not in run.stderr, run.stderr[-3000:]
+    assert len([s for s in run.spans if s.name == "training.step"]) == 3
+    assert list(workdir.glob("telemetry/*/metrics-rank0.jsonl")), "the metrics too"
 
 
 @pytest.mark.slow

@@ -62,7 +62,9 @@ class DeepSpeedDistro(BaseDistro):
         for exporter_variable, endpoint_variable, embedded in _SIGNALS:
             if exporter_variable in os.environ:
                 continue
-            endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(endpoint_variable)
+            # A blank endpoint is an unset one, as the SDK's variables are read (session settles it before the SDK).
+            endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+                        or os.environ.get(endpoint_variable, "").strip())
             os.environ[exporter_variable] = "otlp" if endpoint else embedded
 
     def load_instrumentor(self, entry_point, **kwargs):

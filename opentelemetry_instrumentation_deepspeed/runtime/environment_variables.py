@@ -165,8 +165,8 @@ _deferred: dict[str, tuple] = {}  # variable -> its warning's arguments, until t
 _training = False  # check_all() ran: this process trains, and hears about bad values at once
 
 
-def _warn_default(name: str, raw: str, default: object, why: str) -> None:
-    arguments = ("%s=%r is not valid (%s); using the default %r.", name, raw, why, default)
+def _warn_default(name: str, raw: str, default: object, why: str, using: str = "the default") -> None:
+    arguments = ("%s=%r is not valid (%s); using %s %r.", name, raw, why, using, default)
     if _training:
         _logger.warning(*arguments)
     else:
@@ -462,6 +462,107 @@ def unusable_otlp_endpoint(signal: str) -> tuple[str, str, str] | None:
         expected = "http(s)://host:port" + (" or host:port" if protocol == "grpc" else "")
         return name, raw, f"not a URL: expected {expected}"
     return None
+
+
+# The SDK's own settings it would fail on, or take a wrong value of silently: (variables, parse, the default
+# named in the message, or None to leave it unset for the SDK's own). The SDK raises on a negative batch size deep in
+# the providers' set-up, which took every signal's telemetry with it; it retries an OTLP export for ever with a
+# negative timeout; it refuses a protocol it does not know.
+_SIGNAL_SETTINGS = ("", "_TRACES", "_METRICS", "_LOGS")
+
+
+def _otlp_protocol(raw: str) -> str:
+    value = raw.strip()
+    if value not in ("grpc", "http/protobuf"):
+        raise ValueError("the Python exporters speak grpc or http/protobuf")
+    return value
+
+
+def _otlp_compression(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("gzip", "deflate", "none"):
+        raise ValueError("expected one of gzip, deflate, none")
+    return value
+
+
+def _sdk_positive_number(raw: str) -> str:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a positive number") from None
+    if not 0 < value < float("inf"):
+        raise ValueError("expected a positive number")
+    return raw.strip()
+
+
+def _sdk_positive_integer(raw: str) -> str:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("expected a positive integer") from None
+    if value <= 0:
+        raise ValueError("expected a positive integer")
+    return raw.strip()
+
+
+_SDK_SETTINGS = (
+    *((f"OTEL_EXPORTER_OTLP{kind}_PROTOCOL", _otlp_protocol, "grpc") for kind in _SIGNAL_SETTINGS),
+    *((f"OTEL_EXPORTER_OTLP{kind}_COMPRESSION", _otlp_compression, "none") for kind in _SIGNAL_SETTINGS),
+    *((f"OTEL_EXPORTER_OTLP{kind}_TIMEOUT", _sdk_positive_number, "10") for kind in _SIGNAL_SETTINGS),
+    ("OTEL_BSP_SCHEDULE_DELAY", _sdk_positive_number, DEFAULT_BSP_SCHEDULE_DELAY),
+    ("OTEL_BSP_EXPORT_TIMEOUT", _sdk_positive_number, "30000"),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", _sdk_positive_integer, "2048"),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _sdk_positive_integer, "512"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", _sdk_positive_number, "60000"),
+    ("OTEL_METRIC_EXPORT_TIMEOUT", _sdk_positive_number, "30000"),
+)
+# Exporter and id generator names: the entry point group each is looked up in, and what stands in for an unknown one.
+_SDK_NAMES = (("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter", EMBEDDED_EXPORTER),
+              ("OTEL_METRICS_EXPORTER", "opentelemetry_metrics_exporter", EMBEDDED_EXPORTER),
+              ("OTEL_LOGS_EXPORTER", "opentelemetry_logs_exporter", "none"))
+
+
+def settle_sdk_variables() -> None:
+    """The SDK's variables made usable in this process's environment before the SDK reads them: an OTLP endpoint
+    trimmed of spaces (blank: unset), and a value the SDK would fail on replaced by its default, said once as ours
+    are. An unknown exporter name is dropped (the others stay); none left: the embedded default."""
+    for names in OTLP_ENDPOINTS.values():
+        for name in names:
+            raw = os.environ.get(name)
+            if raw is not None and raw != raw.strip():
+                if raw.strip():
+                    os.environ[name] = raw.strip()
+                else:
+                    del os.environ[name]
+    for name, parse, default in _SDK_SETTINGS:
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            parse(raw)
+        except ValueError as error:
+            _warn_default(name, raw, default, str(error))
+            os.environ[name] = default
+    from importlib.metadata import entry_points
+
+    for name, group, instead in _SDK_NAMES:
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        known = {point.name for point in entry_points(group=group)} | {"none", "otlp"}
+        given = [part.strip() for part in raw.split(",") if part.strip()]
+        unknown = [part for part in given if part not in known]
+        if unknown:
+            kept = [part for part in given if part in known]
+            _warn_default(name, raw, ",".join(kept or [instead]),
+                          f"no exporter named {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}",
+                          "the others" if kept else "the default")
+            os.environ[name] = ",".join(kept or [instead])
+    raw = os.environ.get("OTEL_PYTHON_ID_GENERATOR")
+    if raw is not None and raw.strip() != "random" and raw.strip() not in {
+            point.name for point in entry_points(group="opentelemetry_id_generator")}:
+        _warn_default("OTEL_PYTHON_ID_GENERATOR", raw, ISOLATED_ID_GENERATOR, "no id generator of that name")
+        os.environ["OTEL_PYTHON_ID_GENERATOR"] = ISOLATED_ID_GENERATOR
 
 
 def check_all() -> None:

@@ -107,6 +107,7 @@ def _configure_sdk(identity: JobIdentity, resource: dict | None = None) -> None:
 
     if prometheus.in_use():
         prometheus.assign_port(identity.local_rank)
+    env.settle_sdk_variables()
     _leave_unusable_endpoints()
     delivery.install()
     sdk.initialize(arguments, identity.resource_attributes(resource))

@@ -86,7 +86,7 @@ def micro_batch(rec, engine, direct=False):
 
 def test_every_state_and_event_has_a_row():
     assert set(state.TRANSITIONS) == {(s, e) for s in state.STATES for e in state.EVENTS}
-    assert len(state.STATES) == 6 and len(state.EVENTS) == 14
+    assert len(state.STATES) == 6 and len(state.EVENTS) == 15
     actions = {name for _, names in state.TRANSITIONS.values() for name in names}
     rec, _, _ = recorder()
     assert actions <= set(rec.builder.actions), "every action named in the table is implemented"
@@ -155,6 +155,27 @@ def test_a_step_that_raises_ends_with_its_phase_and_the_retry_keeps_the_number()
     rec.phase_ended(phase)  # a stale end does nothing
     micro_batch(rec, engine)
     assert [r.number for r in records] == [1, 1] and records[1].failure is None
+
+
+@pytest.mark.parametrize("fetched_before", [0, 1])
+def test_a_fetch_that_raises_ends_the_step_it_was_for_and_the_loop_may_go_on(fetched_before):
+    """A dataset's exception (a corrupt sample) left no step: the rank's traces ended at the step before."""
+    rec, engine, records = recorder(grad_accum=2)
+    if fetched_before:  # the step's first micro-batch ran: the step is open
+        rec.data_waited(5, 8)
+        rec.phase_ended(rec.forward_started(engine))
+        rec.phase_ended(rec.backward_started(engine))
+    try:
+        raise ValueError("corrupt sample")
+    except ValueError as error:
+        rec.data_failed(10, 20, error)
+    assert rec.state == State.IDLE
+    (failed,) = records
+    assert failed.number == 1 and failed.failure.description == "ValueError: corrupt sample"
+    assert failed.start == (5 if fetched_before else 10) and failed.waits[-1][:2] == (10, 20)
+    micro_batch(rec, engine)
+    micro_batch(rec, engine)
+    assert [r.number for r in records] == [1, 1] and records[1].failure is None, "a loop that skips it goes on"
 
 
 def test_nested_phases_are_not_phases_of_their_own():

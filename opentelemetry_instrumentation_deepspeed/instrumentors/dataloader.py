@@ -8,6 +8,8 @@ so a loader around a DataLoader counts once, and one wait is one batch handed to
 batch Accelerate fetches ahead, or the batches rank 0 fetches to dispatch, are inside it.
 A ``next()`` that ends the iteration (``StopIteration``) is the end of an epoch, not a wait, and
 one made on another thread than the training thread (a background prefetcher's) is not the loop's.
+One that raises anything else ends the step it fetched for with that error (opened for it, where
+none was open).
 Where an iterator ends with fetches no forward took, and the next fetch comes first, those fed an
 evaluation loop through the bare module (which no wrapper sees): they are no step's.
 
@@ -68,6 +70,10 @@ def _next(original):
             batch = original(self)
         except StopIteration:
             recorder.ran_out()
+            raise
+        except BaseException as error:  # the dataset's exception, a worker that died: the step ends with it
+            if not recorder.broken:
+                recorder.data_failed(start, time.time_ns(), error)
             raise
         finally:
             _nesting.inside = False

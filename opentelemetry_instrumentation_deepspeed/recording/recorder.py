@@ -59,6 +59,7 @@ class StepRecorder(Component):
         # The training thread: the one that builds the engine, until one opens its steps (a harness may build it on
         # one thread and train on another). The data loader's wrapper times its fetches only; the watchdog reads it.
         self.thread = threading.get_ident()
+        self._engine = weakref.ref(engine)  # its step number, for a step that a failed fetch opens and ends
         self._submit = submit
         self.profiler = profiler
         self._gpu = gpu  # a GpuTimeline on CUDA: each phase also gets its GPU-side interval
@@ -150,6 +151,14 @@ class StepRecorder(Component):
                 self._hand_over()
         self._append((Event.DATA_WAIT, self._rows[self.state, Event.DATA_WAIT][1], end, (start, end), None, None,
                       None))
+
+    @fail_open
+    def data_failed(self, start: int, end: int, error: BaseException) -> None:
+        """A fetch raised: its wait is kept, and the step it was for ends with the error, as a phase's would."""
+        self.data_waited(start, end)
+        engine = self._engine()
+        if engine is not None:
+            self._fire(Event.DATA_FAILED, Failure.of(error), engine)
 
     @fail_open
     def ran_out(self) -> None:

@@ -3,6 +3,7 @@
 
     IDLE ──(first event of a step)──> OPEN ──forward/backward/optimizer──> <phase> ──end──> OPEN
     OPTIMIZER ──end──> IDLE (the step closes)      any state ──failure / interrupt──> IDLE
+    IDLE ──a fetch that raised──> IDLE (a step opened and failed: the one the fetch was for)
 
 A pipeline's ``train_batch()`` runs its whole step inside one call: it opens the step (BATCH),
 its optimizer phase ends like any phase (back to OPEN: the loss is still reduced after it), and
@@ -40,6 +41,7 @@ class Event:
     DIRECT_BACKWARD_END = "direct backward end"
     OPTIMIZER_END = "optimizer step end"
     PHASE_FAILED = "phase failed"
+    DATA_FAILED = "data wait failed"  # the loader raised (the dataset's exception, a worker that died)
     DIRECT_BACKWARD_FAILED = "direct backward failed"
     INTERRUPT = "interrupt"  # the process goes away with the step open
     BATCH = "pipeline batch"  # PipelineEngine.train_batch() starts: a whole step in one call
@@ -82,9 +84,12 @@ def _table() -> dict[tuple[State, Event], tuple[State | None, tuple[str, ...]]]:
         table[State.OPEN, event] = (_PHASE_OF[event], (START_PHASE,))
         # The direct backward never reached its epilogue: it ends, interrupted, where the next phase starts.
         table[State.DIRECT_BACKWARD, event] = (_PHASE_OF[event], (INTERRUPT_PHASE, START_PHASE))
+    # A fetch that raised ends the step it was for: opened for it where none was (the step the loop would have run).
+    table[State.IDLE, Event.DATA_FAILED] = (State.IDLE, (OPEN_STEP, FAIL_STEP))
     for state in (State.OPEN, *_PHASES):
         table[state, Event.DATA_WAIT] = (None, (ADD_WAIT,))
         table[state, Event.PHASE_FAILED] = (State.IDLE, (FAIL_PHASE, FAIL_STEP))
+        table[state, Event.DATA_FAILED] = (State.IDLE, (FAIL_PHASE, FAIL_STEP))
         table[state, Event.INTERRUPT] = (State.IDLE, (INTERRUPT_PHASE, FAIL_STEP))
     table[State.FORWARD, Event.PHASE_END] = (State.OPEN, (END_PHASE,))
     table[State.BACKWARD, Event.PHASE_END] = (State.OPEN, (END_PHASE,))

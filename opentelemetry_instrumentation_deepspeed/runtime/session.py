@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from opentelemetry import metrics, trace
 
@@ -191,9 +192,15 @@ def _end_profiles() -> None:
 
 def _close_open_steps(reason: str) -> None:
     from opentelemetry_instrumentation_deepspeed.recording import registry
+    from opentelemetry_instrumentation_deepspeed.recording.record import Failure
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
 
+    # An uncaught exception from the loop's own code (outside DeepSpeed's calls, which end their step themselves):
+    # the interpreter has set it aside for the exit, and the step it left open says what it was.
+    error = getattr(sys, "last_value", None) if reason == lifecycle.EXITED else None
+    description = reason if error is None else f"{reason}: {Failure.of(error).description}"
     for recorder in registry.all_recorders():
-        recorder.interrupted(reason)
+        recorder.interrupted(description)
 
 
 def _go_silent() -> None:

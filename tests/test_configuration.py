@@ -25,7 +25,8 @@ def environ(monkeypatch):
                  "OTEL_PYTHON_DEEPSPEED_PROFILE_EVERY", "OTEL_PYTHON_DEEPSPEED_PROFILE_TOP",
                  "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER",
                  "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
-                 "SLURM_JOB_ID", "SLURM_STEP_ID", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_PYTHON_ID_GENERATOR"):
+                 "SLURM_JOB_ID", "SLURM_STEP_ID", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_PYTHON_ID_GENERATOR",
+                 "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     env.reset_cache()
     yield monkeypatch
@@ -175,6 +176,15 @@ def test_job_id_sources_in_order(environ):
     environ.setenv("OTEL_PYTHON_DEEPSPEED_JOB_ID", "explicit")
     env.reset_cache()
     assert job.job_id_from_environment() == "explicit"
+    # An elastic restart is a run of its own (a review: torchrun --rdzv-id restarts wrote both attempts under one id,
+    # their steps of the same number in one trace: "432% compute").
+    environ.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert job.job_id_from_environment() == "explicit"
+    environ.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert job.job_id_from_environment() == "explicit-restart1"
+    environ.delenv("TORCHELASTIC_RESTART_COUNT")
+    environ.setenv("SLURM_RESTART_COUNT", "2")
+    assert job.job_id_from_environment() == "explicit-restart2"
 
 
 def test_user_resource_attributes_win(environ):

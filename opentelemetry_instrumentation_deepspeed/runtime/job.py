@@ -72,7 +72,17 @@ def _env_int(name: str, default: int) -> int:
 
 
 def job_id_from_environment() -> str | None:
-    """The run's id as the user, the launcher or the scheduler states it, if any does."""
+    """The run's id as the user, the launcher or the scheduler states it, if any does; an elastic agent's restart
+    (or a Slurm requeue) is a run of its own: its steps count from the checkpoint again, and the same step numbers
+    under the same id would share their traces with the attempt before."""
+    found = _stated_job_id()
+    if found is None:
+        return None
+    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0) or _env_int("SLURM_RESTART_COUNT", 0)
+    return f"{found}-restart{restarts}" if restarts > 0 else found
+
+
+def _stated_job_id() -> str | None:
     configured = env.job_id() or _user_resource_attributes().get(semconv.TRAINING_JOB_ID)
     if configured:
         return configured

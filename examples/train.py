@@ -100,6 +100,10 @@ def parse_args(argv=None):
                              "a program's own code between steps does (an evaluation, a checkpoint): no step is open")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
+    faults.add_argument("--crash-in", choices=("forward", "data", "loop"), default="forward",
+                        help="where --crash-after raises: the forward, the data loader (its collate raises "
+                             "ValueError, as a corrupt sample does), or the loop's own code between the forward and "
+                             "the backward (an AssertionError, as a check of the loss does)")
     _numerics_arguments(parser)
     parser.add_argument("--print-steps", action="store_true",
                         help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
@@ -150,10 +154,12 @@ class StallingCollate:
     """
 
     def __init__(self, every: int, milliseconds: float, grad_accum: int, *, lengths=None,
-                 pad_id: int | None = None, seed: int = 0, hang_step: int = 0, stall_from: int = 1):
+                 pad_id: int | None = None, seed: int = 0, hang_step: int = 0, stall_from: int = 1,
+                 crash_step: int = 0):
         self.every, self.seconds, self.grad_accum, self.batches = every, milliseconds / 1000, grad_accum, 0
         self.stall_from = stall_from
         self.hang_step = hang_step  # the first micro-batch of this step never comes (--hang-phase data)
+        self.crash_step = crash_step  # ... raises (--crash-in data)
         self.lengths, self.pad_id = lengths, pad_id
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -162,6 +168,8 @@ class StallingCollate:
         self.batches += 1
         if micro == 0 and step + 1 == self.hang_step:
             block_forever()
+        if micro == 0 and step + 1 == self.crash_step:
+            raise ValueError(f"injected corrupt sample in the batch of step {step + 1}")
         if self.every and micro == 0 and (step + 1) % self.every == 0 and step + 1 >= self.stall_from:
             time.sleep(self.seconds)
         batch = torch.utils.data.default_collate(samples)
@@ -427,7 +435,7 @@ def inject_faults(args, model, rank: int, step: int) -> None:
     """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks until a signal,
     when asked to; every rank's compute slows down from --slowdown-at on; one rank hangs for good."""
     if rank == 0:
-        model.crash = bool(args.crash_after) and step == args.crash_after
+        model.crash = bool(args.crash_after) and step == args.crash_after and args.crash_in == "forward"
         model.block = step + 1 if args.block_in_step and step + 1 == args.block_in_step else None
     if args.slowdown_at and step + 1 >= args.slowdown_at:
         model.slowdown = args.slowdown_factor
@@ -456,10 +464,11 @@ def make_loader(args, engine, dataset) -> DataLoader:
             return args.shift_seq_len if step >= args.shift_at else args.seq_len
     pad_id = args.vocab if args.padding else None
     hang = args.hang_step if args.hang_phase == "data" and args.hang_rank == engine.global_rank else 0
+    crash = args.crash_after + 1 if args.crash_after and args.crash_in == "data" and engine.global_rank == 0 else 0
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
                       collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum, lengths=lengths,
                                                  pad_id=pad_id, seed=args.seed + engine.global_rank, hang_step=hang,
-                                                 stall_from=args.stall_from))
+                                                 stall_from=args.stall_from, crash_step=crash))
 
 
 def print_step(args, engine, loss: float) -> None:
@@ -525,6 +534,8 @@ def main(argv=None):
             batch = {name: value.to(engine.device) for name, value in batch.items()}
             injection.forward(step + 1, model)
             loss = injection.loss(step + 1, engine(**batch))
+            if args.crash_in == "loop" and engine.global_rank == 0 and step == args.crash_after > 0:
+                raise AssertionError(f"injected check of the loss failed in step {step + 1}")  # the loop's own code
             if args.backward == "engine":
                 engine.backward(loss)
             else:

@@ -273,6 +273,11 @@ TRAINING_JOB_ID = "training.job.id"
 TRAINING_RANK = "training.rank"
 TRAINING_LOCAL_RANK = "training.local_rank"
 TRAINING_WORLD_SIZE = "training.world_size"
+# The status description of a step that no exception of its own ended: the process's exit during it (an exception in
+# the loop's own code), or a signal (also a training.hang span's reason).
+STATUS_EXITED = "the process exited during this step"
+STATUS_TERMINATED = "terminated by SIGTERM"
+STATUS_INTERRUPTED = "interrupted by SIGINT"
 TRAINING_FRAMEWORK = "training.framework"
 TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
 TRAINING_FRAMEWORK_PYTORCH = "pytorch"  # its value for a plain PyTorch loop (instrumentors/torch_loop.py)

@@ -241,6 +241,38 @@ def test_an_unwritable_html_file_is_a_clear_error(tmp_path):
     assert completed.returncode == 1 and "cannot write" in completed.stderr and "report.html" in completed.stderr
 
 
+def test_a_job_not_in_the_input_is_said_so_with_the_jobs_it_holds(tmp_path):
+    """A review: `--job nosuchjob` printed "Job nosuchjob: 0 rank(s)", a NONE verdict, and exited 0."""
+    (tmp_path / "good.jsonl").write_text(GOOD)
+    completed = console(str(tmp_path / "good.jsonl"), "--job", "nosuchjob")
+    assert completed.returncode == 1, completed.stdout
+    assert "no span of job 'nosuchjob' in the input; its jobs: job" in completed.stderr
+    assert console(str(tmp_path / "good.jsonl"), "--job", "job").returncode == 0
+
+
+def test_with_no_path_the_latest_job_with_telemetry_is_read_and_named(tmp_path):
+    """A review: an empty job directory written last was read (0 spans, exit 1) though an older one held the run."""
+    older, newer = tmp_path / "telemetry" / "older", tmp_path / "telemetry" / "newer"
+    older.mkdir(parents=True)
+    (older / "traces-rank0.jsonl").write_text(GOOD)
+    newer.mkdir()
+    (newer / "traces-rank0.jsonl").write_text("")
+    completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose"], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=60, check=False)
+    assert completed.returncode == 0 and "Read 24 spans" in completed.stdout, completed.stdout + completed.stderr
+    assert "reading telemetry/older, the latest of 2 jobs" in completed.stderr
+
+
+def test_ranks_the_world_size_counts_that_have_no_telemetry_are_named(tmp_path):
+    world = {"key": "training.world_size", "value": {"intValue": "2"}}
+    (tmp_path / "rank0.jsonl").write_text("\n".join(request(span("training.step", str(n * 10**10),
+                                                                 str(n * 10**10 + 10**8), n, trace_id=f"{n:032x}"),
+                                                            resource=(JOB, RANK0, world)) for n in range(1, 9)))
+    completed = console(str(tmp_path / "rank0.jsonl"))
+    assert "Job job: 1 rank(s); no telemetry of rank 1 in the input" in completed.stdout
+    assert "CRASH" not in completed.stdout, "no rank failed: files left out, not a crash"
+
+
 TRACE = json.loads(request(span("training.step", "1000", "2000", 1)))
 HOSTILE_TRACES = {
     "t-not-an-object": [1, 2],

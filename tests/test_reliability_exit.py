@@ -99,8 +99,11 @@ def test_sigterm_is_left_alone_when_asked(workdir):
     assert BLOCKED_STEP not in _steps(spans), "nothing ran at the signal: the step in progress was never written"
 
 
-def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step(workdir):
-    run = launch(workdir, "torchrun", "--steps", "20", "--crash-after", "6", timeout=400)
+@pytest.mark.parametrize("where", ["forward", "data", "loop"])
+def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step_and_diagnose_names_it(workdir, where):
+    """data: the loader's exception (a corrupt sample) left nothing on the rank that raised it (a review: its traces
+    ended at the step before, and diagnose, which read no error status at all, said NONE for every crash)."""
+    run = launch(workdir, "torchrun", "--steps", "20", "--crash-after", "6", "--crash-in", where, timeout=400)
     assert run.returncode != 0
     # Rank 1, blocked in a collective with its dead peer, is stopped by torchrun (in the end SIGKILL).
     _whole_lines(workdir, "*-rank0.jsonl")
@@ -109,13 +112,27 @@ def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step(workdir):
     steps = _steps(spans)
     assert sorted(steps) == list(range(1, 8)), "six completed steps and the failing seventh"
     (failed,) = steps[7]
-    assert (failed.status, failed.status_message) == (2, "RuntimeError: injected crash in forward")
-    forward = [span for span in spans if span.name == "training.forward" and span.parent_id == failed.span_id]
-    assert len(forward) == 1
-    (event,) = [event for event in forward[0].events if event["name"] == "exception"]
-    attributes = event["attributes"]
-    assert attributes["exception.type"] == "RuntimeError"
-    assert "injected crash in forward" in attributes["exception.stacktrace"]
+    error = {"forward": "RuntimeError: injected crash in forward",
+             "data": "ValueError: injected corrupt sample in the batch of step 7",
+             # the loop's own code: the exit closes the step, with what ended the process
+             "loop": "the process exited during this step: AssertionError: injected check of the loss failed in "
+                     "step 7"}[where]
+    assert (failed.status, failed.status_message) == (2, error)
+    if where == "forward":
+        forward = [span for span in spans if span.name == "training.forward" and span.parent_id == failed.span_id]
+        assert len(forward) == 1
+        (event,) = [event for event in forward[0].events if event["name"] == "exception"]
+        attributes = event["attributes"]
+        assert attributes["exception.type"] == "RuntimeError"
+        assert "injected crash in forward" in attributes["exception.stacktrace"]
+    completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=workdir,
+                               capture_output=True, text=True, timeout=120, check=True)
+    verdict = json.loads(completed.stdout)["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["step"]) == ("CRASH", 0, 7), verdict
+    said = {"forward": "rank 0 failed in forward of step 7: ", "data": "rank 0 failed in step 7: ",
+            "loop": "rank 0 exited during step 7, by an exception in the loop's own code (outside DeepSpeed's "
+                    "calls): "}[where]
+    assert verdict["summary"].startswith(said + error.rpartition("this step: ")[2]), verdict
 
 
 def test_files_rotate_at_the_size_limit(workdir):

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.diagnose import clocks, hangs, inputs, pipeline, waits
+from opentelemetry_instrumentation_deepspeed.diagnose import clocks, crashes, hangs, inputs, pipeline, waits
 from opentelemetry_instrumentation_deepspeed.diagnose import findings as findings_module
 from opentelemetry_instrumentation_deepspeed.diagnose.model import BROKEN_RUN, ModelFindings  # model, memory
 from opentelemetry_instrumentation_deepspeed.diagnose.model import series as model_series
@@ -138,6 +138,7 @@ class Analysis:
         self._busbw: dict[str, list[float]] = defaultdict(list)
         self._samples: list = []
         self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
+        self.crashes = crashes.Crashes()  # CRASH (crashes.py)
         self.clocks = clocks.Clocks()  # the ranks' residual clock offsets (clocks.py)
         self.model = ModelFindings()  # model and memory layers
         self._inputs = inputs.InputSeries()  # the input layer
@@ -152,11 +153,14 @@ class Analysis:
         for span in spans:
             self.jobs[span.job] += 1
             self.hangs.add(span)  # HANG and DESYNC (hangs.py)
+            self.crashes.add(span)  # CRASH (crashes.py)
             self.clocks.add(span)  # clocks.py
             self.model.add(span)  # model and memory layers
             self.pipeline.add(span)  # pipeline parallelism (diagnose/pipeline.py)
             key = (span.job, span.rank, span.trace_id)
             if span.name == semconv.SPAN_STEP:
+                if span.error is not None:
+                    continue  # cut short (an exception, the exit, a signal): crashes.py's, not a step to time
                 step = self._steps.setdefault(key, _Step())
                 if not step.seen or span.end > step.end:  # a retried step keeps its last attempt
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
@@ -219,6 +223,8 @@ class Analysis:
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
+            # Ranks the world size counts with no telemetry in the input: left out, or dead before they wrote any.
+            "missing_ranks": self.crashes.missing(job),
             "ranks": ranks,
             "job": job_summary,
             "straggler": straggler,
@@ -243,10 +249,19 @@ class Analysis:
         broken = [f for f in model if f["confidence"] >= BROKEN_RUN]  # a NaN or an OOM: broken, not slow
         if broken:
             result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
+        # -- CRASH (crashes.py): a job that stopped with an error comes before a slow one; a broken model's finding
+        # at an earlier step is its cause (a loop that asserts on a NaN loss)
+        crashed = self.crashes.findings(job)
+        if crashed:
+            result["findings"] = crashed + result["findings"]
+            if not broken or min(f["step"] for f in broken) >= crashed[0]["step"]:
+                result["verdict"] = crashed[0]
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
         found = self.hangs.findings(job)
         if found:
-            result["findings"] = found + result.get("findings", [])
+            # The signal that stopped the hung job is the hang's end, not a finding of its own.
+            result["findings"] = found + [f for f in result.get("findings", [])
+                                          if not (f["layer"] == "CRASH" and f["kind"] == "signalled")]
             result["verdict"] = found[0]
         result["clocks"] = self.clocks.residuals(job)
         # -- end HANG and DESYNC, clocks

@@ -28,9 +28,23 @@ SCHEMA_VERSION = 1
 
 
 def _default_paths() -> list[str]:
+    """The latest job's directory under ./telemetry: the latest written that holds telemetry (a job that wrote
+    nothing yet, or only empty files, is passed over), named where there are several."""
     root = Path("telemetry")
     jobs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
-    return [str(jobs[-1])] if jobs else [str(root)]
+    written = [job for job in jobs if any(_has_lines(path) for path in job.glob("*.jsonl"))]
+    chosen = (written or jobs)[-1:]
+    if len(jobs) > 1 and chosen:
+        print(printable(f"opentelemetry-deepspeed diagnose: reading {chosen[0]}, the latest of {len(jobs)} jobs under "
+                        f"{root}/ (name another: opentelemetry-deepspeed diagnose {root}/<job id>)"), file=sys.stderr)
+    return [str(chosen[0])] if chosen else [str(root)]
+
+
+def _has_lines(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
@@ -45,8 +59,11 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
     result = analysis.result(job)
     for rank in result["ranks"].values():
         rank.pop("compute_by_step", None)
+    of_job = analysis.jobs.get(result["job_id"], 0)
+    if job is not None and stats.spans and not of_job:
+        stats.problems.append(f"no span of job {job!r} in the input; its jobs: {', '.join(sorted(analysis.jobs))}")
     return {"schema_version": SCHEMA_VERSION, **result,
-            "input": {"files": stats.files, "lines": stats.lines, "spans": stats.spans,
+            "input": {"files": stats.files, "lines": stats.lines, "spans": stats.spans, "spans_of_job": of_job,
                       "gpu_samples": len(stats.samples),
                       "bad_lines": stats.bad_lines, "problems": stats.problems}}
 
@@ -99,7 +116,10 @@ def render_text(report: dict) -> str:
 def _text_lines(report: dict) -> list[str]:
     lines = []
     verdict = report["verdict"]
-    lines.append(f"Job {report['job_id']}: {report['job'].get('ranks', 0) if report.get('job') else 0} rank(s)")
+    missing = report.get("missing_ranks") or []
+    lines.append(f"Job {report['job_id'] or '-'}: {report['job'].get('ranks', 0) if report.get('job') else 0} rank(s)"
+                 + (f"; no telemetry of rank {', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}"
+                    " in the input (training.world_size counts it)" if missing else ""))
     lines.append(f"Verdict: {verdict['layer'].upper()}: {verdict['summary']}")
     lines += _cost(verdict)
     lines += [f"  evidence: {item}" for item in verdict.get("evidence", [])]
@@ -218,7 +238,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(render_text(report))
     for problem in report["input"]["problems"]:
         print(printable(f"opentelemetry-deepspeed diagnose: {problem}"), file=sys.stderr)
-    return 0 if report["input"]["spans"] and written else 1
+    return 0 if report["input"]["spans_of_job"] and written else 1
 
 
 if __name__ == "__main__":

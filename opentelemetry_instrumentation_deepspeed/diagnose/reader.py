@@ -38,7 +38,7 @@ _INPUT_TYPES = {semconv.TRAINING_STEP_TOKENS: int, semconv.TRAINING_STEP_PADDED_
                 semconv.TRAINING_STEP_HOST_CPU_BUSY: (int, float), semconv.TRAINING_STEP_HOST_CPU_IDLE: (int, float),
                 semconv.TRAINING_STEP_PROCESS_CPU: (int, float), semconv.TRAINING_STEP_THREAD_CPU_WAIT: (int, float),
                 semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT: (int, float), semconv.HOST_NAME: str,
-                semconv.TRAINING_STEP_BETWEEN_COMM: (int, float),
+                semconv.TRAINING_STEP_BETWEEN_COMM: (int, float), semconv.TRAINING_WORLD_SIZE: int,
                 semconv.TRAINING_PHASE_THREAD_CPU_WAIT: (int, float)}
 _KEPT += tuple(_MODEL_TYPES) + tuple(_INPUT_TYPES)
 
@@ -54,6 +54,9 @@ class Span:
     job: str
     rank: int
     attributes: dict = field(default_factory=dict)
+    # Status ERROR: its description ("" where it has none); None: no error. A step that raised, or that the process's
+    # exit or a signal ended (diagnose/crashes.py).
+    error: str | None = None
 
     @property
     def seconds(self) -> float:
@@ -286,13 +289,25 @@ def _clock_reading(span: dict, job: str, rank: int, clocks: dict) -> None:
         clocks.setdefault((job, rank), Drift()).add(end, offset)
 
 
+_ERROR_CODES = (2, "2", "STATUS_CODE_ERROR")
+MAX_ERROR = 1000  # characters of a status description kept (the instrumentation cuts messages there too)
+
+
+def _error(status) -> str | None:
+    """A span status's description where its code is ERROR, else None."""
+    if type(status) is not dict or status.get("code") not in _ERROR_CODES:
+        return None
+    message = status.get("message")
+    return message[:MAX_ERROR] if type(message) is str else ""
+
+
 def spans_of_request(request: dict, clocks: dict | None = None) -> Iterator[Span]:
     """``clocks``: (job, rank) -> ``Drift``, kept across the requests of one reading (the refreshed offsets)."""
     clocks = {} if clocks is None else clocks
     for resource_spans in request.get("resourceSpans") or ():
         job, rank, resource = _resource((resource_spans.get("resource") or {}).get("attributes"),
                                         (semconv.TRAINING_JOB_ID, semconv.TRAINING_RANK, semconv.TRAINING_CLOCK_OFFSET,
-                                         semconv.HOST_NAME))
+                                         semconv.HOST_NAME, semconv.TRAINING_WORLD_SIZE))
         if job is None or rank is None:
             continue  # not a training rank's telemetry
         offset = resource.get(semconv.TRAINING_CLOCK_OFFSET)
@@ -300,8 +315,11 @@ def spans_of_request(request: dict, clocks: dict | None = None) -> Iterator[Span
             for span in scope_spans.get("spans") or ():
                 attributes = _attributes(span.get("attributes"), _KEPT)
                 host = resource.get(semconv.HOST_NAME)
-                if span.get("name") == semconv.SPAN_STEP and type(host) is str:
-                    attributes[semconv.HOST_NAME] = host  # which ranks share the host's CPUs (diagnose/inputs.py)
+                if span.get("name") == semconv.SPAN_STEP:
+                    if type(host) is str:
+                        attributes[semconv.HOST_NAME] = host  # which ranks share the host's CPUs (diagnose/inputs.py)
+                    if type(world := resource.get(semconv.TRAINING_WORLD_SIZE)) is int:
+                        attributes[semconv.TRAINING_WORLD_SIZE] = world  # ranks with no telemetry (crashes.py)
                 if span.get("name") == semconv.SPAN_HANG:
                     attributes.update(_hang_stack(span.get("events")))
                 elif span.get("name") == semconv.SPAN_CLOCK_SYNC:
@@ -310,7 +328,7 @@ def spans_of_request(request: dict, clocks: dict | None = None) -> Iterator[Span
                 drift = clocks.get((job, rank))
                 start, end = aligned(*times, offset if drift is None else drift.at(times[0]))
                 yield Span(span["name"], span["traceId"], span["spanId"], span.get("parentSpanId", ""),
-                           start, end, job, rank, attributes)
+                           start, end, job, rank, attributes, _error(span.get("status")))
 
 
 def samples_of_request(request: dict) -> Iterator[Sample]:

@@ -51,8 +51,8 @@ Process's end, which ``os._exit`` follows past ``atexit``. In a
 process whose SDK the application set up, ``install`` is not called: handlers registered there
 (the profiler's stop, the collectives' last GPU times) still run at exit, and the stages that
 need this project's providers have none. Importing this module registers nothing, and it
-imports nothing of this package but its configuration and the SDK door: the parts register
-their own handlers.
+imports nothing of this package but its names, its configuration and the SDK door: the parts
+register their own handlers.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 
 # Stages at exit (atexit, or SIGTERM when handled here), in the order they run.
@@ -101,9 +102,9 @@ FORK_ORDER = (RESEED_IDS, FORGET, SILENCE, STOP_SDK)
 END_PROFILE = "end profile"  # a torch.profiler session that thread runs ends; its step keeps what it recorded
 BEFORE_FORK_ORDER = (END_PROFILE,)
 
-EXITED = "the process exited during this step"
-TERMINATED = "terminated by SIGTERM"
-INTERRUPTED = "interrupted by SIGINT"
+EXITED = semconv.STATUS_EXITED
+TERMINATED = semconv.STATUS_TERMINATED
+INTERRUPTED = semconv.STATUS_INTERRUPTED
 INTERRUPTED_EXIT = "a second Ctrl-C"  # what cut the exit short, in the summary line
 GRACE_SECONDS = 2.0  # a signal's own handler has this long to start before another thread takes over
 

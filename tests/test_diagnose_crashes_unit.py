@@ -1,0 +1,83 @@
+"""CRASH: which rank failed first on its own, and what the others' failures after it were (diagnose/crashes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
+
+SECOND = 10**9
+LOST = "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:3"
+
+
+def step(rank, number, error=None, world=2, oom=None):
+    attributes = {"training.step": number, "training.world_size": world}
+    if oom:
+        attributes["training.memory.oom"] = oom
+    return Span("training.step", f"trace{number:03d}", f"s{rank}-{number}", "", number * SECOND,
+                number * SECOND + SECOND // 2 + rank, "job", rank, attributes, error)
+
+
+def phase(rank, number, name, error):
+    return Span(name, f"trace{number:03d}", f"p{rank}-{number}", f"s{rank}-{number}", number * SECOND + 1,
+                number * SECOND + SECOND // 4 + rank, "job", rank, {}, error)
+
+
+def report(spans):
+    analysis = Analysis()
+    analysis.add(spans)
+    return analysis.result("job")
+
+
+def healthy(ranks=(0, 1), steps=range(1, 7), world=2):
+    return [step(rank, number, world=world) for rank in ranks for number in steps]
+
+
+def test_the_rank_that_raised_first_is_named_and_the_others_errors_are_its_consequences():
+    spans = [*healthy(), step(1, 7, "RuntimeError: bad shape"), phase(1, 7, "training.forward", "RuntimeError: x"),
+             step(0, 7, LOST), phase(0, 7, "comm.all_reduce", LOST)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"]) == ("CRASH", "raised", 1, 7)
+    assert verdict["summary"] == ("rank 1 failed in forward of step 7: RuntimeError: bad shape; after it: rank 0 in "
+                                  "all_reduce of step 7: RuntimeError: Connection closed by peer [::1]:3")
+
+
+def test_a_failed_step_is_not_timed_with_the_others():
+    spans = [*healthy(), step(1, 7, "RuntimeError: bad shape"), step(0, 7, LOST)]
+    spans[-1] = Span(*[getattr(spans[-1], f) for f in ("name", "trace_id", "span_id", "parent_id", "start")],
+                     7 * SECOND + 60 * SECOND, "job", 0, spans[-1].attributes, LOST)  # blocked a minute
+    result = report(spans)
+    assert result["ranks"][0]["steps"] == 6 and result["ranks"][0]["step_seconds"]["max"] < 1
+
+
+@pytest.mark.parametrize(("ranks", "last"), [((0,), None), ((0, 1), 3)])
+def test_a_rank_with_no_error_that_wrote_less_or_nothing_died_without_a_word(ranks, last):
+    spans = [s for s in healthy(ranks) if not (s.rank == 1 and s.attributes["training.step"] > (last or 0))]
+    spans.append(step(0, 7, LOST))
+    verdict = report(spans)["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "silent", 1)
+    said = "rank 1 wrote no telemetry" if last is None else "rank 1 stopped after step 3, the last it wrote"
+    assert verdict["summary"].startswith(said) and "no error of its own in its telemetry" in verdict["summary"]
+    assert verdict["step"] == (last or 0) + 1
+
+
+def test_every_rank_stopped_by_sigterm_is_said_so_and_the_loops_own_exception_is_told_apart():
+    verdict = report([*healthy(), step(0, 7, "terminated by SIGTERM"), step(1, 7, "terminated by SIGTERM")])["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "signalled", None)
+    assert verdict["summary"] == "every rank was stopped in step 7: terminated by SIGTERM"
+    verdict = report([*healthy(), step(0, 7, "the process exited during this step"), step(1, 7, LOST)])["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("exited", 0)
+    assert "an exception in the loop's own code" in verdict["summary"]
+
+
+def test_an_out_of_memory_error_is_the_memory_findings_and_a_healthy_job_has_none():
+    result = report([*healthy(), step(1, 7, "OutOfMemoryError: CUDA out of memory", oom="forward"), step(0, 7, LOST)])
+    assert result["verdict"]["layer"] == "MEMORY" and not [f for f in result["findings"] if f["layer"] == "CRASH"]
+    assert not [f for f in report(healthy())["findings"] if f["layer"] == "CRASH"]
+
+
+def test_a_failure_the_rank_went_on_from_is_no_crash():
+    """A caught exception, its step retried with the same number (an OOM caught and the batch halved)."""
+    spans = [*healthy(), step(0, 7, "RuntimeError: transient"), step(0, 7), step(1, 7), step(0, 8), step(1, 8)]
+    assert not [f for f in report(spans)["findings"] if f["layer"] == "CRASH"]

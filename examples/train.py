@@ -291,24 +291,24 @@ def desync(rank: int, bad_rank: int) -> None:
     torch.distributed.all_reduce(torch.ones(4, dtype=dtype))
 
 
-class _RaiseOutOfMemory(torch.autograd.Function):
-    """Identity forward; the backward raises the allocator's error, as a backward that runs out of memory does."""
+class _IdentityForward(torch.autograd.Function):
+    """The loss's value as it is; a fault of the backward's, in the subclass."""
 
     @staticmethod
     def forward(ctx, tensor):
         return tensor.view_as(tensor)
+
+
+class _RaiseOutOfMemory(_IdentityForward):
+    """The backward raises the allocator's error, as a backward that runs out of memory does."""
 
     @staticmethod
     def backward(ctx, grad):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
 
-class _NonFiniteGradient(torch.autograd.Function):
-    """Identity forward; the backward makes every gradient NaN, the loss's value left as it is."""
-
-    @staticmethod
-    def forward(ctx, tensor):
-        return tensor.view_as(tensor)
+class _NonFiniteGradient(_IdentityForward):
+    """The backward makes every gradient NaN."""
 
     @staticmethod
     def backward(ctx, grad):

@@ -478,13 +478,6 @@ def _otlp_protocol(raw: str) -> str:
     return value
 
 
-def _otlp_compression(raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in ("gzip", "deflate", "none"):
-        raise ValueError("expected one of gzip, deflate, none")
-    return value
-
-
 def _sdk_positive_number(raw: str) -> str:
     try:
         value = float(raw)
@@ -507,7 +500,8 @@ def _sdk_positive_integer(raw: str) -> str:
 
 _SDK_SETTINGS = (
     *((f"OTEL_EXPORTER_OTLP{kind}_PROTOCOL", _otlp_protocol, "grpc") for kind in _SIGNAL_SETTINGS),
-    *((f"OTEL_EXPORTER_OTLP{kind}_COMPRESSION", _otlp_compression, "none") for kind in _SIGNAL_SETTINGS),
+    *((f"OTEL_EXPORTER_OTLP{kind}_COMPRESSION", _one_of(("gzip", "deflate", "none")), "none")
+      for kind in _SIGNAL_SETTINGS),
     *((f"OTEL_EXPORTER_OTLP{kind}_TIMEOUT", _sdk_positive_number, "10") for kind in _SIGNAL_SETTINGS),
     ("OTEL_BSP_SCHEDULE_DELAY", _sdk_positive_number, DEFAULT_BSP_SCHEDULE_DELAY),
     ("OTEL_BSP_EXPORT_TIMEOUT", _sdk_positive_number, "30000"),

@@ -81,3 +81,8 @@ def test_a_failure_the_rank_went_on_from_is_no_crash():
     """A caught exception, its step retried with the same number (an OOM caught and the batch halved)."""
     spans = [*healthy(), step(0, 7, "RuntimeError: transient"), step(0, 7), step(1, 7), step(0, 8), step(1, 8)]
     assert not [f for f in report(spans)["findings"] if f["layer"] == "CRASH"]
+
+
+def test_ctrl_c_is_a_stop_from_outside_not_a_rank_that_failed():
+    verdict = report([*healthy(), step(0, 7, "KeyboardInterrupt: "), step(1, 7, "KeyboardInterrupt: ")])["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("signalled", None)

@@ -26,6 +26,7 @@ MEMORY_REMEDIES = MODEL_REMEDIES["memory"]
 _LOST_PEER = re.compile(r"connection (closed|reset|refused)|closed by peer|broken pipe|timed? ?out|nccl|gloo|"
                         r"socket|peer|distbackenderror|distnetworkerror|processgroup|abort", re.IGNORECASE)
 _SIGNALLED = (semconv.STATUS_TERMINATED, semconv.STATUS_INTERRUPTED)
+_INTERRUPT = "KeyboardInterrupt"  # Ctrl-C reached the training thread in Python: a stop from outside too
 _OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
 _PLACES = {semconv.SPAN_DATA_WAIT: "data wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
            semconv.SPAN_OPTIMIZER_STEP: "optimizer step"}
@@ -86,7 +87,7 @@ class Crashes:
         silent = absent + sorted(rank for rank in self.ranks[job] - set(first)
                                  if self._closed.get((job, rank), 0) < latest_failed)
         own = sorted((failure, rank) for rank, failure in first.items()
-                     if failure[3] not in _SIGNALLED and not _LOST_PEER.search(failure[3]))
+                     if not _stopped(failure[3]) and not _LOST_PEER.search(failure[3]))
         if own:
             (_end, number, trace_id, error), rank = own[0]
             if (job, rank, trace_id) in self._memory:
@@ -116,10 +117,10 @@ class Crashes:
         else:
             (_end, number, trace_id, error), rank = min((failure, rank) for rank, failure in first.items())
             where = self._where(job, rank, trace_id)
-            if len(first) == len(self.ranks[job]) and all(f[3] in _SIGNALLED for f in first.values()):
+            if len(first) == len(self.ranks[job]) and all(_stopped(f[3]) for f in first.values()):
                 summary = f"every rank was stopped in step {number}: {error}"
                 kind, causes, culprit = "signalled", sorted(first), None
-            elif error in _SIGNALLED:
+            elif _stopped(error):
                 summary = (f"rank {rank} was stopped {_in_step(where, number)} ({error}), before any rank failed "
                            "on its own")
                 kind, causes, culprit = "signalled", [rank], rank
@@ -156,6 +157,11 @@ class Crashes:
 
 
 _SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\] ")  # gloo's and NCCL's "[.../pair.cc:553] "
+
+
+def _stopped(error: str) -> bool:
+    """Stopped from outside: a signal, or Ctrl-C as a KeyboardInterrupt."""
+    return error in _SIGNALLED or error.startswith(_INTERRUPT)
 
 
 def _short(error: str, limit: int = 160) -> str:

@@ -31,14 +31,14 @@ _OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
 _PLACES = {semconv.SPAN_DATA_WAIT: "data wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
            semconv.SPAN_OPTIMIZER_STEP: "optimizer step"}
 REMEDIES = {
-    "raised": ["its exception, with the stack, is on the step's failed phase or collective (an `exception` event) and "
+    "raised": ["its exception, with the stack, is on the step's failed phase or collective (an exception event) and "
                "in that rank's output",
                "the other ranks' errors after it are its consequences: their collectives lost the peer"],
     "exited": ["the exception is in that rank's output (its traceback): the loop's own code raised it, outside "
                "DeepSpeed's calls"],
     "silent": ["the launcher's output: the rank's exit code (1 and a traceback: an exception between steps; -9: "
                "SIGKILL; -11: a fault in native code)",
-               "the node's kernel log (`dmesg`, `journalctl -k`): the OOM killer names the process it killed (host "
+               "the node's kernel log (dmesg, journalctl -k): the OOM killer names the process it killed (host "
                "memory: data loader workers, pinned buffers, CPU offload)",
                "the job's memory limit (cgroup, the scheduler's request)"],
     "signalled": ["the launcher's or the scheduler's log: who stopped the job (a time limit, a preemption, a stop "

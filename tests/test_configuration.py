@@ -26,7 +26,8 @@ def environ(monkeypatch):
                  "OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "OTEL_PYTHON_DEEPSPEED_PROFILE_TRIGGER",
                  "OTEL_RESOURCE_ATTRIBUTES", "TORCHELASTIC_RUN_ID",
                  "SLURM_JOB_ID", "SLURM_STEP_ID", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_PYTHON_ID_GENERATOR",
-                 "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+                 "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+                 "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_COMPRESSION"):
         monkeypatch.delenv(name, raising=False)
     env.reset_cache()
     yield monkeypatch
@@ -105,34 +106,69 @@ def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
     assert f"default {default!r}" in record.getMessage()
 
 
-@pytest.mark.parametrize(("name", "value", "settled"), [
-    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "grpc"),
-    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "bogus", "grpc"),
-    ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd", "none"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", "10"),
-    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "abc", "10"),
-    ("OTEL_BSP_MAX_QUEUE_SIZE", "-1", "2048"),
-    ("OTEL_BSP_SCHEDULE_DELAY", "abc", "1000"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", "0", "60000"),
-    ("OTEL_TRACES_EXPORTER", "bogus", "deepspeed_file"),
-    ("OTEL_TRACES_EXPORTER", "deepspeed_file, bogus", "deepspeed_file"),
-    ("OTEL_METRICS_EXPORTER", "bogus", "deepspeed_file"),
-    ("OTEL_LOGS_EXPORTER", "bogus", "none"),
-    ("OTEL_PYTHON_ID_GENERATOR", "bogus", "deepspeed_random"),
+@pytest.mark.parametrize("case", [
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", None, "using the default 'grpc'"),
+    # A signal's own setting falls back to the general one (a review: it was set to the default, over a valid general)
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "bogus", None, "using OTEL_EXPORTER_OTLP_PROTOCOL's value"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd", None, "using no compression"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "none", None, "over http/protobuf deflate or none"),  # gRPC raises on it
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", None, "using the default '10'"),
+    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "abc", None, "using OTEL_EXPORTER_OTLP_TIMEOUT's value"),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", "-1", None, "using the default '2048'"),
+    ("OTEL_BSP_SCHEDULE_DELAY", "1.5", "1000", "using the default '1000'"),  # the SDK reads it with int()
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4096", "2048", "larger than OTEL_BSP_MAX_QUEUE_SIZE, 2048"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "0", None, "using the default '60000'"),
+    ("OTEL_TRACES_EXPORTER", "bogus", "deepspeed_file", "using the default 'deepspeed_file'"),
+    ("OTEL_TRACES_EXPORTER", "deepspeed_file, bogus", "deepspeed_file", "using the others 'deepspeed_file'"),
+    ("OTEL_TRACES_EXPORTER", "console,", "console", "no exporter named ''"),  # the SDK looks '' up
+    ("OTEL_METRICS_EXPORTER", "bogus", "deepspeed_file", "using the default 'deepspeed_file'"),
+    ("OTEL_LOGS_EXPORTER", "bogus", "none", "using the default 'none'"),
+    ("OTEL_PYTHON_ID_GENERATOR", "bogus", "deepspeed_random", "using the default 'deepspeed_random'"),
 ])
-def test_sdk_variables_the_sdk_would_fail_on_are_named_once_and_replaced(environ, caplog, name, value, settled):
+def test_sdk_variables_the_sdk_would_fail_on_are_named_once_and_settled(environ, caplog, case):
     """A review: each of these made the SDK's set-up raise (every signal's telemetry lost, a traceback, no variable
     named), or retried every export for ever (a negative timeout)."""
+    import os
+
+    name, value, settled, said = case
+    environ.setenv(name, value)
+    env.check_all()
+    with caplog.at_level(logging.WARNING):
+        env.settle_sdk_variables()
+        env.settle_sdk_variables()  # a second engine: nothing more to say
+    assert os.environ.get(name) == settled
+    messages = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(messages) == 1 and f"{name}={value!r} is not valid" in messages[0] and said in messages[0], messages
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("OTEL_TRACES_EXPORTER", "NONE"), ("OTEL_TRACES_EXPORTER", "console,deepspeed_file"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "inf"),  # the SDK's reader: no periodic collection
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", " 10 "), ("OTEL_BSP_MAX_QUEUE_SIZE", "4096"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "GZIP"), ("OTEL_PYTHON_ID_GENERATOR", "random"),
+])
+def test_values_the_sdk_takes_are_left_alone(environ, caplog, name, value):
+    """A review of the settling: NONE (the SDK turns the signal off in any case) and inf were called not valid."""
     import os
 
     environ.setenv(name, value)
     env.check_all()
     with caplog.at_level(logging.WARNING):
         env.settle_sdk_variables()
-        env.settle_sdk_variables()  # a second engine: nothing more to say
-    assert os.environ[name] == settled
-    said = [r.getMessage() for r in caplog.records if name in r.getMessage()]
-    assert len(said) == 1 and f"{name}={value!r} is not valid" in said[0] and repr(settled) in said[0], said
+    assert os.environ[name] == value and not caplog.records
+
+
+def test_a_queue_below_the_default_batch_takes_batches_of_its_size(environ, caplog):
+    import os
+
+    environ.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "100")
+    env.check_all()
+    with caplog.at_level(logging.WARNING):
+        env.settle_sdk_variables()
+    assert os.environ["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] == "100"
+    (record,) = caplog.records
+    assert "OTEL_BSP_MAX_QUEUE_SIZE='100' is not valid" in record.getMessage()
+    os.environ.pop("OTEL_BSP_MAX_EXPORT_BATCH_SIZE")  # set by the settling, not by the test: not undone for it
 
 
 @pytest.mark.parametrize("value", ["   ", " http://127.0.0.1:4318 "])

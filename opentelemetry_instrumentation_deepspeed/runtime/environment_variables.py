@@ -10,6 +10,7 @@ instrumentation reads its mode when it is set up, in every process) waits until 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -166,7 +167,9 @@ _training = False  # check_all() ran: this process trains, and hears about bad v
 
 
 def _warn_default(name: str, raw: str, default: object, why: str, using: str = "the default") -> None:
-    arguments = ("%s=%r is not valid (%s); using %s %r.", name, raw, why, using, default)
+    """``using`` names what stands in, before the value; empty: ``default`` says it all, as written."""
+    instead = f"{using} {default!r}" if using else str(default)
+    arguments = ("%s=%r is not valid (%s); using %s.", name, raw, why, instead)
     if _training:
         _logger.warning(*arguments)
     else:
@@ -464,62 +467,62 @@ def unusable_otlp_endpoint(signal: str) -> tuple[str, str, str] | None:
     return None
 
 
-# The SDK's own settings it would fail on, or take a wrong value of silently: (variables, parse, the default
-# named in the message, or None to leave it unset for the SDK's own). The SDK raises on a negative batch size deep in
-# the providers' set-up, which took every signal's telemetry with it; it retries an OTLP export for ever with a
-# negative timeout; it refuses a protocol it does not know.
-_SIGNAL_SETTINGS = ("", "_TRACES", "_METRICS", "_LOGS")
+# The SDK's own settings that its set-up fails on (a negative batch size raised deep in the providers' set-up, and took
+# every signal's telemetry with it), or that lose telemetry silently (an OTLP export retried for ever with a negative
+# timeout). Each is read as the SDK reads it: the batch processor's with int(), the metric reader's with float().
+_SIGNALS = ("traces", "metrics", "logs")
+_OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 
 
 def _otlp_protocol(raw: str) -> str:
-    value = raw.strip()
-    if value not in ("grpc", "http/protobuf"):
+    if raw.strip() not in _OTLP_PROTOCOLS:
         raise ValueError("the Python exporters speak grpc or http/protobuf")
-    return value
+    return raw
 
 
-def _sdk_positive_number(raw: str) -> str:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("expected a positive number") from None
-    if not 0 < value < float("inf"):
-        raise ValueError("expected a positive number")
-    return raw.strip()
-
-
-def _sdk_positive_integer(raw: str) -> str:
+def _sdk_integer(raw: str) -> str:
     try:
         value = int(raw)
     except ValueError:
         raise ValueError("expected a positive integer") from None
     if value <= 0:
         raise ValueError("expected a positive integer")
-    return raw.strip()
+    return raw
 
 
+def _sdk_number(raw: str, unbounded: bool = False) -> str:
+    """A positive float; ``unbounded``: infinity too (a metric reader with no periodic collection)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a positive number") from None
+    if not (0 < value < math.inf or (unbounded and value == math.inf)):
+        raise ValueError("expected a positive number")
+    return raw
+
+
+# (variable, parse, the value set instead, or None to unset it and leave the SDK's default; the default, as said)
 _SDK_SETTINGS = (
-    *((f"OTEL_EXPORTER_OTLP{kind}_PROTOCOL", _otlp_protocol, "grpc") for kind in _SIGNAL_SETTINGS),
-    *((f"OTEL_EXPORTER_OTLP{kind}_COMPRESSION", _one_of(("gzip", "deflate", "none")), "none")
-      for kind in _SIGNAL_SETTINGS),
-    *((f"OTEL_EXPORTER_OTLP{kind}_TIMEOUT", _sdk_positive_number, "10") for kind in _SIGNAL_SETTINGS),
-    ("OTEL_BSP_SCHEDULE_DELAY", _sdk_positive_number, DEFAULT_BSP_SCHEDULE_DELAY),
-    ("OTEL_BSP_EXPORT_TIMEOUT", _sdk_positive_number, "30000"),
-    ("OTEL_BSP_MAX_QUEUE_SIZE", _sdk_positive_integer, "2048"),
-    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _sdk_positive_integer, "512"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", _sdk_positive_number, "60000"),
-    ("OTEL_METRIC_EXPORT_TIMEOUT", _sdk_positive_number, "30000"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", _otlp_protocol, None, "grpc"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", _sdk_number, None, "10"),
+    ("OTEL_BSP_SCHEDULE_DELAY", _sdk_integer, DEFAULT_BSP_SCHEDULE_DELAY, DEFAULT_BSP_SCHEDULE_DELAY),
+    ("OTEL_BSP_EXPORT_TIMEOUT", _sdk_integer, None, "30000"),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", _sdk_integer, None, "2048"),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _sdk_integer, None, "512"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", lambda raw: _sdk_number(raw, unbounded=True), None, "60000"),
+    ("OTEL_METRIC_EXPORT_TIMEOUT", lambda raw: _sdk_number(raw, unbounded=True), None, "30000"),
 )
-# Exporter and id generator names: the entry point group each is looked up in, and what stands in for an unknown one.
+# Exporter names: the entry point group each is looked up in, and what stands in for an unknown one.
 _SDK_NAMES = (("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter", EMBEDDED_EXPORTER),
               ("OTEL_METRICS_EXPORTER", "opentelemetry_metrics_exporter", EMBEDDED_EXPORTER),
               ("OTEL_LOGS_EXPORTER", "opentelemetry_logs_exporter", "none"))
 
 
 def settle_sdk_variables() -> None:
-    """The SDK's variables made usable in this process's environment before the SDK reads them: an OTLP endpoint
-    trimmed of spaces (blank: unset), and a value the SDK would fail on replaced by its default, said once as ours
-    are. An unknown exporter name is dropped (the others stay); none left: the embedded default."""
+    """The SDK's variables made usable in this process's environment before the SDK reads them, each bad value said
+    once, as ours are: an OTLP endpoint trimmed of spaces (blank: unset); a setting the SDK would fail on unset (its
+    default then applies; a signal's own falls back to the general one) or set to the distro's default; an unknown
+    exporter name dropped, the others kept (none left: the embedded default)."""
     for names in OTLP_ENDPOINTS.values():
         for name in names:
             raw = os.environ.get(name)
@@ -528,26 +531,74 @@ def settle_sdk_variables() -> None:
                     os.environ[name] = raw.strip()
                 else:
                     del os.environ[name]
-    for name, parse, default in _SDK_SETTINGS:
+    settings = list(_SDK_SETTINGS)
+    for signal in _SIGNALS:  # a signal's own protocol and timeout: unset, the general ones apply
+        own = f"OTEL_EXPORTER_OTLP_{signal.upper()}"
+        settings += [(f"{own}_PROTOCOL", _otlp_protocol, None, None), (f"{own}_TIMEOUT", _sdk_number, None, None)]
+    for name, parse, instead, default in settings:
         raw = os.environ.get(name)
         if raw is None:
             continue
         try:
             parse(raw)
         except ValueError as error:
-            _warn_default(name, raw, default, str(error))
-            os.environ[name] = default
+            general = name.replace(name.split("_")[3] + "_", "", 1)  # OTEL_EXPORTER_OTLP_TRACES_X -> ..._OTLP_X
+            _warn_default(name, raw, default or f"{general}'s value", str(error), "the default" if default else "")
+            if instead is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = instead
+    _settle_batch_size()
+    _settle_compression()
+    _settle_names()
+
+
+def _settle_batch_size() -> None:
+    """The batch processor refuses a batch larger than its queue (the SDK's defaults: 512 and 2048)."""
+    queue = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048"))
+    raw = os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+    if raw is not None and int(raw) > queue:
+        _warn_default("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", raw, queue, f"larger than OTEL_BSP_MAX_QUEUE_SIZE, {queue}",
+                      "the queue's size,")
+    elif raw is None and queue < 512:
+        _warn_default("OTEL_BSP_MAX_QUEUE_SIZE", str(queue), queue, "smaller than the default batch of "
+                      "OTEL_BSP_MAX_EXPORT_BATCH_SIZE, 512", "batches of")
+    else:
+        return
+    os.environ["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(queue)
+
+
+def _settle_compression() -> None:
+    """gzip, for any exporter; deflate and none only over HTTP (the gRPC exporters raise on anything but gzip). A
+    value that does not do is unset: no compression (a signal's own: the general one's)."""
+    for kind in ("", *(f"_{signal.upper()}" for signal in _SIGNALS)):
+        name = f"OTEL_EXPORTER_OTLP{kind}_COMPRESSION"
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        protocol = (os.environ.get(f"OTEL_EXPORTER_OTLP{kind}_PROTOCOL")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+        value = raw.strip().lower()
+        if value == "gzip" or (protocol == "http/protobuf" and value in ("deflate", "none")):
+            continue
+        why = ("expected gzip, or over http/protobuf deflate or none" if value in ("deflate", "none") else
+               "expected gzip, deflate or none")
+        _warn_default(name, raw, "OTEL_EXPORTER_OTLP_COMPRESSION's value" if kind else "no compression", why, "")
+        del os.environ[name]
+
+
+def _settle_names() -> None:
     from importlib.metadata import entry_points
 
     for name, group, instead in _SDK_NAMES:
         raw = os.environ.get(name)
-        if raw is None:
+        if raw is None or raw.strip().lower() == "none":  # the SDK turns the signal off, in any case
             continue
-        known = {point.name for point in entry_points(group=group)} | {"none", "otlp"}
-        given = [part.strip() for part in raw.split(",") if part.strip()]
+        known = {point.name for point in entry_points(group=group)} | {"otlp"}
+        given = [part.strip() for part in raw.split(",")]
         unknown = [part for part in given if part not in known]
         if unknown:
-            kept = [part for part in given if part in known]
+            kept = list(dict.fromkeys(part for part in given if part in known))
             _warn_default(name, raw, ",".join(kept or [instead]),
                           f"no exporter named {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}",
                           "the others" if kept else "the default")

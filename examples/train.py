@@ -100,10 +100,11 @@ def parse_args(argv=None):
                              "a program's own code between steps does (an evaluation, a checkpoint): no step is open")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
                         help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
-    faults.add_argument("--crash-in", choices=("forward", "data", "loop"), default="forward",
+    faults.add_argument("--crash-in", choices=("forward", "data", "loop", "after-step"), default="forward",
                         help="where --crash-after raises: the forward, the data loader (its collate raises "
-                             "ValueError, as a corrupt sample does), or the loop's own code between the forward and "
-                             "the backward (an AssertionError, as a check of the loss does)")
+                             "ValueError, as a corrupt sample does), the loop's own code between the forward and "
+                             "the backward (an AssertionError, as a check of the loss does), or its code after step K "
+                             "(a RuntimeError, as a callback or a checkpoint's save may raise)")
     _numerics_arguments(parser)
     parser.add_argument("--print-steps", action="store_true",
                         help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
@@ -445,6 +446,8 @@ def inject_faults(args, model, rank: int, step: int) -> None:
 
 def after_step(args, rank: int, step: int) -> None:
     """The loop's own code after optimizer step ``step`` (1-based) ends, before the next one fetches."""
+    if args.crash_in == "after-step" and rank == 0 and step == args.crash_after > 0:
+        raise RuntimeError(f"injected failure after step {step}")
     if args.hang_phase == "after-step" and step == args.hang_step and rank == args.hang_rank:
         block_forever()
     if args.host_work:

@@ -278,6 +278,8 @@ TRAINING_WORLD_SIZE = "training.world_size"
 STATUS_EXITED = "the process exited during this step"
 STATUS_TERMINATED = "terminated by SIGTERM"
 STATUS_INTERRUPTED = "interrupted by SIGINT"
+# A training.hang report's reason where an uncaught exception ended the process with no step open.
+STATUS_EXITED_BETWEEN = "the process exited between steps"
 TRAINING_FRAMEWORK = "training.framework"
 TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
 TRAINING_FRAMEWORK_PYTORCH = "pytorch"  # its value for a plain PyTorch loop (instrumentors/torch_loop.py)

@@ -58,17 +58,44 @@ def test_a_rank_with_no_error_that_wrote_less_or_nothing_died_without_a_word(ran
     verdict = report(spans)["verdict"]
     assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "silent", 1)
     said = "rank 1 wrote no telemetry" if last is None else "rank 1 stopped after step 3, the last it wrote"
-    assert verdict["summary"].startswith(said) and "no error of its own in its telemetry" in verdict["summary"]
-    assert verdict["step"] == (last or 0) + 1
+    assert verdict["summary"].startswith(said) and "no failure of its own in its telemetry" in verdict["summary"]
+    assert verdict["step"] == 7, "at the latest, the step the others failed in (what it wrote last lags)"
 
 
 def test_every_rank_stopped_by_sigterm_is_said_so_and_the_loops_own_exception_is_told_apart():
     verdict = report([*healthy(), step(0, 7, "terminated by SIGTERM"), step(1, 7, "terminated by SIGTERM")])["verdict"]
     assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "signalled", None)
     assert verdict["summary"] == "every rank was stopped in step 7: terminated by SIGTERM"
-    verdict = report([*healthy(), step(0, 7, "the process exited during this step"), step(1, 7, LOST)])["verdict"]
+    exited = "the process exited during this step: AssertionError: loss is nan"
+    verdict = report([*healthy(), step(0, 7, exited), step(1, 7, LOST)])["verdict"]
     assert (verdict["kind"], verdict["rank"]) == ("exited", 0)
-    assert "an exception in the loop's own code" in verdict["summary"]
+    assert verdict["summary"].startswith("rank 0 exited during step 7, by an exception no wrapper saw raised: "
+                                         "AssertionError: loss is nan")
+
+
+def exit_report(rank, number, reason, error=None, phase=None):
+    attributes = {"training.step": number, "training.hang.reason": reason, "training.hang.between_steps": True,
+                  "training.hang.threshold": 30.0}
+    if phase:
+        attributes["training.phase"] = phase
+    return Span("training.hang", f"trace{number:03d}", f"h{rank}-{number}", "", number * SECOND,
+                number * SECOND + SECOND // 10, "job", rank, attributes, error or f"{reason}: in no step")
+
+
+def test_the_exits_last_report_between_steps_names_where_and_by_what_and_is_no_hang():
+    """A review: a Trainer callback that raised after step 6, and a SIGTERM in the data loader, left no failed step:
+    the crashed job read NONE, the stopped one DATA LOADING."""
+    raised = exit_report(0, 7, "the process exited between steps",
+                         "the process exited between steps: ValueError: callback failed")
+    result = report([*healthy(), raised, step(1, 7, LOST)])
+    verdict = result["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"]) == ("CRASH", "exited", 0, 7)
+    assert verdict["summary"].startswith("rank 0 exited between steps, after step 6, by an exception no wrapper saw "
+                                         "raised: ValueError: callback failed")
+    stopped = [exit_report(rank, 7, "terminated by SIGTERM", phase="data.wait") for rank in (0, 1)]
+    verdict = report([*healthy(), *stopped])["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "signalled", None)
+    assert verdict["summary"] == "every rank was stopped in the data loader, after step 6: terminated by SIGTERM"
 
 
 def test_an_out_of_memory_error_is_the_memory_findings_and_a_healthy_job_has_none():

@@ -250,6 +250,17 @@ def test_a_job_not_in_the_input_is_said_so_with_the_jobs_it_holds(tmp_path):
     assert console(str(tmp_path / "good.jsonl"), "--job", "job").returncode == 0
 
 
+def test_spans_read_twice_are_counted_once(tmp_path, capsys):
+    """A review: the same files given twice read "156% compute" (a Collector may deliver a batch twice, too)."""
+    (tmp_path / "good.jsonl").write_text(GOOD)
+    assert cli.main(["diagnose", "--json", str(tmp_path / "good.jsonl")]) == 0
+    once = json.loads(capsys.readouterr().out)
+    assert cli.main(["diagnose", "--json", str(tmp_path / "good.jsonl"), str(tmp_path / "good.jsonl")]) == 0
+    twice = json.loads(capsys.readouterr().out)
+    assert twice["ranks"] == once["ranks"] and twice["job"] == once["job"]
+    assert "24 span(s) read twice" in twice["input"]["problems"][0]
+
+
 def test_with_no_path_the_latest_job_with_telemetry_is_read_and_named(tmp_path):
     """A review: an empty job directory written last was read (0 spans, exit 1) though an older one held the run."""
     older, newer = tmp_path / "telemetry" / "older", tmp_path / "telemetry" / "newer"

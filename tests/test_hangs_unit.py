@@ -687,10 +687,62 @@ def test_a_rank_stopped_by_a_signal_or_an_exception_keeps_where_it_stopped(monke
         emitter().drain()
         reasons = [s.attributes[semconv.HANG_REASON] for s in made["emitted"].get_finished_spans()
                    if s.name == semconv.SPAN_HANG]
-        assert reasons == [semconv.HANG_REASON_WATCHDOG]
+        # No "resumed": a signal's last report, between steps, says where it stood; a Ctrl-C's KeyboardInterrupt
+        # unwound the stack, which says nothing more.
+        assert reasons == [semconv.HANG_REASON_WATCHDOG] + ([lifecycle.TERMINATED] if how == "signal" else [])
     finally:
         release.set()
         thread.join(10)
+
+
+def test_an_exception_with_no_step_open_leaves_a_last_report_with_its_traceback(monkeypatch):
+    """A review: a Trainer callback that raised after step 3 left no trace at all (no step was open), and the
+    crashed job read NONE."""
+    release, stepped = threading.Event(), threading.Event()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        stepped.set()
+        release.wait()
+
+    thread, made = _training_thread(train)
+    try:
+        assert stepped.wait(10)
+        try:
+            raise ValueError("callback failed")
+        except ValueError as error:
+            monkeypatch.setattr("sys.last_value", error, raising=False)
+        made["dog"]._at_exit(lifecycle.EXITED)
+        emitter().drain()
+        (report,) = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
+        assert report.attributes[semconv.HANG_REASON] == semconv.STATUS_EXITED_BETWEEN
+        assert report.attributes[semconv.HANG_BETWEEN_STEPS] and report.attributes[semconv.TRAINING_STEP] == 2
+        assert report.status.description == "the process exited between steps: ValueError: callback failed"
+        (event,) = report.events
+        assert 'raise ValueError("callback failed")' in event.attributes[semconv.CODE_STACKTRACE]
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_an_exception_that_ended_a_step_on_its_way_out_leaves_no_report_between_steps(monkeypatch):
+    """A review: an out-of-memory error in a backward ended its step, then the exit wrote "the process exited between
+    steps" too."""
+    from opentelemetry_instrumentation_deepspeed.instrumentors import engine as engine_wrappers
+
+    thread, made = _training_thread(lambda recorder, engine: None)
+    thread.join(10)
+
+    def forward(self):
+        raise RuntimeError("out of memory")
+
+    try:
+        engine_wrappers._forward(forward)(made["engine"])  # the engine's forward, through its wrapper
+    except RuntimeError as error:
+        monkeypatch.setattr("sys.last_value", error, raising=False)
+    made["dog"]._at_exit(lifecycle.EXITED)
+    emitter().drain()
+    assert [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG] == []
 
 
 @pytest.mark.slow  # 2 s each, its looks a second apart: the unit lane stays under its minute

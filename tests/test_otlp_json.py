@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
 from opentelemetry.exporter.otlp.json.file.trace_exporter import _encode_spans_to_dict
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -12,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from opentelemetry_instrumentation_deepspeed.export.emitter import _exception
-from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder
+from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder, finite_json
 from opentelemetry_instrumentation_deepspeed.export.spans import SpanWriter
 from opentelemetry_instrumentation_deepspeed.recording.record import Failure
 
@@ -38,8 +40,8 @@ def _spans():
     # This project's spans, written after the fact by the emitter, with the same provider.
     writer = SpanWriter(provider)
     root = writer.root("training.global_step", 0xABC, 0xDEF, {"training.step": 7}, 1, True)
-    step = writer.child("training.step", root.context, {"training.step": 7, "comm.busbw": 1.2345e9, "tiny": 1e-07},
-                        2)
+    step = writer.child("training.step", root.context, {"training.step": 7, "comm.busbw": 1.2345e9, "tiny": 1e-07,
+                                                        "training.grad_norm": math.inf, "training.loss": math.nan}, 2)
     try:
         raise RuntimeError("in a step")
     except RuntimeError as error:
@@ -60,3 +62,16 @@ def test_same_json_as_the_official_encoder():
     encoder = SpanEncoder()
     for batch in (spans[:2], spans[2:], spans):
         assert json.loads(encoder.encode(batch)) == json.loads(json.dumps(_encode_spans_to_dict(batch)))
+
+
+def test_non_finite_numbers_are_strings_as_protobufs_json_mapping_writes_them():
+    """A review: a NaN loss or an infinite gradient norm (every fp16 overflow) wrote bare NaN and Infinity, which strict
+    JSON parsers refuse, the whole line (a batch of spans) with them."""
+    strict = {"parse_constant": lambda name: pytest.fail(f"{name} in the JSON")}
+    line = SpanEncoder().encode(_spans())
+    assert '"doubleValue":"Infinity"' in line and '"doubleValue":"NaN"' in line
+    json.loads(line, **strict)
+    # Metric points too, where an SDK passes a non-finite one on (1.45 drops them with a warning).
+    request = {"gauge": {"dataPoints": [{"asDouble": -math.inf}, {"asDouble": 0.5}]}}
+    json.loads(json.dumps(finite_json(request), allow_nan=False), **strict)
+    assert finite_json(request)["gauge"]["dataPoints"][0]["asDouble"] == "-Infinity"

@@ -99,10 +99,10 @@ def test_sigterm_is_left_alone_when_asked(workdir):
     assert BLOCKED_STEP not in _steps(spans), "nothing ran at the signal: the step in progress was never written"
 
 
-@pytest.mark.parametrize("where", ["forward", "data", "loop"])
+@pytest.mark.parametrize("where", ["forward", "data", "loop", "after-step"])
 def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step_and_diagnose_names_it(workdir, where):
-    """data: the loader's exception (a corrupt sample) left nothing on the rank that raised it (a review: its traces
-    ended at the step before, and diagnose, which read no error status at all, said NONE for every crash)."""
+    """A review: diagnose read no error status at all and said NONE for every crash; a loader's exception (a corrupt
+    sample) and one raised after a step (a callback, a checkpoint's save) left nothing on the rank that raised it."""
     run = launch(workdir, "torchrun", "--steps", "20", "--crash-after", "6", "--crash-in", where, timeout=400)
     assert run.returncode != 0
     # Rank 1, blocked in a collective with its dead peer, is stopped by torchrun (in the end SIGKILL).
@@ -110,29 +110,41 @@ def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step_and_diagn
     (traces,) = workdir.glob("telemetry/*/traces-rank0.jsonl")
     spans = read_spans(traces)
     steps = _steps(spans)
-    assert sorted(steps) == list(range(1, 8)), "six completed steps and the failing seventh"
-    (failed,) = steps[7]
     error = {"forward": "RuntimeError: injected crash in forward",
              "data": "ValueError: injected corrupt sample in the batch of step 7",
              # the loop's own code: the exit closes the step, with what ended the process
              "loop": "the process exited during this step: AssertionError: injected check of the loss failed in "
-                     "step 7"}[where]
+                     "step 7",
+             # no step open: the exit's last report, between steps, says what ended the process
+             "after-step": "the process exited between steps: RuntimeError: injected failure after step 6"}[where]
+    if where == "after-step":
+        assert sorted(steps) == list(range(1, 7)) and all(span.status != 2 for (span,) in steps.values())
+        (failed,) = [span for span in spans if span.name == "training.hang"]
+        assert failed.attributes["training.hang.between_steps"] and failed.attributes["training.step"] == 7
+        (event,) = failed.events
+        assert "injected failure after step 6" in event["attributes"]["code.stacktrace"]
+    else:
+        assert sorted(steps) == list(range(1, 8)), "six completed steps and the failing seventh"
+        (failed,) = steps[7]
     assert (failed.status, failed.status_message) == (2, error)
-    if where == "forward":
-        forward = [span for span in spans if span.name == "training.forward" and span.parent_id == failed.span_id]
-        assert len(forward) == 1
-        (event,) = [event for event in forward[0].events if event["name"] == "exception"]
+    if where in ("forward", "data"):  # the span that raised carries the exception, with its stack
+        name, kind = {"forward": ("training.forward", "RuntimeError"),
+                      "data": ("training.data.wait", "ValueError")}[where]
+        raised = [span for span in spans if span.name == name and span.parent_id == failed.span_id]
+        assert len(raised) == 1 and raised[0].status == 2
+        (event,) = [event for event in raised[0].events if event["name"] == "exception"]
         attributes = event["attributes"]
-        assert attributes["exception.type"] == "RuntimeError"
-        assert "injected crash in forward" in attributes["exception.stacktrace"]
+        assert attributes["exception.type"] == kind and attributes["exception.escaped"] is True
+        assert error.partition(": ")[2] in attributes["exception.stacktrace"]
     completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=workdir,
                                capture_output=True, text=True, timeout=120, check=True)
     verdict = json.loads(completed.stdout)["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["step"]) == ("CRASH", 0, 7), verdict
-    said = {"forward": "rank 0 failed in forward of step 7: ", "data": "rank 0 failed in step 7: ",
-            "loop": "rank 0 exited during step 7, by an exception in the loop's own code (outside DeepSpeed's "
-                    "calls): "}[where]
-    assert verdict["summary"].startswith(said + error.rpartition("this step: ")[2]), verdict
+    said = {"forward": "rank 0 failed in forward of step 7: ", "data": "rank 0 failed in data wait of step 7: ",
+            "loop": "rank 0 exited during step 7, by an exception no wrapper saw raised: ",
+            "after-step": "rank 0 exited between steps, after step 6, by an exception no wrapper saw raised: "}[where]
+    assert verdict["summary"].startswith(said + error.rpartition("steps: " if where == "after-step" else
+                                                                 "this step: ")[2]), verdict
 
 
 def test_files_rotate_at_the_size_limit(workdir):
@@ -293,6 +305,6 @@ def test_hostile_job_id_and_service_name_stay_inside_and_exception_detail_is_obe
     (failed,) = _steps(spans)[4]
     assert (failed.status, failed.status_message) == (2, "RuntimeError")
     (event,) = [event for span in spans for event in span.events if event["name"] == "exception"]
-    assert event["attributes"] == {"exception.type": "RuntimeError", "exception.escaped": "False"}
+    assert event["attributes"] == {"exception.type": "RuntimeError", "exception.escaped": True}
     text = "".join(path.read_text() for path in run.trace_files)
     assert "injected crash" not in text

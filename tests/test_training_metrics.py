@@ -67,6 +67,10 @@ def test_exemplars_point_to_the_step_traces(run):
         exemplars = [trace_id for point in histograms for trace_id in point.exemplar_trace_ids]
         assert exemplars, "histogram points carry exemplars"
         assert set(exemplars) <= step_traces
+        # A collective's duration too, from its span (a review: they never carried one).
+        comm = [trace_id for point in by_rank[rank] if point.metric == "training.comm.duration"
+                for trace_id in point.exemplar_trace_ids]
+        assert comm and set(comm) <= step_traces
 
 
 def test_mfu_grad_norm_and_bounded_attributes(run):

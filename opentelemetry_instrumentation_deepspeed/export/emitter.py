@@ -192,7 +192,7 @@ def _exception(failure) -> dict | None:
         return None
     # Message and stack trace only where OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL kept them.
     attributes = {semconv.EXCEPTION_TYPE: failure.type, semconv.EXCEPTION_MESSAGE: failure.message,
-                  semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: "False"}
+                  semconv.EXCEPTION_STACKTRACE: failure.stacktrace, semconv.EXCEPTION_ESCAPED: True}  # re-raised
     return {key: value for key, value in attributes.items() if value}
 
 
@@ -539,12 +539,17 @@ class Emitter(Component):
         """Data wait and phase spans and durations; each phase's span context (the step's, when not sampled).
         ``comm``: ``_comm_counts``'s, by phase."""
         writer, metrics, recording = record.facts.writer, record.facts.metrics, step.recording
-        for wait_start, wait_end, micro_step in record.waits:
+        failed = record.waits[-1] if record.wait_failed and record.waits else None  # the fetch that raised
+        for wait in record.waits:
+            wait_start, wait_end, micro_step = wait
             wait_context = step.context
             if recording:
                 started = writer.child(semconv.SPAN_DATA_WAIT, step.context,
                                        {semconv.TRAINING_MICRO_STEP: micro_step}, wait_start)
-                writer.end(started, wait_start, wait_end)
+                if wait is failed:
+                    writer.end(started, wait_start, wait_end, None, _status(record.failure), _exception(record.failure))
+                else:
+                    writer.end(started, wait_start, wait_end)
                 wait_context = started.context
             metrics.phase(semconv.PHASE_DATA_WAIT, wait_start, wait_end, wait_context)
         contexts: dict[Phase, object] = {}
@@ -655,15 +660,16 @@ class Emitter(Component):
             start, end, on_gpu = times
             route = collective.route
             seconds = max(end - start, 1) / 1e9
-            route.duration.record(seconds, end, None, route.metric_attributes)
             totals = route.totals
             totals[0] += collective.bytes
             totals[1] += int(collective.bytes * route.size_factor * route.bus_factor)
             if writer is None:
+                route.duration.record(seconds, end, None, route.metric_attributes)
                 return
             writers.add(writer)
             started = writer.child(route.span_name, parent, span_attributes(collective, seconds, on_gpu), start)
             writer.end(started, start, end, None, _status(collective.failure), _exception(collective.failure))
+            route.duration.record(seconds, end, started.context, route.metric_attributes)  # its exemplar: the span
             if intervals is not None and not on_gpu:  # operators run on the host clock, in the step of the call
                 intervals.append(kernels.Interval(start, end, started.context))
         except Exception:  # noqa: BLE001 - ours: logged once, and collectives stop, steps go on

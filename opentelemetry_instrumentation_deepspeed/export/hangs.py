@@ -61,5 +61,6 @@ def emit(report: HangReport, writers: set) -> None:
     where = where_text(report)
     # A resumed report closes an earlier one: the thread moved on, which is no error.
     status = None if report.reason == semconv.HANG_REASON_RESUMED else Status(
-        StatusCode.ERROR, f"{report.reason}: in {where} for {(report.at - report.step_start) / 1e9:.0f} s")
+        StatusCode.ERROR, f"{report.reason}: {report.error}" if report.error else
+        f"{report.reason}: in {where} for {(report.at - report.step_start) / 1e9:.0f} s")
     writer.end(started, report.step_start, report.at, None, status, None, events)

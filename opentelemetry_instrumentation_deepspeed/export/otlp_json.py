@@ -31,7 +31,7 @@ def any_value(value) -> dict:  # noqa: PLR0911 - one return per OTLP value type
     if isinstance(value, int):
         return {"intValue": str(value)}
     if isinstance(value, float):
-        return {"doubleValue": value}
+        return {"doubleValue": value if math.isfinite(value) else non_finite(value)}
     if isinstance(value, str):
         return {"stringValue": value}
     if isinstance(value, bytes):
@@ -41,6 +41,23 @@ def any_value(value) -> dict:  # noqa: PLR0911 - one return per OTLP value type
     if isinstance(value, Sequence):
         return {"arrayValue": {"values": [any_value(item) for item in value]}}
     return {"stringValue": str(value)}
+
+
+def non_finite(value: float) -> str:
+    """NaN and the infinities as protobuf's JSON mapping writes them: strings. JSON has no such numbers, and a strict
+    parser refuses the whole line (an exported batch) for Python's bare ``NaN`` or ``Infinity``."""
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def finite_json(value):
+    """``value`` (decoded JSON: dicts, lists, numbers) with its non-finite floats written as ``non_finite`` does."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else non_finite(value)
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite_json(item) for item in value]
+    return value
 
 
 def attributes(items: Mapping | None) -> list[dict]:

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from opentelemetry_instrumentation_deepspeed.export import sdk
-from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder
+from opentelemetry_instrumentation_deepspeed.export.otlp_json import SpanEncoder, finite_json
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
 
@@ -275,7 +275,12 @@ class JsonLinesMetricExporter(MetricExporter):
         encoded = encode_metrics(metrics_data)
         if not encoded.resource_metrics:
             return MetricExportResult.SUCCESS
-        written = self._file.write(json.dumps(encoded.to_dict(), separators=(",", ":"), ensure_ascii=False))
+        request = encoded.to_dict()
+        try:
+            text = json.dumps(request, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except ValueError:  # a point of NaN or an infinity, where an SDK passes one on (1.45 drops them)
+            text = json.dumps(finite_json(request), separators=(",", ":"), ensure_ascii=False)
+        written = self._file.write(text)
         return MetricExportResult.SUCCESS if written else MetricExportResult.FAILURE
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:

@@ -101,7 +101,7 @@ class TrainingMetrics:
                                         description="Real (non-padding) tokens of the micro-batches this rank took "
                                                     "from its DataLoader, where countable on the host")
         meter.create_observable_counter(semconv.METRIC_SKIPPED_STEPS, [self._total("skipped")], unit="{step}",
-                                        description="Optimizer steps skipped (fp16 overflow)")
+                                        description="Optimizer steps skipped (fp16 overflow, inf or NaN gradients)")
         meter.create_observable_gauge(semconv.METRIC_LOSS_SCALE, [self._from_engine("loss_scale", _loss_scale)],
                                       unit="1", description="Dynamic loss scale after the last step (fp16)")
         meter.create_observable_gauge(semconv.METRIC_GRAD_NORM, [self._last("grad_norm")], unit="1",

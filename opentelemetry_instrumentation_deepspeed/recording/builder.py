@@ -256,6 +256,7 @@ class StepBuilder(Component):
     def _fail_step(self, entry) -> None:
         record, self.open = self.open, None
         record.failure = Interrupted(entry[3]) if entry[0] == Event.INTERRUPT else entry[3]
+        record.wait_failed = entry[0] == Event.DATA_FAILED
         record.end = entry[2]
         self._submit(record)
 

@@ -128,6 +128,7 @@ class StepRecord:
     skipped: bool = False
     end: int | None = None
     failure: Failure | Interrupted | None = None
+    wait_failed: bool = False  # the failure was its last data wait's (a loader that raised)
     phase: Phase | None = None  # the phase running now
     profile: object = None  # the stopped torch.profiler of a profiled step, for the emitter to read
     profiled: bool = False
@@ -171,3 +172,4 @@ class HangReport:
     sequences: dict  # group name -> last sequence issued on this rank
     stacks: list  # (thread id, thread name, formatted stack)
     between_steps: bool = False  # no step open: ``number`` is the next step, ``step_start`` when the thread stopped
+    error: str | None = None  # the exception that ended the process there (its type and message), if one did

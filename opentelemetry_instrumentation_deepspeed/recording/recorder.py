@@ -290,6 +290,12 @@ class StepRecorder(Component):
     def step_number(self) -> int | None:
         return self._number
 
+    def next_number(self) -> int | None:
+        """The number the next step takes (its engine's steps so far, plus one); None once the engine is gone. Any
+        thread: the watchdog's at exit, before the steps closed are drained."""
+        engine = self._engine()
+        return None if engine is None else engine.global_steps + 1
+
     def take(self, tensor):
         """A scalar as a backward's loss is kept (``scalars.take``), taken ahead of it (a plain loop's scaled loss)."""
         return scalars.take(tensor, self._device_scalars)

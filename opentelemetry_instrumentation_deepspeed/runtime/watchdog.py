@@ -375,28 +375,68 @@ class Watchdog(Component):
 
     def _at_exit(self, reason: str) -> None:
         """Stopped by a signal with a step open: where the training thread was, before the step is closed.
-        Exiting on its own after a report with no step open (a last checkpoint longer than the
-        threshold): the thread was not stuck, and a ``resumed`` report says so."""
+        Stopped by a signal or an uncaught exception with no step open (in the data loader, in an evaluation, a
+        checkpoint, a callback): a last report, between steps, says where and by what; with no step open nothing
+        else would (a step open at an exception's exit is closed with it). Exiting on its own after a report with
+        no step open (a last checkpoint longer than the threshold): the thread was not stuck, and a ``resumed``
+        report says so."""
         if self.broken:
             return
         from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
 
-        if reason == lifecycle.EXITED:
-            # On its own: not by an uncaught exception (a KeyboardInterrupt unwinding a stuck thread).
-            if getattr(sys, "last_value", None) is None:
-                now = time.time_ns()
-                for watched in list(self._watched):
-                    for report in _resumed(watched, now, exiting=True):
-                        emitter().submit(report)
-            return
-        if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED):
-            return
-
         now = time.time_ns()
+        error = getattr(sys, "last_value", None) if reason == lifecycle.EXITED else None
+        between = True
+        if isinstance(error, KeyboardInterrupt):
+            # Ctrl-C in the training thread's Python code: a step open still (the loop's own code) is reported as at
+            # a signal. With none, the stack it unwound says nothing of where the thread stood, and the step it was
+            # in, if any, ended with it.
+            reason, error, between = lifecycle.INTERRUPTED, None, False
+        elif reason == lifecycle.EXITED and error is None:  # on its own
+            for watched in list(self._watched):
+                for report in _resumed(watched, now, exiting=True):
+                    emitter().submit(report)
+            return
+        if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED, lifecycle.EXITED):
+            return
+        threads = set()
         for watched in list(self._watched):
             record = watched.recorder.open
             if record is not None:
-                emitter().submit(self._report(watched, record, now, reason, self._threshold(watched)))
+                threads.add(watched.thread)
+                if error is None:
+                    emitter().submit(self._report(watched, record, now, reason, self._threshold(watched)))
+        if not between or (error is not None and _through_a_step(error)):
+            return  # an exception that ended a step on its way out: that step says so
+        for watched in list(self._watched):
+            if watched.thread not in threads:  # one report per thread: engines may share one
+                threads.add(watched.thread)
+                emitter().submit(self._exit_between_steps(watched, now, reason, error))
+
+    def _exit_between_steps(self, watched: _Watched, now: int, reason: str, error) -> HangReport:
+        from opentelemetry_instrumentation_deepspeed.recording.record import Failure
+
+        facts = watched.recorder.facts
+        number = watched.recorder.next_number() or max(
+            getattr(facts, "last_written", 0), watched.last.number if watched.last is not None else 0) + 1
+        if error is None:  # a signal: the thread's stack where it stopped
+            stacks = _stacks(watched.thread)
+            frame = lifecycle.interrupted_frame() if watched.thread == threading.get_ident() else \
+                sys._current_frames().get(watched.thread)
+            description = None
+        else:  # an exception: its traceback, where the stack stood when it was raised
+            failure = Failure.of(error)
+            stacks = [(watched.thread, "", failure.stacktrace)] if failure.stacktrace else []
+            traceback_ = error.__traceback__
+            while traceback_ is not None and traceback_.tb_next is not None:
+                traceback_ = traceback_.tb_next
+            frame = None if traceback_ is None else traceback_.tb_frame
+            reason, description = semconv.STATUS_EXITED_BETWEEN, failure.description
+        phase = semconv.PHASE_DATA_WAIT if frame is not None and _in_data_loader(frame) else None
+        start = watched.idle_since if watched.idle_since is not None else now
+        return HangReport(facts, number, start, now, reason, self._threshold(watched), phase, None, None,
+                          _comm("in_flight_between_steps", None), _comm("last_sequences", {}), stacks,
+                          between_steps=True, error=description)
 
     def _observe_open(self, _options, now: int | None = None):
         """How long this rank has made no step progress: its open step's age; with no step open, how long
@@ -432,6 +472,22 @@ def _resumed(watched: _Watched, now: int, exiting: bool = False) -> list[HangRep
         return []
     watched.reported = None
     return [dataclasses.replace(report, at=now, reason=semconv.HANG_REASON_RESUMED, stacks=[])]
+
+
+_OURS = "opentelemetry_instrumentation_deepspeed"
+# The wrappers that end a step with the exception going through them (a phase, a fetch, a plain loop's hooks).
+_STEP_WRAPPERS = tuple(os.path.join("instrumentors", name) for name in ("engine.py", "dataloader.py", "torch_loop.py"))
+
+
+def _through_a_step(error: BaseException) -> bool:
+    """Whether ``error`` went through a wrapper that ended its step with it: its traceback passes one."""
+    traceback_ = error.__traceback__
+    while traceback_ is not None:
+        path = traceback_.tb_frame.f_code.co_filename
+        if _OURS in path and path.endswith(_STEP_WRAPPERS):
+            return True
+        traceback_ = traceback_.tb_next
+    return False
 
 
 def _frame_key(frame) -> tuple:

@@ -144,7 +144,7 @@ class Analysis:
         self._inputs = inputs.InputSeries()  # the input layer
         self.pipeline = pipeline.PipelineAnalysis()  # pipeline parallelism (diagnose/pipeline.py)
         self._arrivals: dict[tuple[str, str, int], int] = {}  # filled by result(), from _collectives
-        self._seen: set[int] = set()  # the spans read, by (trace id, span id, rank, name, start), hashed
+        self._seen: set[int] = set()  # the spans read, by (trace id, span id, job, rank, name, start), hashed
         self.duplicates = 0
 
     def add_samples(self, samples) -> None:
@@ -156,7 +156,7 @@ class Analysis:
         for span in spans:
             # A span delivered twice (a Collector retries an export it could not confirm; files given twice) is
             # counted once: every part of a step it would double. Its hash only, kept: ~60 MB for a million spans.
-            key = hash((span.trace_id, span.span_id, span.rank, span.name, span.start))
+            key = hash((span.trace_id, span.span_id, span.job, span.rank, span.name, span.start))
             if key in seen:
                 self.duplicates += 1
                 continue

@@ -57,8 +57,8 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
         stats.problems.append(f"cannot read the backend: {error}")
     analysis.add_samples(stats.samples)
     if analysis.duplicates:
-        stats.problems.append(f"{analysis.duplicates} span(s) read twice (the same trace, span, rank, name and start: "
-                              "a delivery repeated, or files given twice), counted once")
+        stats.problems.append(f"{analysis.duplicates} span(s) read twice (the same ids, job, rank, name and start: a "
+                              "delivery repeated, or files given twice), counted once")
     result = analysis.result(job)
     for rank in result["ranks"].values():
         rank.pop("compute_by_step", None)

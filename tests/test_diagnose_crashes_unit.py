@@ -101,6 +101,7 @@ def test_the_exits_last_report_between_steps_names_where_and_by_what_and_is_no_h
 def test_an_out_of_memory_error_is_the_memory_findings_and_a_healthy_job_has_none():
     result = report([*healthy(), step(1, 7, "OutOfMemoryError: CUDA out of memory", oom="forward"), step(0, 7, LOST)])
     assert result["verdict"]["layer"] == "MEMORY" and not [f for f in result["findings"] if f["layer"] == "CRASH"]
+    assert result["findings"][0] is result["verdict"], "the verdict heads the findings (a review: a DATA LOADING did)"
     assert not [f for f in report(healthy())["findings"] if f["layer"] == "CRASH"]
 
 

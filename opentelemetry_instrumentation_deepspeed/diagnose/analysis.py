@@ -256,16 +256,7 @@ class Analysis:
         result["findings"] = findings_module.ranked(result["findings"] + model + changes)
         result["verdict"] = (result["findings"][0] if result["findings"]
                              else findings_module.none(_quiet(job_summary, result["host_load"])))
-        broken = [f for f in model if f["confidence"] >= BROKEN_RUN]  # a NaN or an OOM: broken, not slow
-        if broken:
-            result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
-        # -- CRASH (crashes.py): a job that stopped with an error comes before a slow one; a broken model's finding
-        # at an earlier step is its cause (a loop that asserts on a NaN loss)
-        crashed = self.crashes.findings(job)
-        if crashed:
-            result["findings"] = crashed + result["findings"]
-            if not broken or min(f["step"] for f in broken) >= crashed[0]["step"]:
-                result["verdict"] = crashed[0]
+        self._broken_or_crashed(result, model, job)
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
         found = self.hangs.findings(job)
         if found:
@@ -279,6 +270,22 @@ class Analysis:
                                  for rank, steps in sorted(by_rank.items())}
         result["timelines"] = self._timelines(job, by_rank)
         return result
+
+    def _broken_or_crashed(self, result: dict, model: list[dict], job: str) -> None:
+        """A NaN or an OOM (a broken run, not a slow one), then a CRASH (crashes.py): the verdict before any slowness;
+        a broken model's finding at an earlier step than the crash is its cause (a loop that asserts on a NaN loss).
+        The verdict heads the findings, as the schema says."""
+        broken = [f for f in model if f["confidence"] >= BROKEN_RUN]
+        if broken:
+            result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
+        crashed = self.crashes.findings(job)
+        if crashed:
+            result["findings"] = crashed + result["findings"]
+            if not broken or min(f["step"] for f in broken) >= crashed[0]["step"]:
+                result["verdict"] = crashed[0]
+        verdict = result["verdict"]
+        if any(f is verdict for f in result["findings"]):
+            result["findings"] = [verdict, *(f for f in result["findings"] if f is not verdict)]
 
     def _waits_where_they_happened(self, job: str) -> None:
         """A data wait fetched ahead (a loader's look-ahead) is the child of the step whose micro-batch

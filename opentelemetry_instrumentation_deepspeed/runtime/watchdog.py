@@ -433,7 +433,8 @@ class Watchdog(Component):
             frame = None if traceback_ is None else traceback_.tb_frame
             reason, description = semconv.STATUS_EXITED_BETWEEN, failure.description
         phase = semconv.PHASE_DATA_WAIT if frame is not None and _in_data_loader(frame) else None
-        start = watched.idle_since if watched.idle_since is not None else now
+        # idle_since may be later than now: this thread's looks go on while the exit runs elsewhere.
+        start = min(watched.idle_since, now) if watched.idle_since is not None else now
         return HangReport(facts, number, start, now, reason, self._threshold(watched), phase, None, None,
                           _comm("in_flight_between_steps", None), _comm("last_sequences", {}), stacks,
                           between_steps=True, error=description)

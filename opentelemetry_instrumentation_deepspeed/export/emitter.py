@@ -663,14 +663,17 @@ class Emitter(Component):
             totals = route.totals
             totals[0] += collective.bytes
             totals[1] += int(collective.bytes * route.size_factor * route.bus_factor)
-            if writer is None:
-                route.duration.record(seconds, end, None, route.metric_attributes)
-                return
-            writers.add(writer)
-            started = writer.child(route.span_name, parent, span_attributes(collective, seconds, on_gpu), start)
-            writer.end(started, start, end, None, _status(collective.failure), _exception(collective.failure))
-            route.duration.record(seconds, end, started.context, route.metric_attributes)  # its exemplar: the span
-            if intervals is not None and not on_gpu:  # operators run on the host clock, in the step of the call
+            started = None
+            try:
+                if writer is not None:
+                    writers.add(writer)
+                    started = writer.child(route.span_name, parent, span_attributes(collective, seconds, on_gpu),
+                                           start)
+                    writer.end(started, start, end, None, _status(collective.failure), _exception(collective.failure))
+            finally:  # its span, if made, is its exemplar; a bug in the span's making leaves the metric whole
+                route.duration.record(seconds, end, None if started is None else started.context,
+                                      route.metric_attributes)
+            if intervals is not None and started is not None and not on_gpu:  # operators: host clock, the call's step
                 intervals.append(kernels.Interval(start, end, started.context))
         except Exception:  # noqa: BLE001 - ours: logged once, and collectives stop, steps go on
             guard.fail("Emitter._emit_collective")

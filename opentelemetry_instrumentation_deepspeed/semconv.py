@@ -280,6 +280,8 @@ STATUS_TERMINATED = "terminated by SIGTERM"
 STATUS_INTERRUPTED = "interrupted by SIGINT"
 # A training.hang report's reason where an uncaught exception ended the process with no step open.
 STATUS_EXITED_BETWEEN = "the process exited between steps"
+# The reasons of the last report an exit writes (with no step open: where the rank stopped, not a hang, when short).
+HANG_EXIT_REASONS = (STATUS_TERMINATED, STATUS_INTERRUPTED, STATUS_EXITED_BETWEEN)
 TRAINING_FRAMEWORK = "training.framework"
 TRAINING_FRAMEWORK_DEEPSPEED = "deepspeed"  # its value
 TRAINING_FRAMEWORK_PYTORCH = "pytorch"  # its value for a plain PyTorch loop (instrumentors/torch_loop.py)

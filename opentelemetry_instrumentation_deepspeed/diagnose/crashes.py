@@ -27,8 +27,6 @@ _LOST_PEER = re.compile(r"connection (closed|reset|refused)|closed by peer|broke
                         r"socket|peer|distbackenderror|distnetworkerror|processgroup|abort", re.IGNORECASE)
 _SIGNALLED = (semconv.STATUS_TERMINATED, semconv.STATUS_INTERRUPTED)
 _INTERRUPT = "KeyboardInterrupt"  # Ctrl-C reached the training thread in Python: a stop from outside too
-# A training.hang report the exit writes with no step open: the rank's last word.
-_EXITS = (*_SIGNALLED, semconv.STATUS_EXITED_BETWEEN)
 _OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
 _PLACES = {semconv.SPAN_DATA_WAIT: "data wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
            semconv.SPAN_OPTIMIZER_STEP: "optimizer step"}
@@ -77,7 +75,7 @@ class Crashes:
                 self._memory.add((span.job, span.rank, span.trace_id))
         elif span.name == semconv.SPAN_HANG:
             reason = attributes.get(semconv.HANG_REASON)
-            if attributes.get(semconv.HANG_BETWEEN_STEPS) and reason in _EXITS:
+            if attributes.get(semconv.HANG_BETWEEN_STEPS) and reason in semconv.HANG_EXIT_REASONS:  # its last word
                 where = ("in the data loader" if attributes.get(semconv.TRAINING_PHASE) == semconv.PHASE_DATA_WAIT
                          else "between steps")
                 error = reason if reason in _SIGNALLED else (span.error or reason)
@@ -123,9 +121,11 @@ class Crashes:
         step retried with its number) ended no run."""
         first = {}
         for (failed_job, rank), failures in self._failed.items():
+            if failed_job != job:
+                continue
             closed = self._closed.get((job, rank), 0)
             final = [failure for failure in failures if failure[1] > closed]
-            if failed_job == job and final:
+            if final:
                 first[rank] = min(final)
         return first
 
@@ -166,8 +166,9 @@ class Crashes:
             return None  # an out-of-memory error: the MEMORY finding names it, with the allocator's figures
         if error.startswith((semconv.STATUS_EXITED, semconv.STATUS_EXITED_BETWEEN)):
             raised = error.partition(": ")[2]
+            inside = self._where(job, rank, trace_id)
             place = (self._in_step(job, rank, failure) if where else
-                     f"during step {number}{_in(self._where(job, rank, trace_id))}")
+                     f"during step {number}" + (f" in {inside}" if inside else ""))
             summary = f"rank {rank} exited {place}, " + (
                 f"by an exception no wrapper saw raised: {_short(raised, 400)}" if raised else
                 "where no wrapper saw an exception raised")
@@ -201,7 +202,3 @@ def _short(error: str, limit: int = 160) -> str:
     """An error in one line of at most ``limit`` characters, without the source file a native library names."""
     text = " ".join(_SOURCE.sub("", error).split())
     return text if len(text) <= limit else text[:limit - 4].rstrip() + " ..."
-
-
-def _in(where: str | None) -> str:
-    return f" in {where}" if where else ""

@@ -27,7 +27,6 @@ _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<fun
 _OURS = "opentelemetry_instrumentation_deepspeed"
 _LIBRARIES = ("site-packages", "dist-packages", "/lib/python")
 MAX_MISMATCHES = 100  # DESYNC evidence kept
-_EXITS = (semconv.STATUS_TERMINATED, semconv.STATUS_INTERRUPTED, semconv.STATUS_EXITED_BETWEEN)
 STACK_FRAMES = 6  # innermost frames shown per rank
 # Point-to-point calls pair different ops (send with recv), and are numbered per peer (files written before that,
 # with the group's collectives, on some ranks only): they are not joined by the group's sequence.
@@ -101,7 +100,8 @@ class Hangs:
         elif name == semconv.SPAN_HANG:
             # The exit's last report with no step open, made before the threshold: where a rank that went on
             # stopped (crashes.py's), not a hang; one past it is the hang's last word.
-            if not (attributes.get(semconv.HANG_BETWEEN_STEPS) and attributes.get(semconv.HANG_REASON) in _EXITS
+            if not (attributes.get(semconv.HANG_BETWEEN_STEPS)
+                    and attributes.get(semconv.HANG_REASON) in semconv.HANG_EXIT_REASONS
                     and span.seconds < (attributes.get(semconv.HANG_THRESHOLD) or 0)):
                 self._reports[(span.job, span.rank)].append(span)
             self.ranks[span.job].add(span.rank)

@@ -546,10 +546,8 @@ class Emitter(Component):
             if recording:
                 started = writer.child(semconv.SPAN_DATA_WAIT, step.context,
                                        {semconv.TRAINING_MICRO_STEP: micro_step}, wait_start)
-                if wait is failed:
-                    writer.end(started, wait_start, wait_end, None, _status(record.failure), _exception(record.failure))
-                else:
-                    writer.end(started, wait_start, wait_end)
+                failure = record.failure if wait is failed else None
+                writer.end(started, wait_start, wait_end, None, _status(failure), _exception(failure))
                 wait_context = started.context
             metrics.phase(semconv.PHASE_DATA_WAIT, wait_start, wait_end, wait_context)
         contexts: dict[Phase, object] = {}

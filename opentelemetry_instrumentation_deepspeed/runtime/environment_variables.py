@@ -435,8 +435,9 @@ _READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, exception_de
 
 
 # The standard OTLP endpoint variables of each signal, the signal's own first (the SDK's order).
+_SIGNALS = ("traces", "metrics", "logs")
 OTLP_ENDPOINTS = {signal: (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-                  for signal in ("traces", "metrics", "logs")}
+                  for signal in _SIGNALS}
 # A gRPC target without a scheme: host:port (the exporter's own parsing keeps it whole), or a named resolver.
 _GRPC_TARGET = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}|(?:dns|unix|unix-abstract|ipv4|ipv6):\S+")
 
@@ -470,7 +471,6 @@ def unusable_otlp_endpoint(signal: str) -> tuple[str, str, str] | None:
 # The SDK's own settings that its set-up fails on (a negative batch size raised deep in the providers' set-up, and took
 # every signal's telemetry with it), or that lose telemetry silently (an OTLP export retried for ever with a negative
 # timeout). Each is read as the SDK reads it: the batch processor's with int(), the metric reader's with float().
-_SIGNALS = ("traces", "metrics", "logs")
 _OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 
 
@@ -501,16 +501,22 @@ def _sdk_number(raw: str, unbounded: bool = False) -> str:
     return raw
 
 
-# (variable, parse, the value set instead, or None to unset it and leave the SDK's default; the default, as said)
+# (variable, parse, the value set instead, or None to unset it and leave the SDK's default; what stands in, as said)
 _SDK_SETTINGS = (
-    ("OTEL_EXPORTER_OTLP_PROTOCOL", _otlp_protocol, None, "grpc"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", _sdk_number, None, "10"),
-    ("OTEL_BSP_SCHEDULE_DELAY", _sdk_integer, DEFAULT_BSP_SCHEDULE_DELAY, DEFAULT_BSP_SCHEDULE_DELAY),
-    ("OTEL_BSP_EXPORT_TIMEOUT", _sdk_integer, None, "30000"),
-    ("OTEL_BSP_MAX_QUEUE_SIZE", _sdk_integer, None, "2048"),
-    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _sdk_integer, None, "512"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", lambda raw: _sdk_number(raw, unbounded=True), None, "60000"),
-    ("OTEL_METRIC_EXPORT_TIMEOUT", lambda raw: _sdk_number(raw, unbounded=True), None, "30000"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", _otlp_protocol, None, "the default 'grpc'"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", _sdk_number, None, "the default '10'"),
+    ("OTEL_BSP_SCHEDULE_DELAY", _sdk_integer, DEFAULT_BSP_SCHEDULE_DELAY,
+     f"the default '{DEFAULT_BSP_SCHEDULE_DELAY}'"),
+    ("OTEL_BSP_EXPORT_TIMEOUT", _sdk_integer, None, "the default '30000'"),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", _sdk_integer, None, "the default '2048'"),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _sdk_integer, None, "the default '512'"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", lambda raw: _sdk_number(raw, unbounded=True), None, "the default '60000'"),
+    ("OTEL_METRIC_EXPORT_TIMEOUT", lambda raw: _sdk_number(raw, unbounded=True), None, "the default '30000'"),
+    # A signal's own: unset, the general one applies.
+    *((f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", _otlp_protocol, None, "OTEL_EXPORTER_OTLP_PROTOCOL's value")
+      for signal in _SIGNALS),
+    *((f"OTEL_EXPORTER_OTLP_{signal.upper()}_TIMEOUT", _sdk_number, None, "OTEL_EXPORTER_OTLP_TIMEOUT's value")
+      for signal in _SIGNALS),
 )
 # Exporter names: the entry point group each is looked up in, and what stands in for an unknown one.
 _SDK_NAMES = (("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter", EMBEDDED_EXPORTER),
@@ -531,19 +537,14 @@ def settle_sdk_variables() -> None:
                     os.environ[name] = raw.strip()
                 else:
                     del os.environ[name]
-    settings = list(_SDK_SETTINGS)
-    for signal in _SIGNALS:  # a signal's own protocol and timeout: unset, the general ones apply
-        own = f"OTEL_EXPORTER_OTLP_{signal.upper()}"
-        settings += [(f"{own}_PROTOCOL", _otlp_protocol, None, None), (f"{own}_TIMEOUT", _sdk_number, None, None)]
-    for name, parse, instead, default in settings:
+    for name, parse, instead, said in _SDK_SETTINGS:
         raw = os.environ.get(name)
         if raw is None:
             continue
         try:
             parse(raw)
         except ValueError as error:
-            general = name.replace(name.split("_")[3] + "_", "", 1)  # OTEL_EXPORTER_OTLP_TRACES_X -> ..._OTLP_X
-            _warn_default(name, raw, default or f"{general}'s value", str(error), "the default" if default else "")
+            _warn_default(name, raw, said, str(error), "")
             if instead is None:
                 del os.environ[name]
             else:

@@ -441,11 +441,13 @@ def test_a_job_stopped_by_sigterm_in_its_data_loader_reads_as_stopped_not_slow(w
         job.wait(timeout=90)
     finally:
         output = _stop(job, workdir)
-    reports = [span for _rank, span in _hang_spans(workdir)]
+    reports = [{a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+               for _rank, span in _hang_spans(workdir)]
     assert len(reports) == 2, output[-3000:]
-    reasons = {a["value"]["stringValue"] for report in reports for a in report["attributes"]
-               if a["key"] == "training.hang.reason"}
-    assert reasons == {"terminated by SIGTERM"}
+    assert {report["training.hang.reason"] for report in reports} == {"terminated by SIGTERM"}
+    # A rank is in its 1.5 s collate nearly all the time; one caught in its few ms of compute has its step open.
+    assert any(report.get("training.hang.between_steps") and report.get("training.phase") == "data.wait"
+               for report in reports), reports
     verdict = diagnose(workdir)["verdict"]
     assert (verdict["layer"], verdict.get("kind"), verdict["rank"]) == ("CRASH", "signalled", None), verdict
-    assert verdict["summary"].startswith("every rank was stopped in the data loader, after step "), verdict
+    assert verdict["summary"].startswith("every rank was stopped "), verdict

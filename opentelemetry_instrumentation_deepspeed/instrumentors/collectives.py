@@ -134,6 +134,11 @@ def _undecorated(function, name: str):
     return function
 
 
+# The index of a parameter the function does not have: past any call's positional arguments, so that one comparison
+# (``index < len(args)``) tells a positional argument from one to look up by keyword.
+ABSENT = sys.maxsize
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """Where the arguments of one wrapped function are; read once, at wrap time."""
@@ -145,10 +150,10 @@ class OpSpec:
     group_index: int
     async_index: int
     always_async: bool
-    peer_index: int = -1
+    peer_index: int = ABSENT
     peer_name: str | None = None  # the parameter that names the rank at the other end (send, recv, isend, irecv)
     p2p: str | None = None  # a point-to-point op's direction (send, recv, batch): numbered per direction and peer
-    group_peer_index: int = -1
+    group_peer_index: int = ABSENT
     group_peer_name: str | None = None  # the parameter that names the other end by its rank in the group
     functional: bool = False  # a functional collective's: it completes where its result is waited for
 
@@ -159,7 +164,7 @@ class OpSpec:
         data_name = next((candidate for candidate in data_names if candidate in parameters), None)
 
         def index(parameter):
-            return parameters.index(parameter) if parameter in parameters else -1
+            return parameters.index(parameter) if parameter in parameters else ABSENT
 
         peer_name = _PEERS.get(name) if _PEERS.get(name) in parameters else None
         group_peer = _GROUP_PEERS.get(name) if _GROUP_PEERS.get(name) in parameters else None
@@ -173,18 +178,18 @@ class OpSpec:
         parameters = list(inspect.signature(function).parameters)
         op = FUNCTIONAL_OPS[name]
         data_name = next((candidate for candidate in ("self", "inputs") if candidate in parameters), None)
-        return cls(op, _OPS[op][1], parameters.index(data_name) if data_name else -1, data_name,
-                   parameters.index("group") if "group" in parameters else -1, -1, True, functional=True)
+        return cls(op, _OPS[op][1], parameters.index(data_name) if data_name else ABSENT, data_name,
+                   parameters.index("group") if "group" in parameters else ABSENT, ABSENT, True, functional=True)
 
     def peer(self, args, kwargs) -> int | None:
         """The global rank at the other end of a send or recv (None: any source)."""
         count = len(args)
-        peer = args[self.peer_index] if 0 <= self.peer_index < count else kwargs.get(self.peer_name)
+        peer = args[self.peer_index] if self.peer_index < count else kwargs.get(self.peer_name)
         if peer is None and self.group_peer_name is not None:
-            local = (args[self.group_peer_index] if 0 <= self.group_peer_index < count
+            local = (args[self.group_peer_index] if self.group_peer_index < count
                      else kwargs.get(self.group_peer_name))
             if isinstance(local, int):
-                group = args[self.group_index] if 0 <= self.group_index < count else kwargs.get("group")
+                group = args[self.group_index] if self.group_index < count else kwargs.get("group")
                 dist = sys.modules["torch.distributed"]
                 try:
                     return dist.get_global_rank(group or dist.distributed_c10d._get_default_group(), local)
@@ -195,15 +200,15 @@ class OpSpec:
     def read(self, args, kwargs) -> tuple[object, int, object, bool]:
         """(group, bytes of this rank's data, its first tensor, async) of one call, in one pass."""
         count = len(args)
-        group = args[self.group_index] if 0 <= self.group_index < count else kwargs.get("group")
+        group = args[self.group_index] if self.group_index < count else kwargs.get("group")
         if self.data_name is None:
             data_bytes, tensor = 0, None
         else:
-            data = args[self.data_index] if 0 <= self.data_index < count else kwargs.get(self.data_name)
+            data = args[self.data_index] if self.data_index < count else kwargs.get(self.data_name)
             if hasattr(data, "element_size"):  # one tensor, the usual case: _tensor_bytes's answer without its frame
                 data_bytes, tensor = data.element_size() * data.nelement(), data
             else:
                 data_bytes, tensor = _tensor_bytes(data)
         is_async = self.always_async or bool(
-            args[self.async_index] if 0 <= self.async_index < count else kwargs.get("async_op", False))
+            args[self.async_index] if self.async_index < count else kwargs.get("async_op", False))
         return group, data_bytes, tensor, is_async

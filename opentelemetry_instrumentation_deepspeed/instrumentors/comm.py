@@ -485,7 +485,7 @@ class _Coalescing:
     def _queues(self, spec: OpSpec, args, kwargs) -> bool:
         if spec.functional:  # its own op, which no block queues
             return False
-        group = args[spec.group_index] if 0 <= spec.group_index < len(args) else kwargs.get("group")
+        group = args[spec.group_index] if spec.group_index < len(args) else kwargs.get("group")
         if group is None:
             group = sys.modules["torch.distributed"].distributed_c10d._get_default_group()
         return group is self._pg and (self._device or spec.name in _QUEUED_IN_BLOCKS)

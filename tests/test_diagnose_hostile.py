@@ -124,7 +124,7 @@ def test_hostile_numbers_give_a_report_in_every_format(tmp_path, capsys, line, b
     code, out, _ = run_cli(capsys, str(path), "--json", "--html", str(tmp_path / "report.html"))
     report = strict_json(out)
     assert code == 0 and report["ranks"]["0"]["steps"] >= 8
-    assert report["input"]["bad_lines"] == (1 if bad else 0), report["input"]["problems"]
+    assert report["input"]["bad_lines"] + report["input"]["bad_spans"] == (1 if bad else 0), report["input"]["problems"]
     if bad:
         assert report["input"]["problems"][0].startswith(f"{path}:{GOOD.count(chr(10)) + 1}: ")
     assert report["bandwidth"]["all_reduce"]["median_busbw"] == 1e9

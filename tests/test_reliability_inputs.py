@@ -130,7 +130,7 @@ def test_valid_json_of_the_wrong_shape_is_skipped_and_the_rest_analysed(tmp_path
     if outcome != "accepted":
         assert report["ranks"]["0"]["steps"] == 8
     if outcome == "bad":
-        assert report["input"]["bad_lines"] == 1
+        assert report["input"]["bad_lines"] + report["input"]["bad_spans"] == 1
         (problem,) = report["input"]["problems"]
         assert problem.startswith(f"{path}:9: ") and problem.endswith(", skipped"), problem
 
@@ -145,6 +145,24 @@ def test_absurd_span_times_are_reported_not_analysed(tmp_path, capsys, start, en
     assert report["ranks"]["0"]["steps"] == 8
     assert 0 < report["ranks"]["0"]["step_seconds"]["max"] < 1
     assert report["input"]["problems"], "the absurd span is named"
+
+
+def test_a_bad_span_in_a_collectors_batch_is_skipped_alone(tmp_path, capsys):
+    """One line of a Collector's file holds a batch: one span of another writer's with its times out of order (or an
+    attribute of another type) is skipped, not the hundreds of steps beside it."""
+    steps = [span("training.step", n * 10**9, n * 10**9 + 10**8, n, span_id=f"{n:016x}", trace_id=f"{n:032x}")
+             for n in range(1, 41)]
+    steps.insert(7, span("other.work", 10**18, 1, span_id="ee" * 8))
+    steps.insert(20, span("training.step", 50 * 10**9, 50 * 10**9 + 1, span_id="dd" * 8, attributes=[
+        {"key": "training.step", "value": {"stringValue": "fifty"}}]))
+    path = tmp_path / "collector.jsonl"
+    path.write_text(request(*steps) + "\n")
+    code, report = run_main(capsys, str(path))
+    assert code == 0 and report["ranks"]["0"]["steps"] == 40
+    assert (report["input"]["bad_lines"], report["input"]["bad_spans"]) == (0, 2), report["input"]["problems"]
+    assert [problem.split(": ", 1)[1] for problem in report["input"]["problems"]] == [
+        "span 'other.work' has impossible times (1000000000000000000, 1), skipped",
+        "attribute training.step is str, not <class 'int'>, skipped"], report["input"]["problems"]
 
 
 # Sets the limit, then becomes the console script: no preexec_fn in this (threaded) test process.

@@ -68,7 +68,7 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
     return {"schema_version": SCHEMA_VERSION, **result,
             "input": {"files": stats.files, "lines": stats.lines, "spans": stats.spans, "spans_of_job": of_job,
                       "gpu_samples": len(stats.samples),
-                      "bad_lines": stats.bad_lines, "problems": stats.problems}}
+                      "bad_lines": stats.bad_lines, "bad_spans": stats.bad_spans, "problems": stats.problems}}
 
 
 def _cost(finding: dict) -> list[str]:
@@ -158,6 +158,7 @@ def _text_lines(report: dict) -> list[str]:
     read = report["input"]
     lines.append(f"Read {read['spans']} spans from {read['files']} file(s)"
                  + (f"; {read['bad_lines']} malformed line(s) skipped" if read["bad_lines"] else "")
+                 + (f"; {read['bad_spans']} malformed span(s) skipped" if read.get("bad_spans") else "")
                  + (f"; other jobs ignored: {', '.join(report['other_jobs'])}" if report.get("other_jobs") else ""))
     lines += [f"  {problem}" for problem in read["problems"]]
     return lines

@@ -84,16 +84,20 @@ class Sample:
 class ReadStats:
     lines: int = 0
     bad_lines: int = 0
+    bad_spans: int = 0  # spans skipped alone, the rest of their line read
     spans: int = 0
     files: int = 0
     problems: list = field(default_factory=list)
     samples: list = field(default_factory=list)  # GPU metric samples: a few per collection interval
     clocks: dict = field(default_factory=dict)  # (job, rank) -> its latest clock readings (``Drift``)
 
-    def bad(self, problem: str) -> None:
-        """A line (or a backend's answer) skipped: counted, and the first few named."""
-        self.bad_lines += 1
-        if self.bad_lines <= 3:
+    def bad(self, problem: str, span: bool = False) -> None:
+        """A line (or a backend's answer), or one span of it, skipped: counted, and the first few named."""
+        if span:
+            self.bad_spans += 1
+        else:
+            self.bad_lines += 1
+        if self.bad_lines + self.bad_spans <= 3:
             self.problems.append(problem)
 
 
@@ -301,8 +305,11 @@ def _error(status) -> str | None:
     return message[:MAX_ERROR] if type(message) is str else ""
 
 
-def spans_of_request(request: dict, clocks: dict | None = None) -> Iterator[Span]:
-    """``clocks``: (job, rank) -> ``Drift``, kept across the requests of one reading (the refreshed offsets)."""
+def spans_of_request(request: dict, clocks: dict | None = None, skipped: list | None = None) -> Iterator[Span]:
+    """``clocks``: (job, rank) -> ``Drift``, kept across the requests of one reading (the refreshed offsets).
+    ``skipped``: where a span the analysis cannot take goes (why), the request's other spans read; None: it raises.
+    One line of a Collector's file holds a whole batch, hundreds of spans of many steps: one span of another writer's,
+    with times out of order, must not take them all along."""
     clocks = {} if clocks is None else clocks
     for resource_spans in request.get("resourceSpans") or ():
         job, rank, resource = _resource((resource_spans.get("resource") or {}).get("attributes"),
@@ -310,25 +317,38 @@ def spans_of_request(request: dict, clocks: dict | None = None) -> Iterator[Span
                                          semconv.HOST_NAME, semconv.TRAINING_WORLD_SIZE))
         if job is None or rank is None:
             continue  # not a training rank's telemetry
-        offset = resource.get(semconv.TRAINING_CLOCK_OFFSET)
         for scope_spans in resource_spans.get("scopeSpans") or ():
-            for span in scope_spans.get("spans") or ():
-                attributes = _attributes(span.get("attributes"), _KEPT)
-                host = resource.get(semconv.HOST_NAME)
-                if span.get("name") == semconv.SPAN_STEP:
-                    if type(host) is str:
-                        attributes[semconv.HOST_NAME] = host  # which ranks share the host's CPUs (diagnose/inputs.py)
-                    if type(world := resource.get(semconv.TRAINING_WORLD_SIZE)) is int:
-                        attributes[semconv.TRAINING_WORLD_SIZE] = world  # ranks with no telemetry (crashes.py)
-                if span.get("name") == semconv.SPAN_HANG:
-                    attributes.update(_hang_stack(span.get("events")))
-                elif span.get("name") == semconv.SPAN_CLOCK_SYNC:
-                    _clock_reading(span, job, rank, clocks)
-                times = _checked(span, attributes)
-                drift = clocks.get((job, rank))
-                start, end = aligned(*times, offset if drift is None else drift.at(times[0]))
-                yield Span(span["name"], span["traceId"], span["spanId"], span.get("parentSpanId", ""),
-                           start, end, job, rank, attributes, _error(span.get("status")))
+            spans = scope_spans.get("spans") or ()
+            if not isinstance(spans, list | tuple):
+                raise Shape("spans that are not a list")
+            for span in spans:
+                try:
+                    read = _span(span, job, rank, resource, clocks)
+                except UNREADABLE as error:
+                    if skipped is None:
+                        raise
+                    skipped.append(str(error) if isinstance(error, Shape) else "a span of another shape")
+                    continue
+                yield read
+
+
+def _span(span: dict, job: str, rank: int, resource: dict, clocks: dict) -> Span:
+    attributes = _attributes(span.get("attributes"), _KEPT)
+    host = resource.get(semconv.HOST_NAME)
+    if span.get("name") == semconv.SPAN_STEP:
+        if type(host) is str:
+            attributes[semconv.HOST_NAME] = host  # which ranks share the host's CPUs (diagnose/inputs.py)
+        if type(world := resource.get(semconv.TRAINING_WORLD_SIZE)) is int:
+            attributes[semconv.TRAINING_WORLD_SIZE] = world  # ranks with no telemetry (crashes.py)
+    if span.get("name") == semconv.SPAN_HANG:
+        attributes.update(_hang_stack(span.get("events")))
+    elif span.get("name") == semconv.SPAN_CLOCK_SYNC:
+        _clock_reading(span, job, rank, clocks)
+    times = _checked(span, attributes)
+    drift = clocks.get((job, rank))
+    start, end = aligned(*times, resource.get(semconv.TRAINING_CLOCK_OFFSET) if drift is None else drift.at(times[0]))
+    return Span(span["name"], span["traceId"], span["spanId"], span.get("parentSpanId", ""),
+                start, end, job, rank, attributes, _error(span.get("status")))
 
 
 def samples_of_request(request: dict) -> Iterator[Sample]:
@@ -463,10 +483,11 @@ def take(request, stats: ReadStats, where: str) -> list[Span]:
     """The spans of one parsed OTLP JSON request (its GPU samples go to ``stats``); [] and a problem
     in ``stats`` when it is not a request the analysis can take."""
     why = "not an OTLP JSON request"
+    skipped: list[str] = []
     try:
         if not isinstance(request, dict):
             raise ValueError(why)
-        spans = list(spans_of_request(request, stats.clocks))
+        spans = list(spans_of_request(request, stats.clocks, skipped))
         if "resourceMetrics" in request:
             stats.samples.extend(samples_of_request(request))
     except Shape as error:
@@ -476,6 +497,8 @@ def take(request, stats: ReadStats, where: str) -> list[Span]:
     if spans is None:
         stats.bad(f"{where}: {why}, skipped")
         return []
+    for problem in skipped:
+        stats.bad(f"{where}: {problem}, skipped", span=True)
     stats.spans += len(spans)
     return spans
 

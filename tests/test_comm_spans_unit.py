@@ -451,3 +451,17 @@ def test_a_functional_collective_completes_where_its_result_is_waited_for(one_ra
         assert not observer.broken
     finally:
         instrumentor.uninstrument()
+
+
+def test_an_op_none_of_whose_calls_was_counted_has_no_size_series():
+    """The engine's start-up broadcasts come before the SDK is set up and are not counted: no broadcast total of 0
+    bytes beside the all-reduces' real one."""
+    reader = InMemoryMetricReader()
+    observer = CommObserver(MeterProvider([reader]).get_meter("test"), spans=False)
+    group = observer._groups[id(None)] = _Group("0", 2, "gloo")
+    observer._route(OpSpec.of("broadcast", torch.distributed.broadcast), group)
+    observer._route(OpSpec.of("all_reduce", all_reduce), group).totals[:2] = [4096, 4096]
+    sizes = {(metric.name, point.attributes["comm.op"]): point.value
+             for metric in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+             if metric.name in {"training.comm.size", "training.comm.bus.size"} for point in metric.data.data_points}
+    assert sizes == {("training.comm.size", "all_reduce"): 4096, ("training.comm.bus.size", "all_reduce"): 4096}

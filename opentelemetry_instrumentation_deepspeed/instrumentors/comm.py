@@ -290,8 +290,10 @@ class CommObserver(Component):
             totals[0] = totals[1] = 0
 
     def _observe_sizes(self, index: int):
+        # An op none of whose calls was counted yet has no series: the engine's start-up broadcasts, made before the
+        # SDK was set up, would read as a broadcast total of 0 bytes.
         def observe(_options):
-            return [Observation(totals[index], totals[2]) for totals in list(self._totals.values())]
+            return [Observation(totals[index], totals[2]) for totals in list(self._totals.values()) if totals[index]]
 
         return observing(self, observe)
 

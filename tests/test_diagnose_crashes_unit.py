@@ -114,3 +114,37 @@ def test_a_failure_the_rank_went_on_from_is_no_crash():
 def test_ctrl_c_is_a_stop_from_outside_not_a_rank_that_failed():
     verdict = report([*healthy(), step(0, 7, "KeyboardInterrupt: "), step(1, 7, "KeyboardInterrupt: ")])["verdict"]
     assert (verdict["kind"], verdict["rank"]) == ("signalled", None)
+
+
+GLOO_ARGUMENT = "RuntimeError: ProcessGroupGloo::allgather: invalid output tensor list (expected length 2, got 1)"
+
+
+def test_a_communication_librarys_own_argument_error_is_a_ranks_own_failure_not_a_lost_peer():
+    """Gloo's and NCCL's names in an error do not make it a lost peer: a wrong argument is the rank's own."""
+    spans = [*healthy(), step(1, 7, GLOO_ARGUMENT), phase(1, 7, "comm.all_gather", GLOO_ARGUMENT), step(0, 7, LOST)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"]) == ("CRASH", "raised", 1, 7)
+    assert verdict["summary"].startswith(f"rank 1 failed in all_gather of step 7: {GLOO_ARGUMENT}; after it: rank 0")
+    assert "another rank was gone" not in verdict["summary"]
+
+
+@pytest.mark.parametrize("ranks", [(0, 1), (0, 1, 2)])
+def test_the_same_error_on_every_rank_is_each_ranks_own(ranks):
+    """Every rank runs the same code: the same error in the same step on all of them is no rank's consequence."""
+    spans = [*healthy(ranks, world=len(ranks)),
+             *(step(rank, 7, GLOO_ARGUMENT.replace("got 1", f"got {rank + 1}"), world=len(ranks)) for rank in ranks)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"]) == ("CRASH", "raised", None, 7)
+    assert verdict["summary"].startswith(
+        "every rank failed the same way, each on its own; first rank 0 failed in step 7: ")
+    assert "after it" not in verdict["summary"]
+
+
+def test_the_same_error_on_some_ranks_names_them_and_the_others_are_consequences():
+    spans = [*healthy((0, 1, 2), world=3), step(1, 7, GLOO_ARGUMENT, world=3), step(2, 7, GLOO_ARGUMENT, world=3),
+             step(0, 7, LOST, world=3)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("raised", 1)
+    assert verdict["summary"].startswith(
+        "ranks 1, 2 failed the same way, each on its own; first rank 1 failed in step 7")
+    assert verdict["summary"].endswith("after it: rank 0 in step 7: RuntimeError: Connection closed by peer [::1]:3")

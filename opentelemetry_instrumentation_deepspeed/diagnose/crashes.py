@@ -22,9 +22,12 @@ from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 MEMORY_REMEDIES = MODEL_REMEDIES["memory"]
 
-# A failure that says a peer is gone: the consequence of another rank's.
-_LOST_PEER = re.compile(r"connection (closed|reset|refused)|closed by peer|broken pipe|timed? ?out|nccl|gloo|"
-                        r"socket|peer|distbackenderror|distnetworkerror|processgroup|abort", re.IGNORECASE)
+# A failure that says a peer is gone: the consequence of another rank's. Gloo's and NCCL's words for a peer or a link
+# that went away, a wait that ran out, a communicator aborted after another failure; not the library's name alone: its
+# own argument, shape and dtype errors ("ProcessGroupGloo::allgather: invalid output tensor list") are a rank's own.
+_LOST_PEER = re.compile(r"connection (closed|reset|refused)|(closed|reset) by peer|broken pipe|timed? ?out|"
+                        r"pair closure|remote process|network error|distnetworkerror|(was|is|been) aborted|"
+                        r"unhandled system error|no route to host", re.IGNORECASE)
 _SIGNALLED = (semconv.STATUS_TERMINATED, semconv.STATUS_INTERRUPTED)
 _INTERRUPT = "KeyboardInterrupt"  # Ctrl-C reached the training thread in Python: a stop from outside too
 _OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
@@ -134,7 +137,7 @@ class Crashes:
         own = sorted((failure, rank) for rank, failure in first.items()
                      if not _stopped(failure[3]) and not _LOST_PEER.search(failure[3]))
         if own:
-            return self._own(job, *own[0])
+            return self._alike(job, own, self._own(job, *own[0]))
         latest_failed = max(failure[1] for failure in first.values())
         silent = self.missing(job) + sorted(rank for rank in self.ranks[job] - set(first)
                                             if self._closed.get((job, rank), 0) < latest_failed)
@@ -158,6 +161,22 @@ class Crashes:
         return ("raised", rank, [rank], number, trace_id,
                 f"rank {rank} failed first {self._in_step(job, rank, failure)}: {_short(error)}, which says another "
                 "rank was gone, though none failed on its own before it")
+
+    def _alike(self, job: str, own: list, found: tuple | None) -> tuple | None:
+        """``found``, the first own failure's cause; the same error in the same step on other ranks too is each rank's
+        own (every rank runs the same code on the same kind of input: a wrong argument, a bad shape), not the first
+        one's consequence."""
+        if found is None:
+            return None
+        (_end, number, _trace, error, _where), _rank = own[0]
+        alike = sorted(rank for failure, rank in own if failure[1] == number and _same_error(failure[3], error))
+        if len(alike) < 2:
+            return found
+        kind, _culprit, _causes, number, trace_id, summary = found
+        everyone = len(alike) == len(self.ranks[job]) + len(self.missing(job))
+        who = "every rank" if everyone else "ranks " + ", ".join(map(str, alike))
+        return (kind, None if everyone else alike[0], alike, number, trace_id,
+                f"{who} failed the same way, each on its own; first {summary}")
 
     def _own(self, job: str, failure: tuple, rank: int) -> tuple | None:
         """The first failure of a rank's own: raised in its step, or an exception that ended the process."""
@@ -188,6 +207,14 @@ class Crashes:
         """The innermost span that failed in the step: the first to end (a collective ends before its phase)."""
         places = self._places.get((job, rank, trace_id))
         return min(places)[1] if places else None
+
+
+_NUMBERS = re.compile(r"\d+")
+
+
+def _same_error(one: str, other: str) -> bool:
+    """The same error, but for the numbers in it (a rank, an address, a size that differ by rank)."""
+    return _NUMBERS.sub("#", _SOURCE.sub("", one)) == _NUMBERS.sub("#", _SOURCE.sub("", other))
 
 
 def _stopped(error: str) -> bool:

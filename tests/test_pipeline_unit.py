@@ -87,9 +87,12 @@ MS = 1_000_000
 
 
 def simulate(stages: int, micro_batches: int, compute_ms: list[float], steps: int, rng: random.Random, *,
-             data_parallel: int = 1, job: str = "job") -> list[Span]:
+             data_parallel: int = 1, job: str = "job", stall=None) -> list[Span]:
     """Spans of a GPipe schedule: stage s's forward of micro-batch i waits for stage s-1's, its backward
-    for stage s+1's; time blocked waiting is a comm.recv from the neighbour waited for."""
+    for stage s+1's; time blocked waiting is a comm.recv from the neighbour waited for. The step ends in an all-reduce
+    of every stage (DeepSpeed's gradient-norm and overflow checks), where the stages that finished first wait for the
+    last. ``stall(step, stage, phase, micro-batch)``: ms added to that phase."""
+    stall = stall or (lambda *_: 0.0)
     spans: list[Span] = []
     ids = iter(range(1, 10**9))
     clock = 1_000 * MS
@@ -109,7 +112,7 @@ def simulate(stages: int, micro_batches: int, compute_ms: list[float], steps: in
                     if arrive > ready[s]:
                         lanes[s].append(("comm.recv", ready[s], arrive, s - 1))
                     start = max(arrive, ready[s])
-                    forward[s][i] = ready[s] = start + noisy(compute_ms[s])
+                    forward[s][i] = ready[s] = start + noisy(compute_ms[s]) + int(stall(number, s, "forward", i) * MS)
                     lanes[s].append((semconv.SPAN_FORWARD, start, ready[s], i))
             for i in range(micro_batches):
                 for s in reversed(range(stages)):
@@ -117,7 +120,8 @@ def simulate(stages: int, micro_batches: int, compute_ms: list[float], steps: in
                     if arrive > ready[s]:
                         lanes[s].append(("comm.recv", ready[s], arrive, s + 1))
                     start = max(arrive, ready[s])
-                    backward[s][i] = ready[s] = start + noisy(2 * compute_ms[s])
+                    backward[s][i] = ready[s] = (start + noisy(2 * compute_ms[s])
+                                                 + int(stall(number, s, "backward", i) * MS))
                     lanes[s].append((semconv.SPAN_BACKWARD, start, ready[s], i))
             end = max(ready) + MS
             for s in range(stages):
@@ -128,6 +132,9 @@ def simulate(stages: int, micro_batches: int, compute_ms: list[float], steps: in
                     semconv.TRAINING_PIPELINE_STAGES: stages, semconv.TRAINING_STEP_MICRO_BATCHES: micro_batches}))
                 spans.append(Span(semconv.SPAN_OPTIMIZER_STEP, trace, f"{next(ids):016x}", step_id, end, end + MS,
                                   job, rank, {}))
+                spans.append(Span("comm.all_reduce", trace, f"{next(ids):016x}", step_id, ready[s], end, job, rank,
+                                  {semconv.COMM_OP: "all_reduce", semconv.COMM_GROUP_NAME: f"replica{replica}",
+                                   semconv.COMM_SEQUENCE: number}))
                 for name, start, stop, detail in lanes[s]:
                     attributes = ({semconv.COMM_PEER_STAGE: detail, semconv.COMM_OP: "recv"} if name == "comm.recv"
                                   else {semconv.TRAINING_MICRO_STEP: detail})
@@ -167,6 +174,29 @@ def test_injected_slow_stages_are_named_and_balanced_pipelines_raise_no_alarm():
             false_alarms.append((case, stages, compute, report["verdict"]))
     assert not missed and not false_alarms, (missed, false_alarms)
     assert named == cases // 2
+
+
+def test_a_stages_periodic_stall_is_its_own_and_the_others_wait_for_it_in_their_receives():
+    """A stage stalls every k-th step: the other stages wait for it in their receives (the bubble), which is no work of
+    theirs. Their receives once counted as their host work, and a stall of 100 ms every 5th step on stage 1 read as
+    rank 0's HOST WORK pattern beside it, or instead of it."""
+    rng = random.Random(23)
+    wrong = []
+    for case in range(16):
+        stages, micro_batches = rng.choice([2, 3]), rng.choice([2, 4])
+        stalling, phase = rng.randrange(stages), rng.choice(["forward", "backward"])
+        period, offset, ms = rng.choice([3, 4, 5]), rng.randrange(3), rng.uniform(40, 120)
+
+        where = (stalling, phase, 0, offset)
+        report = diagnose(simulate(stages, micro_batches, [4.0] * stages, 24, rng, stall=lambda number, stage, which,
+                                   micro_batch, where=where, period=period, ms=ms:
+                                   ms if (stage, which, micro_batch, number % period) == where else 0.0))
+        named = [(f["layer"], f.get("rank")) for f in report["findings"]]
+        # Its compute, a straggler's where the others wait for it in the step's closing all-reduce.
+        if (not named or named[0] not in {("compute", stalling), ("straggler", stalling)}
+                or any(rank != stalling for _layer, rank in named)):
+            wrong.append((case, stages, micro_batches, stalling, phase, period, round(ms), named))
+    assert not wrong, "\n".join(map(str, wrong))
 
 
 def stretched(spans: list[Span], stage: int, rng: random.Random) -> list[Span]:

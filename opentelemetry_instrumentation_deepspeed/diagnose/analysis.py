@@ -33,6 +33,10 @@ UNEXPLAINED_COMM_WAIT = 0.25
 
 
 
+# The group of a pipeline's transfer in ``_Step.comm`` (joined to no other rank's): a wait for the neighbouring stage.
+_NEIGHBOUR = object()
+
+
 @dataclass
 class _Step:
     number: int = 0
@@ -44,7 +48,7 @@ class _Step:
     native_wait: float | None = None  # ... and its native threads (gloo's), summed
     between_comm: float = 0.0  # seconds its thread spent in collectives before it (after the step before it)
     phases: list = field(default_factory=list)  # (part, start, end, share of it the training thread waited for a CPU)
-    comm: list = field(default_factory=list)  # synchronous collectives: (start, end, group, sequence)
+    comm: list = field(default_factory=list)  # synchronous collectives: (start, end, group or _NEIGHBOUR, sequence)
 
 
 def _union_overlap(intervals: list[tuple[int, int]], start: int, end: int) -> int:
@@ -183,19 +187,28 @@ class Analysis:
             elif span.name in PHASES:
                 waited = span.attributes.get(semconv.TRAINING_PHASE_THREAD_CPU_WAIT)
                 self._steps.setdefault(key, _Step()).phases.append((PHASES[span.name], span.start, span.end, waited))
-            elif span.name.startswith(semconv.SPAN_COMM_PREFIX) and not pipeline.is_transfer(span):  # pipeline: bubble
-                attributes = span.attributes
-                group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
-                # Joined by sequence across the group's ranks; a send or recv is numbered per peer (semconv.P2P_OPS).
-                if span.name.removeprefix(semconv.SPAN_COMM_PREFIX) in semconv.P2P_OPS:
-                    sequence = None
-                if not attributes.get(semconv.COMM_ASYNC):
-                    self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
-                if sequence is not None:
-                    self._collectives[(span.job, group, sequence)][span.rank] = span.start
-                if attributes.get(semconv.COMM_BUSBW):
-                    self._busbw[span.name.removeprefix(semconv.SPAN_COMM_PREFIX)].append(
-                        float(attributes[semconv.COMM_BUSBW]))
+            elif span.name.startswith(semconv.SPAN_COMM_PREFIX):
+                self._add_comm(span, key)
+
+    def _add_comm(self, span: Span, key: tuple) -> None:
+        attributes = span.attributes
+        if pipeline.is_transfer(span):
+            # A pipeline stage's send or receive: its wait for the neighbouring stage (the bubble), a wait for another
+            # rank as a collective's before the last rank arrives, not work of its own (a stage that waits for
+            # another's stall every 5th step would read as its own host work).
+            if not attributes.get(semconv.COMM_ASYNC):
+                self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, _NEIGHBOUR, None))
+            return
+        group, sequence = attributes.get(semconv.COMM_GROUP_NAME, "0"), attributes.get(semconv.COMM_SEQUENCE)
+        # Joined by sequence across the group's ranks; a send or recv is numbered per peer (semconv.P2P_OPS).
+        if span.name.removeprefix(semconv.SPAN_COMM_PREFIX) in semconv.P2P_OPS:
+            sequence = None
+        if not attributes.get(semconv.COMM_ASYNC):
+            self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
+        if sequence is not None:
+            self._collectives[(span.job, group, sequence)][span.rank] = span.start
+        if attributes.get(semconv.COMM_BUSBW):
+            self._busbw[span.name.removeprefix(semconv.SPAN_COMM_PREFIX)].append(float(attributes[semconv.COMM_BUSBW]))
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -371,6 +384,9 @@ class Analysis:
         parts = dict.fromkeys(PARTS, 0)
         waits, transfers = [], []
         for start, end, group, sequence in step.comm:
+            if group is _NEIGHBOUR:
+                waits.append((start, end))
+                continue
             last = self._last_arrival(job, group, sequence)
             last = min(last, end) if last is not None else start
             if last > start:

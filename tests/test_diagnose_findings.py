@@ -223,6 +223,23 @@ def test_a_slow_rank_is_named_with_the_phase_that_makes_it_late(rank, phase):
     assert report["straggler"]["extra_compute_seconds"] == pytest.approx(0.03, rel=0.25)
 
 
+@pytest.mark.parametrize(("rank", "part", "period", "seed"), [(1, "data_wait", 3, 0), (0, "data_wait", 4, 1),
+                                                         (1, "forward", 3, 2), (0, "backward", 5, 3)])
+def test_a_rank_late_in_every_step_and_more_in_every_kth_has_both_findings(rank, part, period, seed):
+    """A periodic stall on top of a lateness at every step (a loader 50 ms slower, 100 ms every 3rd batch) does not
+    hide the lateness: judged on the other steps, it is still there, and it costs more than the stall."""
+    def extra(r, step):
+        return {part: 40 + (40 if step % period == 0 else 0)} if r == rank else {}
+
+    report = analyse(synthetic_job(24, extra=extra, seed=seed))
+    named = [(f["rank"], f["phase"], f.get("test")) for f in report["findings"]]
+    assert named[:2] == [(rank, part, "signed-rank"), (rank, part, "permutation")], report["findings"]
+    late, stall = report["findings"][:2]
+    assert late["extra_seconds"] == pytest.approx(0.04, rel=0.25) and stall["extra_seconds"] == pytest.approx(
+        0.04, rel=0.25)
+    assert late["cost_seconds"] > stall["cost_seconds"]
+
+
 def test_a_rank_late_because_its_thread_waited_for_a_cpu_is_its_hosts_not_a_straggler():
     # Rank 1's backward 30 ms longer, and its training thread waited for a CPU 45% of its ~60 ms steps (rank 0:
     # 5%): with that extra wait taken out, what is left of the excess is under the rule's 20% of the step. The

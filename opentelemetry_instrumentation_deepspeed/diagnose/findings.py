@@ -144,7 +144,10 @@ class StepFindings:
         if not self.run_seconds:
             return []
         found = self.periodic()
-        found += self.late_ranks(covered={(f["rank"], f["phase"]) for f in found})
+        covered = defaultdict(set)  # (rank, part) -> the steps of its periodic stall
+        for periodic_finding in found:
+            covered[periodic_finding["rank"], periodic_finding["phase"]].update(periodic_finding.get("steps") or ())
+        found += self.late_ranks(covered=covered)
         found += self.steady_shares(covered={f["phase"] for f in found}
                                     | {part for f in found for part in f["chain"].get("parts", {}).values()})
         return found
@@ -353,10 +356,13 @@ class StepFindings:
 
     # -- a rank the others wait for in most steps -----------------------------------------------------
 
-    def late_ranks(self, covered: set) -> list[dict]:
+    def late_ranks(self, covered: dict) -> list[dict]:
         """A rank whose own part (its forward, its data wait, ...) is longer than the other ranks' in
         most steps (a signed-rank test), and whose excess the others wait for in the collectives. Which rank
-        arrives last in a given step is noisy on a busy host; the excess of its own part is not."""
+        arrives last in a given step is noisy on a busy host; the excess of its own part is not. ``covered``:
+        (rank, part) -> the steps of a periodic stall of it, found already: the part is judged on the other steps,
+        where a rank late at every step besides its stall (a loader 50 ms slower every step, 100 ms every third)
+        is still late."""
         if len(self.steady) < 2:
             return []
         numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
@@ -376,10 +382,14 @@ class StepFindings:
                 step_excess["compute"] = sum(step_excess.get(part, 0.0) for part in COMPUTE)
             tested = {}
             for part in (*OWN_PARTS, "compute"):
-                excess = {step: excesses[step].get(part, 0.0) for step in numbers}
+                stalls = (set().union(*(covered.get((rank, phase), ()) for phase in COMPUTE)) if part == "compute"
+                          else covered.get((rank, part), ()))
+                excess = {step: excesses[step].get(part, 0.0) for step in numbers if step not in stalls}
+                if not excess:
+                    continue
                 p_value = waits_module.signed_rank_p(list(excess.values()))
                 # The job loses what the others wait for, up to this part's excess.
-                cost = sum(min(max(excess[step], 0.0), held.get(step, 0.0)) for step in numbers)
+                cost = sum(min(max(value, 0.0), held.get(step, 0.0)) for step, value in excess.items())
                 if (p_value <= alpha and cost >= self.min_cost
                         and statistics.median(excess.values()) >= LATE_STEP_SHARE * self.step_seconds):
                     tested[part] = (part, cost, p_value, excess, sum(value > 0 for value in excess.values()))
@@ -391,26 +401,27 @@ class StepFindings:
                 continue  # smaller per-rank differences are what a shared host makes (docs/diagnose.md)
             part, cost, p_value, excess, longer = best
             # Late because its previous collective ended later: that is communication, judged by its share.
-            if part == "exposed_comm" or (rank, part) in covered:
+            if part == "exposed_comm":
                 continue
-            if self._waited_for_cpu(rank, part, numbers, excess):
+            judged = sorted(excess)  # its steps: those of a periodic stall of the part aside
+            if self._waited_for_cpu(rank, part, judged, excess):
                 continue
-            late = [step for step in numbers if self.waits.late_rank(step)[0] == rank or unseen.get(step)]
+            late = [step for step in judged if self.waits.late_rank(step)[0] == rank or unseen.get(step)]
             lateness = self.waits.lateness.get(rank, [])
             traces = self.traces.get(rank, {})
             slowest = sorted(late, key=lambda step: -held.get(step, 0.0))[:5]
-            waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step in numbers)
+            waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step in judged)
                        for other in self.steady if other != rank}
             extra = statistics.median(excess.values())
-            per_step = _ms(sum(held.get(step, 0.0) for step in numbers) / len(numbers))
+            per_step = _ms(sum(held.get(step, 0.0) for step in judged) / len(judged))
             if unseen and not lateness:  # no collective joined: the others' wait is in their backward
                 where = "their backward"
-                arrival = [f"the other ranks' backward is longer than its own in {len(late)} of {len(numbers)} "
+                arrival = [f"the other ranks' backward is longer than its own in {len(late)} of {len(judged)} "
                            f"steps, {per_step} per step: their wait for it in the gradient all-reduce, which is not "
                            "traced (DDP's reducer)"]
             else:
                 where = "collectives"
-                arrival = [f"the last to arrive at the collectives in {len(late)} of {len(numbers)} steps; the "
+                arrival = [f"the last to arrive at the collectives in {len(late)} of {len(judged)} steps; the "
                            f"others wait {per_step} per step for it",
                            f"arrives {_ms(statistics.fmean(lateness) if lateness else 0.0)} late on average at "
                            f"{len(lateness)} collectives joined across ranks"]
@@ -418,9 +429,10 @@ class StepFindings:
                 "straggler" if part in (*COMPUTE, "compute") else LAYER_OF_PART[part],
                 f"rank {rank}'s {WHAT[part]} takes {_ms(extra)} longer than the other ranks' (median per step); "
                 f"they wait for it in {where}",
-                evidence=[f"longer than the other ranks' median in {longer} of {len(numbers)} steps "
-                          f"(Wilcoxon signed-rank test: p = {p_value:.2g})", *arrival],
-                rank=rank, step=numbers[0], cost_seconds=cost, run_seconds=self.run_seconds,
+                evidence=[f"longer than the other ranks' median in {longer} of {len(judged)} steps"
+                          + (" outside its periodic stall's" if len(judged) < len(numbers) else "")
+                          + f" (Wilcoxon signed-rank test: p = {p_value:.2g})", *arrival],
+                rank=rank, step=judged[0], cost_seconds=cost, run_seconds=self.run_seconds,
                 confidence=1 - p_value, trace_ids=[traces[s] for s in slowest if s in traces], phase=part,
                 steps=late, extra_seconds=extra, test="signed-rank",
                 chain={"late_ranks": [rank], "phase": part,

@@ -899,3 +899,46 @@ def test_a_look_between_steps_waits_for_a_slow_drain_elsewhere_a_second_at_most(
         go.set()
         release.set()
         thread.join(10)
+
+
+@pytest.mark.parametrize("step_open", [True, False])
+def test_a_signals_report_has_the_stack_where_the_signal_found_the_thread(monkeypatch, step_open):
+    """A rank blocked in a collective when SIGTERM came wakes to its peer's closed socket (the same signal stopped the
+    peer), and the handler then runs inside torch's handling of that error: its stack showed c10d_logger's
+    _get_msg_dict, not the wait. The watchdog's thread takes the stack as the signal arrives."""
+    blocked, errored, release = threading.Event(), threading.Event(), threading.Event()
+
+    def wait_for_the_peer():
+        blocked.set()
+        errored.wait()
+
+    def handle_the_error():
+        release.wait()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        if step_open:
+            recorder.forward_started(engine)
+        wait_for_the_peer()
+        handle_the_error()
+
+    thread, made = _training_thread(train)
+    dog = made["dog"]
+    monkeypatch.setattr(lifecycle, "handles_sigterm", lambda: True)
+    monkeypatch.setattr(lifecycle, "finishing", lambda: True)  # the handler runs at once: no takeover
+    try:
+        blocked.wait(10)
+        dog._signalled(watchdog.signal.SIGTERM)
+        errored.set()  # the peer is gone: the thread moves on, into the error's handling
+        time.sleep(0.1)
+        dog._at_exit(lifecycle.TERMINATED)
+        emitter().drain()
+        (report,) = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
+        (event,) = report.events
+        stack = event.attributes["code.stacktrace"]
+        assert "in wait_for_the_peer" in stack and "handle_the_error" not in stack, stack
+        assert report.attributes[semconv.HANG_REASON] == lifecycle.TERMINATED
+    finally:
+        errored.set()
+        release.set()
+        thread.join(10)

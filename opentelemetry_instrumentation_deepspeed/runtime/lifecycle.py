@@ -338,10 +338,19 @@ def _name(handler) -> str:
 
 def interrupted_frame():
     """On the thread running SIGTERM's handler: the frame the signal interrupted, else None."""
-    frame = sys._getframe()
+    frame = _handler_frame(sys._getframe())
+    return None if frame is None else frame.f_back
+
+
+def in_sigterm_handler(frame) -> bool:
+    """Whether ``frame`` (a thread's innermost) runs inside SIGTERM's handler."""
+    return _handler_frame(frame) is not None
+
+
+def _handler_frame(frame):
     while frame is not None and frame.f_code is not _on_sigterm.__code__:
         frame = frame.f_back
-    return None if frame is None else frame.f_back
+    return frame
 
 
 def _on_sigterm(signum, _frame) -> None:

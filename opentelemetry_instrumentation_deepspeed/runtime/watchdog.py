@@ -114,6 +114,8 @@ class Watchdog(Component):
         self._meters: list = []
         self.reports = 0
         self._flushing: threading.Thread | None = None
+        # thread -> (its stack, whether in a data loader) as the last stopping signal arrived (``_snapshot``)
+        self._at_signal: dict[int, tuple[str, bool]] = {}
 
     # -- the training thread, once per engine -------------------------------------------------------
 
@@ -272,7 +274,7 @@ class Watchdog(Component):
         collective = _comm("in_flight_between_steps", None)  # a barrier, an evaluation's all-reduce
         watched.reported = HangReport(facts, number, watched.idle_since, now, semconv.HANG_REASON_WATCHDOG, limit,
                                       phase, None, None, collective, _comm("last_sequences", {}),
-                                      _stacks(watched.thread), between_steps=True)
+                                      _stopped_at(watched.thread)[0], between_steps=True)
         return [*resumed, watched.reported]
 
     def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:
@@ -280,10 +282,11 @@ class Watchdog(Component):
         latest = record.latest_dropped  # issued past the collectives a step keeps: after all of those
         collective = latest if latest is not None and latest.end is None else next(
             (c for c in reversed(list(record.collectives)) if c.end is None), None)
+        at_signal = self._at_signal if reason in (lifecycle.TERMINATED, lifecycle.INTERRUPTED) else None
         return HangReport(record.facts, record.number, record.start, now, reason, limit,
                           None if phase is None else phase.name, None if phase is None else phase.micro_step,
                           None if phase is None else phase.start, collective, _comm("last_sequences", {}),
-                          _stacks(watched.thread))
+                          _stopped_at(watched.thread, at_signal)[0])
 
     def _send(self, reports: list[HangReport]) -> None:
         from opentelemetry_instrumentation_deepspeed.export import hangs
@@ -336,6 +339,7 @@ class Watchdog(Component):
             reason = lifecycle.INTERRUPTED
         else:
             return
+        self._at_signal = self._snapshot()
         before = self._positions()
         arrived = time.monotonic()
         deadline = arrived + lifecycle.GRACE_SECONDS
@@ -354,6 +358,20 @@ class Watchdog(Component):
         _logger.warning("opentelemetry-instrumentation-deepspeed: %s while the training thread is blocked; "
                         "writing the telemetry from the watchdog's thread", signal.Signals(signum).name)
         lifecycle.finish_elsewhere(signum, reason, spent=time.monotonic() - arrived)  # the budget runs from the signal
+
+    def _snapshot(self) -> dict[int, tuple[str, bool]]:
+        """Each watched thread's stack as a stopping signal arrives, taken here while the thread may still be where
+        the signal found it. By the time its handler runs there the thread may have moved: blocked in a collective
+        whose peer the same signal stopped, it wakes to the peer's closed socket, and the handler runs inside torch's
+        handling of that error (its stack showed c10d_logger's, not the wait). A thread already in the handler has
+        moved: none is taken."""
+        frames = sys._current_frames()
+        found = {}
+        for watched in list(self._watched):
+            frame = frames.get(watched.thread)
+            if frame is not None and not lifecycle.in_sigterm_handler(frame):
+                found[watched.thread] = ("".join(traceback.format_stack(frame, STACK_LIMIT)), _in_data_loader(frame))
+        return found
 
     def _stuck(self) -> bool:
         """Whether a watched thread has been reported stuck (past its threshold) and has not moved since: a report
@@ -420,9 +438,7 @@ class Watchdog(Component):
         number = watched.recorder.next_number() or max(
             getattr(facts, "last_written", 0), watched.last.number if watched.last is not None else 0) + 1
         if error is None:  # a signal: the thread's stack where it stopped
-            stacks = _stacks(watched.thread)
-            frame = lifecycle.interrupted_frame() if watched.thread == threading.get_ident() else \
-                sys._current_frames().get(watched.thread)
+            stacks, in_loader = _stopped_at(watched.thread, self._at_signal)
             description = None
         else:  # an exception: its traceback, where the stack stood when it was raised
             failure = Failure.of(error)
@@ -430,9 +446,9 @@ class Watchdog(Component):
             traceback_ = error.__traceback__
             while traceback_ is not None and traceback_.tb_next is not None:
                 traceback_ = traceback_.tb_next
-            frame = None if traceback_ is None else traceback_.tb_frame
+            in_loader = traceback_ is not None and _in_data_loader(traceback_.tb_frame)
             reason, description = semconv.STATUS_EXITED_BETWEEN, failure.description
-        phase = semconv.PHASE_DATA_WAIT if frame is not None and _in_data_loader(frame) else None
+        phase = semconv.PHASE_DATA_WAIT if in_loader else None
         # idle_since may be later than now: this thread's looks go on while the exit runs elsewhere.
         start = min(watched.idle_since, now) if watched.idle_since is not None else now
         return HangReport(facts, number, start, now, reason, self._threshold(watched), phase, None, None,
@@ -524,17 +540,22 @@ def _comm(function: str, default):
     return default
 
 
-def _stacks(thread: int) -> list:
-    if thread == threading.get_ident():
-        # The signal's handler runs the exit stages on the training thread itself: its stack below them.
-        frame = lifecycle.interrupted_frame()
+def _stopped_at(thread: int, at_signal: dict | None = None) -> tuple[list, bool]:
+    """([(thread, its name, its stack)], whether it is in a data loader's next): as the stopping signal found it, where
+    ``at_signal`` holds it (``Watchdog._snapshot``), else now."""
+    if at_signal and thread in at_signal:
+        stack, in_loader = at_signal[thread]
     else:
-        frame = sys._current_frames().get(thread)  # the documented way to see another thread
-    if frame is None:
-        return []
+        if thread == threading.get_ident():
+            # The signal's handler runs the exit stages on the training thread itself: its stack below them.
+            frame = lifecycle.interrupted_frame()
+        else:
+            frame = sys._current_frames().get(thread)  # the documented way to see another thread
+        if frame is None:
+            return [], False
+        stack, in_loader = "".join(traceback.format_stack(frame, STACK_LIMIT)), _in_data_loader(frame)
     names = {t.ident: t.name for t in threading.enumerate()}
-    stack = "".join(traceback.format_stack(frame, STACK_LIMIT))
-    return [(thread, names.get(thread, ""), stack)]
+    return [(thread, names.get(thread, ""), stack)], in_loader
 
 
 _watchdog: Watchdog | None = None

@@ -199,6 +199,16 @@ def test_a_stages_periodic_stall_is_its_own_and_the_others_wait_for_it_in_their_
     assert not wrong, "\n".join(map(str, wrong))
 
 
+@pytest.mark.parametrize(("stage", "phase"), [(0, "forward"), (1, "backward"), (2, "backward"), (1, "forward")])
+def test_an_imbalanced_stage_is_named_with_the_phase_that_makes_it_slow(stage, phase):
+    rng = random.Random(stage)
+    spans = simulate(3, 4, [3.0, 3.0, 3.0], 10, rng,
+                     stall=lambda _number, s, which, _i: 12.0 if (s, which) == (stage, phase) else 0.0)
+    (found,) = diagnose(spans)["pipeline"]["findings"]
+    assert (found["stage"], found["phase"]) == (stage, phase)
+    assert f"of the difference in its {phase}" in found["summary"]
+
+
 def stretched(spans: list[Span], stage: int, rng: random.Random) -> list[Span]:
     """``spans`` with half of ``stage``'s forwards and backwards made 2-5x longer: a host that runs
     something else in the middle of them (as a loaded machine does), not more work."""

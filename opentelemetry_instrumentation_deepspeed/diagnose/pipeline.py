@@ -40,6 +40,7 @@ CONSISTENCY = 0.7  # ... in at least this share of the steps
 STRAGGLER_SHARE = 0.20  # a rank computing this much longer than its stage's other ranks, per step (as analysis.py)
 
 _COMPUTE = (semconv.SPAN_FORWARD, semconv.SPAN_BACKWARD)
+_PHASE_NAMES = {semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward"}
 _OTHER_WORK = (semconv.SPAN_OPTIMIZER_STEP, semconv.SPAN_DATA_WAIT)
 
 REMEDIES = [
@@ -162,6 +163,8 @@ def _stage_summary(ranks: list[int], by_number: dict[int, list[_Step]]) -> dict:
             # time the scheduler ran something else (a 0.8 ms median forward had a 4.7 ms 90th
             # percentile here), the host's doing, not the partition's: each phase at its quickest.
             "work_seconds": _seconds(sum(statistics.median(counts[name]) * shortest[name] for name in shortest)),
+            "work_seconds_by_phase": {_PHASE_NAMES[name]: _seconds(statistics.median(counts[name]) * shortest[name])
+                                      for name in sorted(shortest)},
             "bubble_seconds": _seconds(statistics.median(bubble)),
             "bubble_share": statistics.median(bubble) / step if step else 0.0,
             "recv_seconds_by_peer_stage": {peer: _seconds(statistics.median(values))
@@ -201,12 +204,19 @@ def _imbalance(stages: dict, per_stage: dict, by_rank: dict) -> dict | None:
              + ", ".join(f"{seconds * 1e3:.1f} ms receiving from stage {peer}"
                          for peer, seconds in stages[stage]["recv_seconds_by_peer_stage"].items())
              for stage in others]
+    # The phase that holds most of its excess over the other stages (a layer slow in its backward only).
+    by_phase = stages[slow]["work_seconds_by_phase"]
+    extra = {phase: seconds - statistics.median(stages[stage]["work_seconds_by_phase"].get(phase, 0.0)
+                                                for stage in others) for phase, seconds in by_phase.items()}
+    phase = max(extra, key=extra.get) if extra else None
     return {
         "layer": LAYER,
         "summary": f"pipeline stage {slow} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) "
                    f"computes {compute[slow] * 1e3:.1f} ms per step, {ratio:.1f}x the other stages' "
-                   f"{reference * 1e3:.1f} ms (micro-batches at their quickest): the pipeline runs at its pace "
-                   f"and the other stages wait for it",
+                   f"{reference * 1e3:.1f} ms (micro-batches at their quickest)"
+                   + (f", {extra[phase] / (sum(max(v, 0.0) for v in extra.values()) or 1.0):.0%} of the difference "
+                      f"in its {phase}" if phase is not None else "")
+                   + ": the pipeline runs at its pace and the other stages wait for it",
         "evidence": [f"stage {slow} is the slowest stage in {slowest_in[slow]} of {len(common)} steps",
                      f"stage {slow} idles {stages[slow]['bubble_seconds'] * 1e3:.1f} ms per step "
                      f"({stages[slow]['bubble_share']:.0%})", *waits,
@@ -215,6 +225,7 @@ def _imbalance(stages: dict, per_stage: dict, by_rank: dict) -> dict | None:
         "remedies": REMEDIES,
         "rank": ranks[0],
         "stage": slow,
+        "phase": phase,
         "step": None,
         "cost_seconds": excess * steps,
         "confidence": round(min(1.0, consistency * (0.9 if ratio >= 1.6 else 0.7)), 2),

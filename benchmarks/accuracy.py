@@ -59,6 +59,7 @@ class Expected:
     offset: int | None = None
     phase: str | None = None  # the part of the late rank's step that made it late
     step: int | None = None  # the step of a change point, a hang or a desync
+    stall: tuple | None = None  # a second fault, found too: (rank, period) of a loader stall at offset 0
 
 
 @dataclass
@@ -189,6 +190,18 @@ def draw_slow_rank(rng: random.Random) -> Draw:
                  "--slow-phase", phase, *_zero(rng)], Expected("straggler", rank, phase=phase))
 
 
+def draw_slow_and_stall(rng: random.Random) -> Draw:
+    """Two faults at once: a rank late at every step (its loader or a phase), and a loader stall every k-th step on it
+    or on the other rank; both must be found."""
+    rank, slow, phase = rng.randint(0, 1), rng.randint(30, 60), rng.choice(("data", "forward", "backward"))
+    stalling, every, stall = rng.randint(0, 1), rng.randint(3, 5), rng.randint(80, 250)
+    expected = Expected("data loading" if phase == "data" else "straggler", rank,
+                        phase="data_wait" if phase == "data" else phase, stall=(stalling, every))
+    return Draw(["--steps", str(_stall_steps(rng, every)), "--slow-rank", str(rank), "--slow-ms", str(slow),
+                 "--slow-phase", phase, "--stall-every", str(every), "--stall-ms", str(stall),
+                 "--stall-rank", str(stalling), *_zero(rng)], expected)
+
+
 def draw_slow_rank_long(rng: random.Random) -> Draw:
     # Long enough that a quiet host stops the phases' reads of the CPU wait (50 steps under 5%: recording/host_cpu.py),
     # and, in half the draws, a neighbour then makes the ranks wait for CPUs again.
@@ -311,6 +324,20 @@ def judge_desync(report: dict, expected: Expected) -> dict[str, bool]:
             "pattern": layer and verdict.get("step") == expected.step}
 
 
+def judge_both(report: dict, expected: Expected) -> dict[str, bool]:
+    """A late rank and a periodic stall: each must be among the findings (the verdict is the costlier)."""
+    stalling, every = expected.stall
+    found = report["findings"]
+    late = [f for f in found if f.get("test") == "signed-rank"]
+    stalls = [f for f in found if f.get("period")]
+    layer = (any(f["layer"] == expected.layer for f in late) and any(f["layer"] == "data loading" for f in stalls))
+    rank = (any(f["layer"] == expected.layer and f.get("rank") == expected.rank for f in late)
+            and any(f.get("rank") == stalling for f in stalls if f["layer"] == "data loading"))
+    pattern = (any(f.get("rank") == expected.rank and f.get("phase") == expected.phase for f in late)
+               and any(f.get("rank") == stalling and (f.get("period"), f.get("offset")) == (every, 0) for f in stalls))
+    return {"layer": layer, "rank": rank, "pattern": pattern}
+
+
 @dataclass
 class FaultClass:
     name: str
@@ -342,6 +369,9 @@ CLASSES = [
     FaultClass("host-work-barrier", draw_host_work_barrier,
                notes="as host-work-rank, then a barrier on every rank after each step"),
     FaultClass("slow-rank", draw_slow_rank, notes="one rank 20-60 ms slower in forward, backward or optimizer step"),
+    FaultClass("slow-and-stall", draw_slow_and_stall, judge_both,
+               notes="one rank 30-60 ms late in its loader, forward or backward at every step, and a loader stall of "
+               "80-250 ms every 3rd-5th step on it or on the other rank: both found"),
     FaultClass("slow-rank-long", draw_slow_rank_long,
                notes="one rank 20-60 ms slower in a phase for 150-250 steps; in half the draws 1-3 spinning processes "
                "arrive 4-8 s after the first telemetry file"),

@@ -64,9 +64,9 @@ def parse_args(argv=None):
     faults.add_argument("--slow-rank", type=int, default=-1, metavar="R",
                         help="rank R computes --slow-ms longer in each --slow-phase (a straggler)")
     faults.add_argument("--slow-ms", type=float, default=50.0, metavar="D")
-    faults.add_argument("--slow-phase", choices=("forward", "backward", "optimizer"), default="forward",
-                        help="where the slow rank spends its extra time: each forward, each backward, or each "
-                             "optimizer step")
+    faults.add_argument("--slow-phase", choices=("forward", "backward", "optimizer", "data"), default="forward",
+                        help="where the slow rank spends its extra time: each forward, each backward, each "
+                             "optimizer step, or each micro-batch its loader makes (data)")
     faults.add_argument("--comm-heavy", action="store_true",
                         help="each backward also all-reduces a buffer of --comm-heavy-mib, as tensor parallelism "
                              "all-reduces its activations' gradients: the step waits on the transfer")
@@ -156,8 +156,9 @@ class StallingCollate:
 
     def __init__(self, every: int, milliseconds: float, grad_accum: int, *, lengths=None,
                  pad_id: int | None = None, seed: int = 0, hang_step: int = 0, stall_from: int = 1,
-                 crash_step: int = 0):
+                 crash_step: int = 0, slow_ms: float = 0.0):
         self.every, self.seconds, self.grad_accum, self.batches = every, milliseconds / 1000, grad_accum, 0
+        self.slow = slow_ms / 1000  # every micro-batch (--slow-phase data)
         self.stall_from = stall_from
         self.hang_step = hang_step  # the first micro-batch of this step never comes (--hang-phase data)
         self.crash_step = crash_step  # ... raises (--crash-in data)
@@ -173,6 +174,8 @@ class StallingCollate:
             raise ValueError(f"injected corrupt sample in the batch of step {step + 1}")
         if self.every and micro == 0 and (step + 1) % self.every == 0 and step + 1 >= self.stall_from:
             time.sleep(self.seconds)
+        if self.slow:
+            time.sleep(self.slow)
         batch = torch.utils.data.default_collate(samples)
         if self.lengths is not None:
             length = self.lengths(step + 1)
@@ -468,10 +471,11 @@ def make_loader(args, engine, dataset) -> DataLoader:
     pad_id = args.vocab if args.padding else None
     hang = args.hang_step if args.hang_phase == "data" and args.hang_rank == engine.global_rank else 0
     crash = args.crash_after + 1 if args.crash_after and args.crash_in == "data" and engine.global_rank == 0 else 0
+    slow = args.slow_ms if args.slow_phase == "data" and args.slow_rank == engine.global_rank else 0.0
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
                       collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum, lengths=lengths,
                                                  pad_id=pad_id, seed=args.seed + engine.global_rank, hang_step=hang,
-                                                 stall_from=args.stall_from, crash_step=crash))
+                                                 stall_from=args.stall_from, crash_step=crash, slow_ms=slow))
 
 
 def print_step(args, engine, loss: float) -> None:

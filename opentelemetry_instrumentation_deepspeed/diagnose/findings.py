@@ -144,9 +144,10 @@ class StepFindings:
         if not self.run_seconds:
             return []
         found = self.periodic()
-        covered = defaultdict(set)  # (rank, part) -> the steps of its periodic stall
+        covered = defaultdict(dict)  # (rank, part) -> {step of its periodic stall: the stall's extra seconds}
         for periodic_finding in found:
-            covered[periodic_finding["rank"], periodic_finding["phase"]].update(periodic_finding.get("steps") or ())
+            for step in periodic_finding.get("steps") or ():
+                covered[periodic_finding["rank"], periodic_finding["phase"]][step] = periodic_finding["extra_seconds"]
         found += self.late_ranks(covered=covered)
         found += self.steady_shares(covered={f["phase"] for f in found}
                                     | {part for f in found for part in f["chain"].get("parts", {}).values()})
@@ -360,9 +361,10 @@ class StepFindings:
         """A rank whose own part (its forward, its data wait, ...) is longer than the other ranks' in
         most steps (a signed-rank test), and whose excess the others wait for in the collectives. Which rank
         arrives last in a given step is noisy on a busy host; the excess of its own part is not. ``covered``:
-        (rank, part) -> the steps of a periodic stall of it, found already: the part is judged on the other steps,
-        where a rank late at every step besides its stall (a loader 50 ms slower every step, 100 ms every third)
-        is still late."""
+        (rank, part) -> {step: extra seconds} of a periodic stall of it, found already: the part is judged without
+        it, where a rank late at every step besides its stall (a loader 50 ms slower every step, 100 ms every third)
+        is still late: a stall's steps count with the stall's extra time taken out, so that a short run keeps the
+        steps the test needs."""
         if len(self.steady) < 2:
             return []
         numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
@@ -382,11 +384,11 @@ class StepFindings:
                 step_excess["compute"] = sum(step_excess.get(part, 0.0) for part in COMPUTE)
             tested = {}
             for part in (*OWN_PARTS, "compute"):
-                stalls = (set().union(*(covered.get((rank, phase), ()) for phase in COMPUTE)) if part == "compute"
-                          else covered.get((rank, part), ()))
-                excess = {step: excesses[step].get(part, 0.0) for step in numbers if step not in stalls}
-                if not excess:
-                    continue
+                stalls = covered.get((rank, part), {})
+                if part == "compute":
+                    stalls = {step: sum(covered.get((rank, phase), {}).get(step, 0.0) for phase in COMPUTE)
+                              for step in numbers}
+                excess = {step: excesses[step].get(part, 0.0) - stalls.get(step, 0.0) for step in numbers}
                 p_value = waits_module.signed_rank_p(list(excess.values()))
                 # The job loses what the others wait for, up to this part's excess.
                 cost = sum(min(max(value, 0.0), held.get(step, 0.0)) for step, value in excess.items())
@@ -403,25 +405,24 @@ class StepFindings:
             # Late because its previous collective ended later: that is communication, judged by its share.
             if part == "exposed_comm":
                 continue
-            judged = sorted(excess)  # its steps: those of a periodic stall of the part aside
-            if self._waited_for_cpu(rank, part, judged, excess):
+            if self._waited_for_cpu(rank, part, numbers, excess):
                 continue
-            late = [step for step in judged if self.waits.late_rank(step)[0] == rank or unseen.get(step)]
+            late = [step for step in numbers if self.waits.late_rank(step)[0] == rank or unseen.get(step)]
             lateness = self.waits.lateness.get(rank, [])
             traces = self.traces.get(rank, {})
             slowest = sorted(late, key=lambda step: -held.get(step, 0.0))[:5]
-            waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step in judged)
+            waiting = {other: statistics.fmean(self.waits.waited.get(step, {}).get(other, 0.0) for step in numbers)
                        for other in self.steady if other != rank}
             extra = statistics.median(excess.values())
-            per_step = _ms(sum(held.get(step, 0.0) for step in judged) / len(judged))
+            per_step = _ms(sum(held.get(step, 0.0) for step in numbers) / len(numbers))
             if unseen and not lateness:  # no collective joined: the others' wait is in their backward
                 where = "their backward"
-                arrival = [f"the other ranks' backward is longer than its own in {len(late)} of {len(judged)} "
+                arrival = [f"the other ranks' backward is longer than its own in {len(late)} of {len(numbers)} "
                            f"steps, {per_step} per step: their wait for it in the gradient all-reduce, which is not "
                            "traced (DDP's reducer)"]
             else:
                 where = "collectives"
-                arrival = [f"the last to arrive at the collectives in {len(late)} of {len(judged)} steps; the "
+                arrival = [f"the last to arrive at the collectives in {len(late)} of {len(numbers)} steps; the "
                            f"others wait {per_step} per step for it",
                            f"arrives {_ms(statistics.fmean(lateness) if lateness else 0.0)} late on average at "
                            f"{len(lateness)} collectives joined across ranks"]
@@ -429,10 +430,10 @@ class StepFindings:
                 "straggler" if part in (*COMPUTE, "compute") else LAYER_OF_PART[part],
                 f"rank {rank}'s {WHAT[part]} takes {_ms(extra)} longer than the other ranks' (median per step); "
                 f"they wait for it in {where}",
-                evidence=[f"longer than the other ranks' median in {longer} of {len(judged)} steps"
-                          + (" outside its periodic stall's" if len(judged) < len(numbers) else "")
+                evidence=[f"longer than the other ranks' median in {longer} of {len(numbers)} steps"
+                          + (", its periodic stall's extra time taken out" if covered.get((rank, part)) else "")
                           + f" (Wilcoxon signed-rank test: p = {p_value:.2g})", *arrival],
-                rank=rank, step=judged[0], cost_seconds=cost, run_seconds=self.run_seconds,
+                rank=rank, step=numbers[0], cost_seconds=cost, run_seconds=self.run_seconds,
                 confidence=1 - p_value, trace_ids=[traces[s] for s in slowest if s in traces], phase=part,
                 steps=late, extra_seconds=extra, test="signed-rank",
                 chain={"late_ranks": [rank], "phase": part,

@@ -199,6 +199,17 @@ def test_a_stages_periodic_stall_is_its_own_and_the_others_wait_for_it_in_their_
     assert not wrong, "\n".join(map(str, wrong))
 
 
+def test_a_balanced_pipelines_waits_are_its_bubble_not_an_unexplained_wait():
+    """The stages' transfers are their waits for each other (comm_wait): by design in a pipeline, not a wait "no rank's
+    own part explains"."""
+    rng = random.Random(3)
+    for stages, micro_batches in ((2, 2), (3, 4), (4, 8)):
+        report = diagnose(simulate(stages, micro_batches, [4.0] * stages, 12, rng))
+        verdict = report["verdict"]
+        assert verdict["layer"] == "none" and report["job"]["shares"]["comm_wait"] >= 0.25, verdict
+        assert "the pipeline's bubble" in verdict["summary"] and "explains it" not in verdict["summary"]
+
+
 @pytest.mark.parametrize(("stage", "phase"), [(0, "forward"), (1, "backward"), (2, "backward"), (1, "forward")])
 def test_an_imbalanced_stage_is_named_with_the_phase_that_makes_it_slow(stage, phase):
     rng = random.Random(stage)

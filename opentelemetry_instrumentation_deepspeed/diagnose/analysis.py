@@ -31,8 +31,6 @@ PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_
 UNEXPLAINED_DATA_WAIT = 0.10
 UNEXPLAINED_COMM_WAIT = 0.25
 
-
-
 # The group of a pipeline's transfer in ``_Step.comm`` (joined to no other rank's): a wait for the neighbouring stage.
 _NEIGHBOUR = object()
 
@@ -240,6 +238,7 @@ class Analysis:
         for rank, summary in ranks.items():
             summary["anomaly"] = _anomaly(steps.patterns.get(rank), by_rank[rank], found)
         job_summary = self._job_summary(ranks)
+        pipelined = self.pipeline.ran(job)
         if job_summary and job_summary["anomaly"] is None:
             job_summary["anomaly"] = _job_anomaly(found, by_rank)
         found = findings_module.ranked(found)  # other layers join below, ranked with these
@@ -255,7 +254,7 @@ class Analysis:
             "bandwidth": {op: {"median_busbw": statistics.median(values), "best_busbw": max(values),
                                "calls": len(values)} for op, values in sorted(self._busbw.items())},
             "findings": found,
-            "verdict": found[0] if found else findings_module.none(_quiet(job_summary)),
+            "verdict": found[0] if found else findings_module.none(_quiet(job_summary, pipelined=pipelined)),
             "model_series": model_series(self.model, job),
         }
         result["pipeline"] = self.pipeline.result(job)  # pipeline parallelism (diagnose/pipeline.py)
@@ -268,7 +267,7 @@ class Analysis:
         _explain_late_ranks(changes, result["findings"], steps.waits.held)
         result["findings"] = findings_module.ranked(result["findings"] + model + changes)
         result["verdict"] = (result["findings"][0] if result["findings"]
-                             else findings_module.none(_quiet(job_summary, result["host_load"])))
+                             else findings_module.none(_quiet(job_summary, result["host_load"], pipelined)))
         self._broken_or_crashed(result, model, job)
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
         found = self.hangs.findings(job)
@@ -514,7 +513,7 @@ def _without_cross_stage_stragglers(result: dict) -> dict:
     result["findings"] = [f for f in result["findings"]
                           if not (f.get("test") == "signed-rank"
                                   and f.get("phase") in (*findings_module.COMPUTE, "compute"))]
-    return result["findings"][0] if result["findings"] else findings_module.none(_quiet(result["job"]))
+    return result["findings"][0] if result["findings"] else findings_module.none(_quiet(result["job"], pipelined=True))
 
 
 def _steady(steps: list[dict]) -> list[dict]:
@@ -555,7 +554,7 @@ def _anomaly_shape(period: int, offset, phase, numbers: list[int], steps: list[d
             "trace_ids": [s["trace_id"] for s in sorted(inside, key=lambda s: s["seconds"], reverse=True)[:5]]}
 
 
-def _quiet(job: dict, host_load: list | None = None) -> str:
+def _quiet(job: dict, host_load: list | None = None, pipelined: bool = False) -> str:
     if not job:
         return "no complete steps in the input"
     shares = job["shares"]
@@ -569,6 +568,8 @@ def _quiet(job: dict, host_load: list | None = None) -> str:
         quiet.append(f"data wait is {shares['data_wait']:.0%} of step time, in no pattern, and the steady test's "
                      f"{findings_module.DATA_WAIT_SHARE:.0%} share: {held}")
     if shares["comm_wait"] >= UNEXPLAINED_COMM_WAIT:
-        quiet.append(f"the ranks wait for each other {shares['comm_wait']:.0%} of step time in collectives, and no "
-                     "rank's own part explains it beyond chance")
+        quiet.append(f"the stages wait for each other {shares['comm_wait']:.0%} of step time, in their transfers and "
+                     "collectives: the pipeline's bubble (per stage below)" if pipelined  # by design: fill and drain
+                     else f"the ranks wait for each other {shares['comm_wait']:.0%} of step time in collectives, and "
+                     "no rank's own part explains it beyond chance")
     return "; ".join(quiet + [load["summary"] for load in host_load or ()])

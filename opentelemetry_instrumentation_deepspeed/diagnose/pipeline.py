@@ -209,6 +209,8 @@ def _imbalance(stages: dict, per_stage: dict, by_rank: dict) -> dict | None:
     extra = {phase: seconds - statistics.median(stages[stage]["work_seconds_by_phase"].get(phase, 0.0)
                                                 for stage in others) for phase, seconds in by_phase.items()}
     phase = max(extra, key=extra.get) if extra else None
+    if phase is not None and extra[phase] <= 0:  # medians of the phases need not add up to the whole's excess
+        phase = None
     return {
         "layer": LAYER,
         "summary": f"pipeline stage {slow} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) "

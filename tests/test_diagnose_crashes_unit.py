@@ -148,3 +148,31 @@ def test_the_same_error_on_some_ranks_names_them_and_the_others_are_consequences
     assert verdict["summary"].startswith(
         "ranks 1, 2 failed the same way, each on its own; first rank 1 failed in step 7")
     assert verdict["summary"].endswith("after it: rank 0 in step 7: RuntimeError: Connection closed by peer [::1]:3")
+
+
+@pytest.mark.parametrize("lost", [
+    "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:577] Socket closed [127.0.0.1]:4{r}117",
+    "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:600] Read error [127.0.0.1]:4{r}117: "
+    "Software caused connection abort",
+    "DistBackendError",  # OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL=type: an NCCL error of any kind
+    "DistBackendError: [{r}] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value "
+    "store by key '0', but store->get('0') got error: Failed to recv, got 0 bytes. Connection was likely closed. Did "
+    "the remote server shutdown or crash?",
+    "RuntimeError: ranks ran out of patience {r}",  # words no pattern knows, the same on both survivors
+    LOST,
+])
+def test_the_survivors_of_a_killed_rank_are_its_consequences(lost):
+    """Rank 2 is killed after step 6 with no word; ranks 0 and 1 fail in step 7 on the lost peer, in whatever words."""
+    spans = [*healthy((0, 1, 2), world=3), step(0, 7, lost.format(r=0), world=3),
+             step(1, 7, lost.format(r=1), world=3)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("silent", 2), verdict["summary"]
+
+
+def test_of_ranks_failing_the_same_way_the_first_to_fail_is_named():
+    spans = [*healthy((0, 1, 2), world=3), step(2, 7, GLOO_ARGUMENT, world=3), step(0, 7, LOST, world=3)]
+    later = step(1, 7, GLOO_ARGUMENT, world=3)
+    spans.append(Span(*[getattr(later, f) for f in ("name", "trace_id", "span_id", "parent_id", "start")],
+                      later.end + 10, "job", 1, later.attributes, GLOO_ARGUMENT))
+    verdict = report(spans)["verdict"]
+    assert verdict["rank"] == 2 and "first rank 2 failed" in verdict["summary"], verdict["summary"]

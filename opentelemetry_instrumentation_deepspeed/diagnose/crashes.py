@@ -5,7 +5,8 @@ collective or data wait that raised ends in error too), where the process exited
 saw raised) or where a signal ended it; with no step open, the exit by a signal or an uncaught exception writes a last
 ``training.hang`` report, between steps (docs/telemetry.md). The rank that failed first on its own is the cause; the
 others' failures after it are its consequences: a collective that lost its peer (gloo's "Connection closed by peer",
-NCCL's errors, a timeout), or the signal the launcher sends to the ranks left. A rank with no failure of its own that
+NCCL's "remote process exited", a communicator aborted, a timeout), or the signal the launcher sends to the ranks
+left. A rank with no failure of its own that
 wrote fewer steps than the step another failed in, or no telemetry at all where the world size counts it, left no
 word: it was killed (SIGKILL, the kernel's OOM killer) or crashed in native code. What it had not written went with
 it: it was at the step the others failed in, at the latest.
@@ -25,9 +26,10 @@ MEMORY_REMEDIES = MODEL_REMEDIES["memory"]
 # A failure that says a peer is gone: the consequence of another rank's. Gloo's and NCCL's words for a peer or a link
 # that went away, a wait that ran out, a communicator aborted after another failure; not the library's name alone: its
 # own argument, shape and dtype errors ("ProcessGroupGloo::allgather: invalid output tensor list") are a rank's own.
-_LOST_PEER = re.compile(r"connection (closed|reset|refused)|(closed|reset) by peer|broken pipe|timed? ?out|"
-                        r"pair closure|remote process|network error|distnetworkerror|(was|is|been) aborted|"
-                        r"unhandled system error|no route to host", re.IGNORECASE)
+_LOST_PEER = re.compile(r"connection (closed|reset|refused|abort)|(closed|reset) by peer|socket closed|broken pipe|"
+                        r"timed? ?out|pair closure|remote (process|server)|network error|connection was likely closed|"
+                        r"failed to (recv|send)|(was|is|been) aborted|unhandled system error|no route to host|"
+                        r"^(torch\.distributed\.)?dist(backend|network|store)error$", re.IGNORECASE)
 _SIGNALLED = (semconv.STATUS_TERMINATED, semconv.STATUS_INTERRUPTED)
 _INTERRUPT = "KeyboardInterrupt"  # Ctrl-C reached the training thread in Python: a stop from outside too
 _OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
@@ -136,11 +138,15 @@ class Crashes:
         """(kind, rank named or None, the ranks it covers, step, its trace, summary); None: an OOM's (MEMORY)."""
         own = sorted((failure, rank) for rank, failure in first.items()
                      if not _stopped(failure[3]) and not _LOST_PEER.search(failure[3]))
-        if own:
-            return self._alike(job, own, self._own(job, *own[0]))
         latest_failed = max(failure[1] for failure in first.values())
         silent = self.missing(job) + sorted(rank for rank in self.ranks[job] - set(first)
                                             if self._closed.get((job, rank), 0) < latest_failed)
+        if own:
+            found = self._alike(job, own, self._own(job, *own[0]))
+            # The same error on several ranks beside one that went silent: theirs are its consequences, in words the
+            # lost-peer pattern does not know (or under OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL=type, no words at all).
+            if found is None or not (silent and len(found[2]) > 1):
+                return found
         if silent:
             culprit, last = silent[0], self._closed.get((job, silent[0]))
             said = (f"rank {culprit} wrote no telemetry (the world size is {self.world[job]})" if last is None else
@@ -172,10 +178,10 @@ class Crashes:
         alike = sorted(rank for failure, rank in own if failure[1] == number and _same_error(failure[3], error))
         if len(alike) < 2:
             return found
-        kind, _culprit, _causes, number, trace_id, summary = found
+        kind, culprit, _causes, number, trace_id, summary = found
         everyone = len(alike) == len(self.ranks[job]) + len(self.missing(job))
         who = "every rank" if everyone else "ranks " + ", ".join(map(str, alike))
-        return (kind, None if everyone else alike[0], alike, number, trace_id,
+        return (kind, None if everyone else culprit, alike, number, trace_id,
                 f"{who} failed the same way, each on its own; first {summary}")
 
     def _own(self, job: str, failure: tuple, rank: int) -> tuple | None:

@@ -942,3 +942,43 @@ def test_a_signals_report_has_the_stack_where_the_signal_found_the_thread(monkey
         errored.set()
         release.set()
         thread.join(10)
+
+
+def test_a_ctrl_c_the_program_went_on_from_leaves_no_stack_for_a_later_signal(monkeypatch):
+    """A Ctrl-C in a long native call is the program's (it may catch it and train on); a SIGTERM later, whose handler
+    runs before the watchdog's thread reads it, must not report the stack the Ctrl-C found."""
+    first, moved, release = threading.Event(), threading.Event(), threading.Event()
+
+    def long_native_call():
+        first.wait()
+
+    def where_sigterm_finds_it():
+        moved.set()
+        release.wait()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        recorder.forward_started(engine)
+        long_native_call()
+        where_sigterm_finds_it()
+
+    thread, made = _training_thread(train)
+    dog = made["dog"]
+    monkeypatch.setattr(watchdog.signal, "getsignal", lambda _signum: watchdog.signal.default_int_handler)
+    monkeypatch.setattr(lifecycle, "GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(lifecycle, "handles_sigterm", lambda: True)
+    try:
+        time.sleep(0.2)
+        dog._signalled(watchdog.signal.SIGINT)  # not reported stuck: the program's KeyboardInterrupt
+        first.set()
+        moved.wait(5)
+        time.sleep(0.1)
+        dog._at_exit(lifecycle.TERMINATED)
+        emitter().drain()
+        (report,) = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
+        stack = report.events[0].attributes["code.stacktrace"]
+        assert "where_sigterm_finds_it" in stack and "long_native_call" not in stack, stack
+    finally:
+        first.set()
+        release.set()
+        thread.join(10)

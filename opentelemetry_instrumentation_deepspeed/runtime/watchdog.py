@@ -114,8 +114,9 @@ class Watchdog(Component):
         self._meters: list = []
         self.reports = 0
         self._flushing: threading.Thread | None = None
-        # thread -> (its stack, whether in a data loader) as the last stopping signal arrived (``_snapshot``)
-        self._at_signal: dict[int, tuple[str, bool]] = {}
+        # (when, the exit's reason, {thread: (its stack, whether in a data loader)}) as a stopping signal arrived
+        # (``_snapshot``); None once the program went on from it (a Ctrl-C it caught)
+        self._at_signal: tuple | None = None
 
     # -- the training thread, once per engine -------------------------------------------------------
 
@@ -277,12 +278,12 @@ class Watchdog(Component):
                                       _stopped_at(watched.thread)[0], between_steps=True)
         return [*resumed, watched.reported]
 
-    def _report(self, watched: _Watched, record, now: int, reason: str, limit: float) -> HangReport:
+    def _report(self, watched: _Watched, record, now: int, reason: str, limit: float, *,
+                at_signal: dict | None = None) -> HangReport:
         phase = record.phase
         latest = record.latest_dropped  # issued past the collectives a step keeps: after all of those
         collective = latest if latest is not None and latest.end is None else next(
             (c for c in reversed(list(record.collectives)) if c.end is None), None)
-        at_signal = self._at_signal if reason in (lifecycle.TERMINATED, lifecycle.INTERRUPTED) else None
         return HangReport(record.facts, record.number, record.start, now, reason, limit,
                           None if phase is None else phase.name, None if phase is None else phase.micro_step,
                           None if phase is None else phase.start, collective, _comm("last_sequences", {}),
@@ -339,7 +340,7 @@ class Watchdog(Component):
             reason = lifecycle.INTERRUPTED
         else:
             return
-        self._at_signal = self._snapshot()
+        self._at_signal = (time.monotonic(), reason, self._snapshot())
         before = self._positions()
         arrived = time.monotonic()
         deadline = arrived + lifecycle.GRACE_SECONDS
@@ -352,12 +353,21 @@ class Watchdog(Component):
         if signum == signal.SIGINT and (self._positions() != before or not self._stuck()):
             # The training thread moved (KeyboardInterrupt reached it), or it is in a long native call it has not
             # been reported stuck in (a large matmul, a slow save): KeyboardInterrupt comes as the call returns,
-            # and the program's own handling (a last checkpoint) runs, as without us.
+            # and the program's own handling (a last checkpoint) runs, as without us; it may go on training.
+            self._at_signal = None
             return
         # SIGTERM: its handler did not start within the grace period; the default action is death anyway.
         _logger.warning("opentelemetry-instrumentation-deepspeed: %s while the training thread is blocked; "
                         "writing the telemetry from the watchdog's thread", signal.Signals(signum).name)
         lifecycle.finish_elsewhere(signum, reason, spent=time.monotonic() - arrived)  # the budget runs from the signal
+
+    def _signal_stacks(self, reason: str) -> dict | None:
+        """The stacks taken as the signal that stops the process now arrived: of the same signal, and recent (its
+        handler starts at once, or the watchdog takes over after ``GRACE_SECONDS``); else None, the stacks of now."""
+        taken = self._at_signal
+        if taken is None or taken[1] != reason or time.monotonic() - taken[0] > 2 * lifecycle.GRACE_SECONDS:
+            return None
+        return taken[2]
 
     def _snapshot(self) -> dict[int, tuple[str, bool]]:
         """Each watched thread's stack as a stopping signal arrives, taken here while the thread may still be where
@@ -417,28 +427,32 @@ class Watchdog(Component):
             return
         if reason not in (lifecycle.TERMINATED, lifecycle.INTERRUPTED, lifecycle.EXITED):
             return
+        # Where the signal found the threads; not after a Ctrl-C that reached Python (a KeyboardInterrupt unwound it).
+        at_signal = self._signal_stacks(reason) if between and error is None else None
         threads = set()
         for watched in list(self._watched):
             record = watched.recorder.open
             if record is not None:
                 threads.add(watched.thread)
                 if error is None:
-                    emitter().submit(self._report(watched, record, now, reason, self._threshold(watched)))
+                    emitter().submit(self._report(watched, record, now, reason, self._threshold(watched),
+                                                  at_signal=at_signal))
         if not between or (error is not None and _through_a_step(error)):
             return  # an exception that ended a step on its way out: that step says so
         for watched in list(self._watched):
             if watched.thread not in threads:  # one report per thread: engines may share one
                 threads.add(watched.thread)
-                emitter().submit(self._exit_between_steps(watched, now, reason, error))
+                emitter().submit(self._exit_between_steps(watched, now, reason, error, at_signal))
 
-    def _exit_between_steps(self, watched: _Watched, now: int, reason: str, error) -> HangReport:
+    def _exit_between_steps(self, watched: _Watched, now: int, reason: str, error,
+                            at_signal: dict | None = None) -> HangReport:
         from opentelemetry_instrumentation_deepspeed.recording.record import Failure
 
         facts = watched.recorder.facts
         number = watched.recorder.next_number() or max(
             getattr(facts, "last_written", 0), watched.last.number if watched.last is not None else 0) + 1
         if error is None:  # a signal: the thread's stack where it stopped
-            stacks, in_loader = _stopped_at(watched.thread, self._at_signal)
+            stacks, in_loader = _stopped_at(watched.thread, at_signal)
             description = None
         else:  # an exception: its traceback, where the stack stood when it was raised
             failure = Failure.of(error)

@@ -431,7 +431,9 @@ class StepFindings:
                 f"rank {rank}'s {WHAT[part]} takes {_ms(extra)} longer than the other ranks' (median per step); "
                 f"they wait for it in {where}",
                 evidence=[f"longer than the other ranks' median in {longer} of {len(numbers)} steps"
-                          + (", its periodic stall's extra time taken out" if covered.get((rank, part)) else "")
+                          + (", its periodic stall's extra time taken out"
+                             if any(covered.get((rank, p)) for p in (COMPUTE if part == "compute" else (part,)))
+                             else "")
                           + f" (Wilcoxon signed-rank test: p = {p_value:.2g})", *arrival],
                 rank=rank, step=numbers[0], cost_seconds=cost, run_seconds=self.run_seconds,
                 confidence=1 - p_value, trace_ids=[traces[s] for s in slowest if s in traces], phase=part,

@@ -6,10 +6,9 @@ saw raised) or where a signal ended it; with no step open, the exit by a signal 
 ``training.hang`` report, between steps (docs/telemetry.md). The rank that failed first on its own is the cause; the
 others' failures after it are its consequences: a collective that lost its peer (gloo's "Connection closed by peer",
 NCCL's "remote process exited", a communicator aborted, a timeout), or the signal the launcher sends to the ranks
-left. A rank with no failure of its own that
-wrote fewer steps than the step another failed in, or no telemetry at all where the world size counts it, left no
-word: it was killed (SIGKILL, the kernel's OOM killer) or crashed in native code. What it had not written went with
-it: it was at the step the others failed in, at the latest.
+left. A rank with no failure of its own that wrote fewer steps than the step another failed in, or no telemetry at
+all where the world size counts it, left no word: it was killed (SIGKILL, the kernel's OOM killer) or crashed in
+native code. What it had not written went with it: it was at the step the others failed in, at the latest.
 """
 
 from __future__ import annotations

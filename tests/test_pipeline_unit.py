@@ -266,3 +266,19 @@ def test_a_job_without_stages_has_no_pipeline_section():
     spans = [Span(semconv.SPAN_STEP, f"{n:032x}", f"{n:016x}", "", n * MS, (n + 5) * MS, "job", 0,
                   {semconv.TRAINING_STEP: n}) for n in range(1, 6)]
     assert diagnose(spans)["pipeline"] == {}
+
+
+def test_the_html_report_shows_the_stages_the_input_and_the_verdicts_traces():
+    """What the text report says and the page left out: the stages its NONE verdict points to, the lines and spans
+    skipped, the ranks with no telemetry, the verdict's traces."""
+    from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
+
+    report = diagnose(simulate(2, 4, [4.0, 10.0], 8, random.Random(7)))
+    report["input"] = {"spans": 10, "files": 1, "bad_lines": 1, "bad_spans": 2,
+                       "problems": ["x.jsonl:3: span 'y' has impossible times (5, 1), skipped"]}
+    report["missing_ranks"] = [3]
+    page = render_html(report)
+    assert "Pipeline stages, per step" in page and "<td>stage 1</td>" in page
+    assert "1 malformed line(s) skipped; 2 malformed span(s) skipped" in page and "impossible times (5, 1)" in page
+    assert "no telemetry of rank 3 in the input" in page
+    assert report["verdict"]["trace_ids"] and all(trace in page for trace in report["verdict"]["trace_ids"])

@@ -31,6 +31,7 @@ PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_
 UNEXPLAINED_DATA_WAIT = 0.10
 UNEXPLAINED_COMM_WAIT = 0.25
 
+_STOPPED_LAYERS = ("HANG", "DESYNC", "CRASH")
 # The group of a pipeline's transfer in ``_Step.comm`` (joined to no other rank's): a wait for the neighbouring stage.
 _NEIGHBOUR = object()
 
@@ -276,6 +277,12 @@ class Analysis:
             result["findings"] = found + [f for f in result.get("findings", [])
                                           if not (f["layer"] == "CRASH" and f["kind"] == "signalled")]
             result["verdict"] = found[0]
+        # The schema's field on every finding, whichever layer made it; a stopped job's cost (the time it has been
+        # stuck) is no share of its steps.
+        for finding in result["findings"]:
+            if "share_of_run" not in finding:
+                cost = None if finding["layer"] in _STOPPED_LAYERS else finding.get("cost_seconds")
+                finding["share_of_run"] = cost / steps.run_seconds if cost is not None and steps.run_seconds else None
         result["clocks"] = self.clocks.residuals(job)
         # -- end HANG and DESYNC, clocks
         result["step_series"] = {rank: [[s["step"], round(s["seconds"], 6)] for s in steps]
@@ -436,7 +443,7 @@ class Analysis:
                              "max": max(durations) if durations else 0.0},
             "shares": shares,
             "anomaly": None,
-            "slowest": max(steps, key=lambda s: s["seconds"]) if steps else None,
+            "slowest": max(steady or steps, key=lambda s: s["seconds"]) if steps else None,  # the warm-up step aside
             "typical": sorted(steady, key=lambda s: s["seconds"])[len(steady) // 2] if steady else None,
         }
 

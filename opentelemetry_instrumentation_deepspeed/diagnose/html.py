@@ -153,25 +153,56 @@ def _findings(findings: list[dict]) -> str:
     return f"<h2>All findings, by the time they cost</h2><table>{rows}</table>"
 
 
+def _pipeline(pipeline: dict) -> str:
+    """Each stage's compute and bubble per step, as the text report lists them."""
+    stages = (pipeline or {}).get("stages") or {}
+    if not stages:
+        return ""
+    rows = "".join(f"<tr><td>stage {_e(stage)}</td><td>ranks {_e(', '.join(map(str, summary['ranks'])))}</td>"
+                   f"<td>compute {summary['compute_seconds'] * 1e3:.1f} ms</td>"
+                   f"<td>bubble {summary['bubble_seconds'] * 1e3:.1f} ms ({summary['bubble_share']:.0%})</td></tr>"
+                   for stage, summary in stages.items())
+    return f"<h2>Pipeline stages, per step</h2><table>{rows}</table>"
+
+
+def _input(report: dict) -> str:
+    """What was read, and what was not: the lines and spans skipped, the problems named."""
+    read = report.get("input") or {}
+    if not read:
+        return ""
+    said = (f"Read {read.get('spans', 0)} spans from {read.get('files', 0)} file(s)"
+            + (f"; {read['bad_lines']} malformed line(s) skipped" if read.get("bad_lines") else "")
+            + (f"; {read['bad_spans']} malformed span(s) skipped" if read.get("bad_spans") else "")
+            + (f"; other jobs ignored: {', '.join(report['other_jobs'])}" if report.get("other_jobs") else ""))
+    problems = "".join(f"<li>{_e(problem)}</li>" for problem in read.get("problems") or ())
+    return f"<h2>Input</h2><p class=job>{_e(said)}</p>" + (f"<ul>{problems}</ul>" if problems else "")
+
+
 def render_html(report: dict) -> str:
     verdict, job = report["verdict"], report.get("job") or {}
     timelines = report.get("timelines") or {}
     found = report.get("findings") or []
     change = next((f["change_step"] for f in found if f.get("change_step") is not None), None)
+    missing = report.get("missing_ranks") or []
+    # The steps the chart marks: a periodic stall's (a late rank's are most steps, which would mark them all).
+    marked = next((f for f in (verdict, *found) if f.get("period") and f.get("steps")), None)
     sections = [
-        f"<h1>Training diagnosis</h1><p class=job>job {_e(report['job_id'])} · {job.get('ranks', 0)} rank(s) · "
-        f"median step {job.get('step_seconds_p50', 0) * 1e3:.1f} ms</p>",
+        f"<h1>Training diagnosis</h1><p class=job>job {_e(report['job_id'])} · {job.get('ranks', 0)} rank(s)"
+        + (f" · no telemetry of rank{'s' if len(missing) > 1 else ''} {_e(', '.join(map(str, missing)))} in the input"
+           if missing else "")
+        + f" · median step {job.get('step_seconds_p50', 0) * 1e3:.1f} ms</p>",
         f'<div class="verdict {_e(verdict["layer"]).replace(" ", "-")}"><h2>{_e(verdict["layer"].upper())}</h2>'
         f"<p>{_e(verdict['summary'])}</p>"
         + (f"<p class=job>{_e(_cost(verdict))}</p>" if verdict.get("cost_seconds") is not None else "")
+        + (f"<p class=job>traces: {_e(', '.join(verdict['trace_ids']))}</p>" if verdict.get("trace_ids") else "")
         + _chain(verdict) + _stacks(verdict) + "<ul>"
         + "".join(f"<li>{_e(item)}</li>" for item in verdict.get("evidence", []))
         + "</ul>" + ("<h3>Usual remedies</h3><ul>" + "".join(f"<li>{_e(r)}</li>" for r in verdict["remedies"])
                      + "</ul>" if verdict.get("remedies") else "") + "</div>",
         _findings(found),
         "<h2>Where step time goes</h2>" + _breakdown(job.get("shares", {})),
-        "<h2>Step time</h2>" + _series(report.get("step_series", {}), verdict if verdict.get("steps") else None,
-                                       change),
+        _pipeline(report.get("pipeline")),
+        "<h2>Step time</h2>" + _series(report.get("step_series", {}), marked, change),
     ]
     model_charts = charts_html(report)  # the model layer beside step time (diagnose/model.py)
     if model_charts:
@@ -181,6 +212,7 @@ def render_html(report: dict) -> str:
             timeline = timelines[label]
             sections.append(f"<h2>The {label} step: {timeline['step']} <small>trace {_e(timeline['trace_id'])}"
                             f"</small></h2>" + _timeline(timeline))
+    sections.append(_input(report))
     style = ("body{font:14px system-ui,sans-serif;margin:24px;color:#222;max-width:940px}"
              ".axis{font-size:11px;fill:#555}.key{margin-right:14px;white-space:nowrap}"
              ".key i{display:inline-block;width:10px;height:10px;margin-right:4px}"

@@ -240,6 +240,18 @@ def test_a_rank_late_in_every_step_and_more_in_every_kth_has_both_findings(rank,
     assert late["cost_seconds"] > stall["cost_seconds"]
 
 
+@pytest.mark.parametrize(("part", "seed"), [("data_wait", 0), ("data_wait", 1), ("forward", 2)])
+def test_a_rank_late_in_every_step_beside_another_ranks_stall_in_the_same_part_has_both_findings(part, seed):
+    """Rank 0 is 40 ms late in every step, rank 1 stalls 200 ms every 4th step in the same part: in those steps rank
+    1's stall made the others' median, and rank 0's lateness read as none (the stall alone was found)."""
+    def extra(r, step):
+        return {part: 40} if r == 0 else ({part: 200} if step % 4 == 0 else {})
+
+    report = analyse(synthetic_job(24, extra=extra, seed=seed))
+    named = {(f["rank"], f["phase"], f.get("test")) for f in report["findings"]}
+    assert {(0, part, "signed-rank"), (1, part, "permutation")} <= named, report["findings"]
+
+
 def test_a_rank_late_because_its_thread_waited_for_a_cpu_is_its_hosts_not_a_straggler():
     # Rank 1's backward 30 ms longer, and its training thread waited for a CPU 45% of its ~60 ms steps (rank 0:
     # 5%): with that extra wait taken out, what is left of the excess is under the rule's 20% of the step. The

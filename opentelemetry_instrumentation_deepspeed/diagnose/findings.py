@@ -361,15 +361,15 @@ class StepFindings:
         """A rank whose own part (its forward, its data wait, ...) is longer than the other ranks' in
         most steps (a signed-rank test), and whose excess the others wait for in the collectives. Which rank
         arrives last in a given step is noisy on a busy host; the excess of its own part is not. ``covered``:
-        (rank, part) -> {step: extra seconds} of a periodic stall of it, found already: the part is judged without
-        it, where a rank late at every step besides its stall (a loader 50 ms slower every step, 100 ms every third)
-        is still late: a stall's steps count with the stall's extra time taken out, so that a short run keeps the
-        steps the test needs."""
+        (rank, part) -> {step: extra seconds} of a periodic stall of it, found already: the parts are judged without
+        the stalls (``_without``), where a rank late at every step besides a stall of its own or another's (a loader
+        50 ms slower every step, 100 ms every third) is still late: a stall's steps count with its extra time taken
+        out, so that a short run keeps the steps the test needs."""
         if len(self.steady) < 2:
             return []
         numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
         found = []
-        excess_of = waits_module.Excess(self.parts)
+        excess_of = waits_module.Excess(self._without(covered))
         # One test per rank and part: at ALPHA each, some rank's part of a healthy job would pass by
         # chance in up to 7 x ranks x ALPHA of runs (a 2-rank job: 13%). Bonferroni keeps the job's
         # false-alarm rate at ALPHA.
@@ -384,11 +384,7 @@ class StepFindings:
                 step_excess["compute"] = sum(step_excess.get(part, 0.0) for part in COMPUTE)
             tested = {}
             for part in (*OWN_PARTS, "compute"):
-                stalls = covered.get((rank, part), {})
-                if part == "compute":
-                    stalls = {step: sum(covered.get((rank, phase), {}).get(step, 0.0) for phase in COMPUTE)
-                              for step in numbers}
-                excess = {step: excesses[step].get(part, 0.0) - stalls.get(step, 0.0) for step in numbers}
+                excess = {step: excesses[step].get(part, 0.0) for step in numbers}
                 p_value = waits_module.signed_rank_p(list(excess.values()))
                 # The job loses what the others wait for, up to this part's excess.
                 cost = sum(min(max(value, 0.0), held.get(step, 0.0)) for step, value in excess.items())
@@ -441,6 +437,20 @@ class StepFindings:
                 chain={"late_ranks": [rank], "phase": part,
                        "waiting": {str(r): s for r, s in sorted(waiting.items()) if s > 0}}))
         return found
+
+    def _without(self, covered: dict) -> dict:
+        """The ranks' parts with each periodic stall's extra time taken out of its steps: a rank's own stall, and
+        another rank's in the same part, which would sink the others' median below a late rank's (a rank 40 ms late
+        in its loader at every step beside another's 200 ms loader stall every 4th step read as the stall alone)."""
+        if not covered:
+            return self.parts
+        parts = {rank: {step: dict(values) for step, values in steps.items()} for rank, steps in self.parts.items()}
+        for (rank, part), stalls in covered.items():
+            for step, extra in stalls.items():
+                values = parts.get(rank, {}).get(step)
+                if values is not None and part in values:
+                    values[part] = max(values[part] - extra, 0.0)
+        return parts
 
     def _unseen_held(self, rank: int, numbers: list[int]) -> dict[int, float]:
         """Per step with no collective joined in it (DDP all-reduces the gradients in its reducer's C++, untraced): how

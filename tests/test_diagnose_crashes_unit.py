@@ -176,3 +176,28 @@ def test_of_ranks_failing_the_same_way_the_first_to_fail_is_named():
                       later.end + 10, "job", 1, later.attributes, GLOO_ARGUMENT))
     verdict = report(spans)["verdict"]
     assert verdict["rank"] == 2 and "first rank 2 failed" in verdict["summary"], verdict["summary"]
+
+
+def test_a_type_alone_is_no_sign_of_the_same_error():
+    """Under OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL=type a step's error is its type alone: rank 0's own RuntimeError in
+    its forward and rank 1's lost peer in its all-reduce read the same, and must not be "every rank failed the same
+    way"."""
+    spans = [*healthy(), step(0, 7, "RuntimeError"), phase(0, 7, "training.forward", "RuntimeError"),
+             step(1, 7, "RuntimeError"), phase(1, 7, "comm.all_reduce", "RuntimeError")]
+    verdict = report(spans)["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("raised", 0), verdict["summary"]
+    assert verdict["summary"] == ("rank 0 failed in forward of step 7: RuntimeError; after it: rank 1 in all_reduce "
+                                  "of step 7: RuntimeError")
+
+
+def test_two_ranks_different_errors_in_one_step_are_each_ones_own():
+    spans = [*healthy(), step(0, 7, "ValueError: bad batch shape"), step(1, 7, GLOO_ARGUMENT)]
+    verdict = report(spans)["verdict"]
+    assert verdict["rank"] == 0 and verdict["summary"] == (
+        f"rank 0 failed in step 7: ValueError: bad batch shape; also on its own: rank 1 in step 7: {GLOO_ARGUMENT}")
+
+
+def test_the_same_error_in_different_places_is_not_every_ranks_own():
+    spans = [*healthy(), step(0, 7, "RuntimeError: boom"), phase(0, 7, "training.forward", "RuntimeError: boom"),
+             step(1, 7, "RuntimeError: boom"), phase(1, 7, "training.backward", "RuntimeError: boom")]
+    assert "the same way" not in report(spans)["verdict"]["summary"]

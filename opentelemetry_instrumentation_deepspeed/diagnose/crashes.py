@@ -102,8 +102,18 @@ class Crashes:
         if found is None:
             return []
         kind, culprit, causes, number, trace_id, summary = found
-        after = [f"rank {other} {self._in_step(job, other, failure)}: {_short(failure[3])}"
-                 for other, failure in sorted(first.items()) if other not in causes]
+        # The others' failures: a lost peer or a stop is a consequence; an error of another kind is a failure of its
+        # own too (two ranks' different bugs in one step), not one the first caused.
+        also, after = [], []
+        for other, failure in sorted(first.items()):
+            if other not in causes:
+                said = f"rank {other} {self._in_step(job, other, failure)}: {_short(failure[3])}"
+                # Its type alone says nothing either way (exception detail "type"): taken as a consequence.
+                lost = (_stopped(failure[3]) or _LOST_PEER.search(failure[3]) or kind == "silent"
+                        or not _described(failure[3]))
+                (after if lost else also).append(said)
+        if also:
+            summary += "; also on its own: " + "; ".join(also)
         if after:
             summary += "; after it: " + "; ".join(after)
         evidence = [f"rank {rank}: last step closed {self._closed.get((job, rank), 'none')}"
@@ -173,8 +183,12 @@ class Crashes:
         one's consequence."""
         if found is None:
             return None
-        (_end, number, _trace, error, _where), _rank = own[0]
-        alike = sorted(rank for failure, rank in own if failure[1] == number and _same_error(failure[3], error))
+        (_end, number, trace_id, error, where), rank = own[0]
+        if not _described(error):
+            return found  # its type alone (OTEL_PYTHON_DEEPSPEED_EXCEPTION_DETAIL=type): no sign of the same error
+        place = where or self._where(job, rank, trace_id)
+        alike = sorted(other for failure, other in own if failure[1] == number and _same_error(failure[3], error)
+                       and (failure[4] or self._where(job, other, failure[2])) == place)
         if len(alike) < 2:
             return found
         kind, culprit, _causes, number, trace_id, summary = found
@@ -215,6 +229,11 @@ class Crashes:
 
 
 _NUMBERS = re.compile(r"\d+")
+
+
+def _described(error: str) -> bool:
+    """An error with its message, not its type alone."""
+    return ": " in error
 
 
 def _same_error(one: str, other: str) -> bool:

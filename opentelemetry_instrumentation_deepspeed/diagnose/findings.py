@@ -281,7 +281,7 @@ class StepFindings:
         rank, _part, pattern = max(members, key=lambda member: member[2].cost)
         if everywhere and part == "between_steps":
             return None  # the loop's own work on every rank (an evaluation, a checkpoint): its choice, no one waits
-        waiting = {} if everywhere else self._waiting_in(pattern.steps, exclude=set(ranks))
+        waiting = {} if everywhere else self._waiting_in(pattern.steps, exclude=set(ranks), effect=pattern.effect)
         cost = max(member[2].cost for member in members)
         if unseen:  # as below, the others' wait, read from the phase they waited in
             cost = min(cost, max(effect for effect, _phase in unseen.values()) * len(pattern.steps))
@@ -339,8 +339,10 @@ class StepFindings:
                        chain={"late_ranks": [] if everywhere else ranks, "phase": part,
                               "waiting": {str(r): s for r, s in sorted(waited.items())}})
 
-    def _waiting_in(self, steps: list[int], exclude: set[int]) -> dict[int, float]:
-        """Ranks that wait longer in collectives in ``steps`` than in the others: the median difference."""
+    def _waiting_in(self, steps: list[int], exclude: set[int], effect: float) -> dict[int, float]:
+        """Ranks that wait longer in collectives in ``steps`` than in the others: the median difference, at least a
+        tenth of the stall's ``effect`` (a pipeline stage waits for another's stall in its transfers, and its 0.4 ms
+        more in a collective made the stall a straggler's that "rank 0 waits for in collectives")."""
         chosen = set(steps)
         waiting = {}
         for rank in self.steady:
@@ -351,7 +353,7 @@ class StepFindings:
             outside = [by_step.get(step, {}).get(rank, 0.0) for step in self.parts[rank] if step not in chosen]
             if inside and outside:
                 extra = statistics.median(inside) - statistics.median(outside)
-                if extra > 0 and extra >= 0.25 * statistics.median(inside):
+                if extra >= 0.1 * effect and extra >= 0.25 * statistics.median(inside) and extra > 0:
                     waiting[rank] = extra
         return waiting
 

@@ -395,6 +395,7 @@ def test_ranks_waiting_for_each_other_in_different_collectives_are_named_as_cros
     assert "which rank 1 has not reached (rank 1's last on group 1: 48)" in finding["summary"]
     assert "which rank 0 has not reached (rank 0's last on group 0: none)" in finding["summary"]
     assert "different orders" in finding["summary"]
+    assert not any(stack["stopped"] for stack in finding["stacks"]), "none stopped on its own: each waits"
 
 
 def test_ranks_in_different_collectives_of_the_same_sequence_are_not_one_collective_that_does_not_complete():

@@ -200,7 +200,7 @@ class Hangs:
                        "only, or in a rank-dependent order)")
             found = _finding("HANG", summary, evidence, REMEDIES["HANG"], None, step, lost,
                              0.9 if reported_all else 0.7, trace_ids)
-            return [_with_stacks(found, latest, stopped)]
+            return [_with_stacks(found, latest, ())]  # none stopped on its own: each waits
         if stopped:
             culprits = "; ".join(self._stopped_text(job, rank, latest.get(rank), missing.get(rank))
                                  for rank in stopped)

@@ -47,7 +47,9 @@ def _series(series: dict, anomaly: dict | None, change_step: int | None = None) 
         return height - 25 - seconds / top * (height - 40)
 
     shapes = [f'<line x1="40" y1="{height - 25}" x2="{width - 20}" y2="{height - 25}" stroke="#888"/>',
-              f'<text x="4" y="{y(top / 1.1) + 4:.0f}" class="axis">{top / 1.1 * 1e3:.0f} ms</text>',
+              # The longest step's time above its level, right of the axis: at its left the label ran into the line.
+              f'<line x1="40" y1="{y(top / 1.1):.0f}" x2="{width - 20}" y2="{y(top / 1.1):.0f}" stroke="#ddd"/>',
+              f'<text x="44" y="{y(top / 1.1) - 5:.0f}" class="axis">{top / 1.1 * 1e3:.0f} ms</text>',
               f'<text x="40" y="{height - 8}" class="axis">step {first}</text>',
               f'<text x="{width - 80}" y="{height - 8}" class="axis">step {last}</text>']
     if change_step is not None and first <= change_step <= last:

@@ -208,7 +208,10 @@ def render_html(report: dict) -> str:
     ]
     model_charts = charts_html(report)  # the model layer beside step time (diagnose/model.py)
     if model_charts:
-        sections.append("<h2>Loss and gradient norm</h2>" + model_charts)
+        series = report.get("model_series") or {}
+        named = " and ".join(label for name, label in (("loss", "Loss"), ("grad_norm", "gradient norm"))
+                             if series.get(name))
+        sections.append(f"<h2>{named[:1].upper() + named[1:]}</h2>" + model_charts)
     for label in ("slowest", "typical"):
         if label in timelines:
             timeline = timelines[label]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis
 from opentelemetry_instrumentation_deepspeed.diagnose.backends import BackendError, check_url, jaeger_spans, tempo_spans
-from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
+from opentelemetry_instrumentation_deepspeed.diagnose.html import input_summary, render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, read_spans
 
 SCHEMA_VERSION = 1
@@ -155,12 +155,8 @@ def _text_lines(report: dict) -> list[str]:
     for op, bandwidth in report.get("bandwidth", {}).items():
         lines.append(f"  comm.{op}: {bandwidth['calls']} calls, bus bandwidth median "
                      f"{bandwidth['median_busbw'] / 1e6:.1f} MB/s, best {bandwidth['best_busbw'] / 1e6:.1f} MB/s")
-    read = report["input"]
-    lines.append(f"Read {read['spans']} spans from {read['files']} file(s)"
-                 + (f"; {read['bad_lines']} malformed line(s) skipped" if read["bad_lines"] else "")
-                 + (f"; {read['bad_spans']} malformed span(s) skipped" if read.get("bad_spans") else "")
-                 + (f"; other jobs ignored: {', '.join(report['other_jobs'])}" if report.get("other_jobs") else ""))
-    lines += [f"  {problem}" for problem in read["problems"]]
+    lines.append(input_summary(report))
+    lines += [f"  {problem}" for problem in report["input"]["problems"]]
     return lines
 
 

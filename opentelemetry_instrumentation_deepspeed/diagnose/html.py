@@ -167,17 +167,22 @@ def _pipeline(pipeline: dict) -> str:
     return f"<h2>Pipeline stages, per step</h2><table>{rows}</table>"
 
 
-def _input(report: dict) -> str:
-    """What was read, and what was not: the lines and spans skipped, the problems named."""
-    read = report.get("input") or {}
-    if not read:
-        return ""
-    said = (f"Read {read.get('spans', 0)} spans from {read.get('files', 0)} file(s)"
+def input_summary(report: dict) -> str:
+    """What was read, and what was not (the text report's line and the page's)."""
+    read = report["input"]
+    return (f"Read {read.get('spans', 0)} spans from {read.get('files', 0)} file(s)"
             + (f"; {read['bad_lines']} malformed line(s) skipped" if read.get("bad_lines") else "")
             + (f"; {read['bad_spans']} malformed span(s) skipped" if read.get("bad_spans") else "")
             + (f"; other jobs ignored: {', '.join(report['other_jobs'])}" if report.get("other_jobs") else ""))
-    problems = "".join(f"<li>{_e(problem)}</li>" for problem in read.get("problems") or ())
-    return f"<h2>Input</h2><p class=job>{_e(said)}</p>" + (f"<ul>{problems}</ul>" if problems else "")
+
+
+def _input(report: dict) -> str:
+    """What was read, and what was not: the lines and spans skipped, the problems named."""
+    if not report.get("input"):
+        return ""
+    problems = "".join(f"<li>{_e(problem)}</li>" for problem in report["input"].get("problems") or ())
+    return (f"<h2>Input</h2><p class=job>{_e(input_summary(report))}</p>"
+            + (f"<ul>{problems}</ul>" if problems else ""))
 
 
 def render_html(report: dict) -> str:

@@ -353,7 +353,7 @@ class StepFindings:
             outside = [by_step.get(step, {}).get(rank, 0.0) for step in self.parts[rank] if step not in chosen]
             if inside and outside:
                 extra = statistics.median(inside) - statistics.median(outside)
-                if extra >= 0.1 * effect and extra >= 0.25 * statistics.median(inside) and extra > 0:
+                if extra > 0 and extra >= max(0.1 * effect, 0.25 * statistics.median(inside)):
                     waiting[rank] = extra
         return waiting
 

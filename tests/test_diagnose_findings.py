@@ -175,6 +175,22 @@ def test_with_no_collective_traced_a_rank_late_in_every_step_is_found_by_the_oth
     assert verdict["cost_seconds"] == pytest.approx(24 * 0.03, rel=0.25)
 
 
+@pytest.mark.parametrize("seed", [5, 6, 7])
+@pytest.mark.parametrize("late_in", ["between_steps", "forward", "data_wait"])
+def test_with_no_collective_traced_a_rank_s_own_stalls_are_no_pattern_of_its_wait(seed, late_in):
+    """DDP: rank 0 is 30 ms late in every step, rank 1 waits for it inside its backward, except in the steps where its
+    own forward stalls 100 ms (every 4th): there it is the late one. Those dips left half the odd steps fast, and the
+    even ones read "every 2nd step, rank 1 stalls 31 ms in backward" (a review's DDP run, and seed 7 here)."""
+    def extra(rank, step):
+        if rank == 0:
+            return {late_in: 30}
+        return {"forward": 100} if step % 4 == 0 else {}
+
+    report = analyse(untraced_gradient_sync(synthetic_job(32, seed=seed, extra=extra)))
+    found = sorted((f["rank"], f["phase"], f.get("period")) for f in report["findings"])
+    assert found == [(0, late_in, None), (1, "forward", 4)], report["findings"]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_with_no_collective_traced_a_rank_late_in_its_own_backward_is_not_told_from_the_others_wait(seed):
     """Rank 1's backward 30 ms longer: rank 0's is as long, waiting inside it. Who waits for whom is not in the

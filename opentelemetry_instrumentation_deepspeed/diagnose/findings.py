@@ -53,6 +53,7 @@ COMPUTE = ("forward", "backward", "optimizer")
 # Where a rank's wait in a collective no span shows falls: DDP's gradient all-reduce in the backward; a collective
 # issued after the step's first fetch and before its first phase outside the phases.
 UNTRACED_WAITS = ("backward", "unaccounted")
+BEFORE_BACKWARD = ("between_steps", "data_wait", "forward")  # the parts of a step before its gradient all-reduce
 
 REMEDIES = {
     "data loading": ["more DataLoader workers (num_workers) and prefetch_factor", "pin_memory and persistent_workers",
@@ -158,17 +159,7 @@ class StepFindings:
     def periodic(self) -> list[dict]:
         by_pattern: dict[tuple, list[tuple[int, str, periodic.Pattern]]] = defaultdict(list)
         for rank, steps in sorted(self.steady.items()):
-            numbers = [s["step"] for s in steps]
-            found = []
-            for part in OWN_PARTS:
-                values = [s["parts"][part] for s in steps]
-                # From the lower quartile: stalls in half the steps or more are the median itself.
-                low = sorted(values)[len(values) // 4] if values else 0.0
-                if sum(max(value - low, 0.0) for value in values) < self.min_cost:
-                    continue  # no pattern in these values could cost enough: skip the search
-                pattern = periodic.find_period(numbers, values, self.min_cost, self.rng)
-                if pattern:
-                    found.append((part, pattern))
+            found = self._searched(steps)
             # One cause per pattern: a stall shows in one part, the noise it stirs in others is not a second cause.
             # A part of the step before the loop's code before it: an evaluation every k steps on every rank must not
             # hide a rank that is slow in the step after it.
@@ -195,6 +186,28 @@ class StepFindings:
                  for (part, period, offset), members in by_pattern.items()]
         found = [finding for finding in found if finding is not None]
         return found + self._shared_stalls(by_pattern, reported={(f["period"], f["offset"]) for f in found})
+
+    def _searched(self, steps: list[dict]) -> list[tuple[str, periodic.Pattern]]:
+        """The periodic pattern of each part of one rank's steps, where there is one."""
+        found = []
+        stalled = set()  # the steps this rank stalls in before its backward, as far as found
+        for part in sorted(OWN_PARTS, key=lambda part: part in UNTRACED_WAITS):
+            series = steps if part not in UNTRACED_WAITS or self.stages else [
+                s for s in steps if s["step"] not in stalled]
+            numbers = [s["step"] for s in series]
+            values = [s["parts"][part] for s in series]
+            # From the lower quartile: stalls in half the steps or more are the median itself.
+            low = sorted(values)[len(values) // 4] if values else 0.0
+            if sum(max(value - low, 0.0) for value in values) < self.min_cost:
+                continue  # no pattern in these values could cost enough: skip the search
+            pattern = periodic.find_period(numbers, values, self.min_cost, self.rng)
+            if pattern:
+                found.append((part, pattern))
+                if part in BEFORE_BACKWARD:
+                    # Late itself in those steps, the rank waits for no one in the collectives no span shows: their
+                    # dips would make the other steps of its backward look like a stall of every 2nd step.
+                    stalled.update(pattern.steps)
+        return found
 
     def _unseen_waits(self, by_pattern: dict) -> dict[tuple[int, int], dict[int, tuple[float, str]]]:
         """Ranks that wait for another's stall where no collective shows it. DDP all-reduces the gradients in its

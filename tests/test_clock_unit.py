@@ -92,9 +92,9 @@ def test_32_ranks_asking_at_once_all_get_an_offset_within_the_budget_polling_wit
 @pytest.mark.slow  # as above
 def test_a_refresh_round_at_scale_asks_a_share_of_the_ranks_in_turns(stores, monkeypatch):
     monkeypatch.setattr(clock, "REFRESH_SHARE", 8)  # 31 ranks in turns of 8: each asks every 4th round
+    # Their threads wait a million seconds for their first round: the rounds below are called by hand (a stopped
+    # refresher's round ends at once).
     refreshers = {rank: clock.Refresher(stores[rank], "refreshed", rank, WORLD, interval=1e6) for rank in range(WORLD)}
-    for refresher in refreshers.values():
-        refresher.stop()  # their threads: refreshes below are called by hand
     asked = {}
     for round_ in (1, 2, 5):
         before = {rank: refresher.latest for rank, refresher in refreshers.items()}
@@ -108,6 +108,8 @@ def test_a_refresh_round_at_scale_asks_a_share_of_the_ranks_in_turns(stores, mon
     assert asked[2] == {rank for rank in range(1, WORLD) if (rank - 1) % 4 == 2}
     assert asked[5] == asked[1], "each rank in turn: round 5 asks round 1's ranks again"
     assert _clock_keys(stores[0]) == []
+    for refresher in refreshers.values():
+        refresher.stop()
 
 
 def test_a_rank_waiting_for_a_late_rank_0_asks_the_store_at_most_every_2_ms(pair):
@@ -138,3 +140,17 @@ def test_the_exchange_leaves_the_scripts_seeded_random_stream_alone(pair):
     assert clock.estimate(pair[1], "seeded", 1, 2) is not None, "rank 1 measured an offset"
     rank_0.join(clock.BUDGET_SECONDS + 10)
     assert [random.random() for _ in range(3)] == expected
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stopped_refresher_s_round_under_way_ends_before_the_exit_goes_on(pair, rank):
+    """A rank whose peer never answers (rank 1 waiting for its pong, rank 0 for the pings) is inside a round for up to
+    BUDGET_SECONDS. Its thread, left in a store call as the interpreter exited, aborted the process ("terminate called
+    without an active exception") in 1 of 3 jobs refreshing every millisecond: stop() ends the round, and waits."""
+    refresher = clock.Refresher(pair[rank], f"stopped-{rank}", rank, 2, interval=0.01)
+    time.sleep(0.1)  # into its first round, which the other rank never joins
+    assert refresher._thread.is_alive()
+    started = time.monotonic()
+    refresher.stop()
+    assert not refresher._thread.is_alive(), "the round ended"
+    assert time.monotonic() - started < clock.STOP_SECONDS

@@ -50,6 +50,7 @@ _logger = logging.getLogger(__name__)
 # The pings' moments: the OS's randomness. The global generator belongs to the user's script, whose seeded draws must
 # be those of a run without us; a generator of our own would draw the same in ranks forked from one parent.
 _jitter = random.SystemRandom()
+_NEVER = threading.Event()  # the start estimate's rounds: nothing stops them but their deadline
 
 ROUNDS = 4
 BUDGET_SECONDS = 3.0
@@ -57,6 +58,7 @@ POLL_SECONDS = 0.0002
 POLL_CAP_SECONDS = 0.002
 SPREAD_SECONDS = 0.00005
 REFRESH_SHARE = 256
+STOP_SECONDS = 0.5  # the exit waits this long at most for a round under way to see it is stopped
 _PREFIX = "opentelemetry-instrumentation-deepspeed/clock"
 
 
@@ -94,9 +96,10 @@ def estimate(store, key: str, rank: int, world_size: int) -> tuple[int, int] | N
     return None if found is None else found[:2]
 
 
-def _measure(store, prefix: str, rank: int, asking: int, deadline: float) -> tuple[int, int, int, int] | None:
+def _measure(store, prefix: str, rank: int, asking: int, deadline: float, *,
+             stopped: threading.Event = _NEVER) -> tuple[int, int, int, int] | None:
     """(offset, error, sent, received) of the best of ``ROUNDS`` pings to rank 0, ``asking`` ranks asking
-    with it; None: no answer in time. Removes its answers from the store at the end."""
+    with it; None: no answer in time, or ``stopped``. Removes its answers from the store at the end."""
     best, cap = None, _poll_cap(asking)
     for round_ in range(ROUNDS):
         # Each ping at a random moment of a window as long as SPREAD_SECONDS per rank asking: ranks that
@@ -105,7 +108,7 @@ def _measure(store, prefix: str, rank: int, asking: int, deadline: float) -> tup
         pong = f"{prefix}/{rank}/{round_}/pong"
         sent = time.time_ns()
         store.append(f"{prefix}/pings", f"{rank}.{round_} ")
-        if not _arrived(store, pong, deadline, cap):
+        if not _arrived(store, pong, deadline, cap, stopped=stopped):
             break
         received = time.time_ns()
         theirs = int(store.get(pong))
@@ -121,9 +124,9 @@ def _measure(store, prefix: str, rank: int, asking: int, deadline: float) -> tup
     return (sent + received) // 2 - theirs, (received - sent + 1) // 2, sent, received
 
 
-def _answer(store, prefix: str, ranks, deadline: float) -> None:
+def _answer(store, prefix: str, ranks, deadline: float, *, stopped: threading.Event = _NEVER) -> None:
     """Answer ``ranks``' pings in the order they come, every ping read in one sweep with one reading of
-    this clock, until each rank had its ``ROUNDS`` or the deadline passed; then remove the pings' log."""
+    this clock, until each rank had its ``ROUNDS``, the deadline passed or ``stopped``; then remove the pings' log."""
     log, expected, answered = f"{prefix}/pings", set(ranks), set()
     read = 0
     try:
@@ -137,7 +140,7 @@ def _answer(store, prefix: str, ranks, deadline: float) -> None:
                 now = str(time.time_ns())
                 store.multi_set([f"{prefix}/{entry.replace('.', '/')}/pong" for entry in asked], [now] * len(asked))
                 answered.update(asked)
-            elif time.monotonic() > deadline:
+            elif time.monotonic() > deadline or stopped.is_set():
                 return
             else:
                 time.sleep(POLL_SECONDS)
@@ -152,12 +155,13 @@ def _poll_cap(asking: int) -> float:
     return POLL_CAP_SECONDS * max(1.0, asking / 64)
 
 
-def _arrived(store, key: str, deadline: float, cap: float = POLL_SECONDS) -> bool:
-    """``key`` is in the store before the deadline; polled with ``check``, every ``POLL_SECONDS`` at first,
-    then twice as long after each miss up to ``cap``."""
+def _arrived(store, key: str, deadline: float, cap: float = POLL_SECONDS, *,
+             stopped: threading.Event = _NEVER) -> bool:
+    """``key`` is in the store before the deadline (and before ``stopped``); polled with ``check``, every
+    ``POLL_SECONDS`` at first, then twice as long after each miss up to ``cap``."""
     pause = POLL_SECONDS
     while not store.check([key]):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or stopped.is_set():
             return False
         time.sleep(pause)
         pause = min(pause * 2, cap)
@@ -189,18 +193,23 @@ class Refresher:
             _logger.debug("Clock refresh stopped", exc_info=True)
 
     def stop(self) -> None:
+        """No more rounds; a round under way ends at its next look at the store. Waited for, briefly: a thread left
+        inside a store call as the interpreter exits can abort the process ("terminate called without an active
+        exception", a rank's exit code -6 in 1 of 3 jobs refreshing every millisecond)."""
         self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(STOP_SECONDS)
 
     def refresh(self, round_: int) -> None:
         prefix = f"{_PREFIX}/{self.key}/{round_}"
         deadline = time.monotonic() + BUDGET_SECONDS
         asking = [r for r in range(1, self.world_size) if self.asks(r, round_)]
         if self.rank == 0:
-            _answer(self.store, prefix, asking, deadline)
+            _answer(self.store, prefix, asking, deadline, stopped=self._stopped)
             return
         if not self.asks(self.rank, round_):
             return
-        found = _measure(self.store, prefix, self.rank, len(asking), deadline)
+        found = _measure(self.store, prefix, self.rank, len(asking), deadline, stopped=self._stopped)
         if found is not None:
             self.latest = found
             if self.send is not None:

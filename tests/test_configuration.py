@@ -91,6 +91,10 @@ def test_signal_endpoint_only_affects_its_signal(environ):
     ("OTEL_PYTHON_DEEPSPEED_PROFILE_TOP", "0", env.profile_top, 64),
     ("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "0.5", env.profile_slow_factor, 3.0),
     ("OTEL_PYTHON_DEEPSPEED_PROFILE_SLOW_FACTOR", "slow", env.profile_slow_factor, 3.0),
+    ("OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID", "-1", env.pad_token_id, None),
+    ("OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW", "abc", env.test_clock_skew, None),
+    ("OTEL_PYTHON_DEEPSPEED_SIGTERM_FLUSH", "yes", env.sigterm_flush, True),
+    ("OTEL_PYTHON_DEEPSPEED_MEMORY_PEAK_RESET", "maybe", env.memory_peak_reset, True),
 ])
 def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
     variable, raw, reader, default = case
@@ -102,8 +106,12 @@ def test_bad_values_warn_once_and_use_the_default(environ, caplog, case):
         env.check_all()  # training starts
         env.check_all()
     (record,) = caplog.records
-    assert variable in record.getMessage() and repr(raw) in record.getMessage()
-    assert f"default {default!r}" in record.getMessage()
+    message = record.getMessage()
+    assert variable in message and repr(raw) in message
+    if default is None:  # a review: "using the default None"; the message says what the default is
+        assert "using the default: " in message and "None" not in message, message
+    else:  # a boolean as the documentation writes it: 'true', not True
+        assert f"default {str(default).lower() if isinstance(default, bool) else default!r}" in message, message
 
 
 @pytest.mark.parametrize("case", [

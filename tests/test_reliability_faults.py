@@ -308,7 +308,12 @@ def test_garbage_empty_and_extreme_values(our_variables, caplog, name, raw, expe
     if expected is BAD:
         assert first == second == default
         (message,) = warnings
-        assert message.startswith(f"{name}={raw!r} is not valid (") and message.endswith(f"default {default!r}.")
+        assert message.startswith(f"{name}={raw!r} is not valid (")
+        if default is None:  # what the default is, in words: not "None"
+            assert "; using the default: " in message and "None" not in message, message
+        else:  # a boolean as it is written: 'true'
+            said = str(default).lower() if isinstance(default, bool) else default
+            assert message.endswith(f"default {said!r}."), message
     else:
         assert first == second == expected
         assert warnings == []

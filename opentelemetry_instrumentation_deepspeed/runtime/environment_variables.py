@@ -176,14 +176,18 @@ def _warn_default(name: str, raw: str, default: object, why: str, using: str = "
         _deferred[name] = arguments
 
 
-def _read(name: str, default: T, parse: Callable[[str], T]) -> T:
+def _read(name: str, default: T, parse: Callable[[str], T], said: str | None = None) -> T:
+    """``said``: what the message names for the default where its value would not tell (None: derived)."""
     raw = os.environ.get(name)
     if raw is None:
         return default
     try:
         return parse(raw)
     except ValueError as error:
-        _warn_default(name, raw, default, str(error))
+        if said is not None:
+            _warn_default(name, raw, said, str(error), "")
+        else:  # a boolean as it is written: true, not True
+            _warn_default(name, raw, str(default).lower() if isinstance(default, bool) else default, str(error))
         return default
 
 
@@ -283,7 +287,8 @@ def exception_detail() -> str:
 
 @cache
 def job_id() -> str | None:
-    return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID, None, _non_empty)
+    return _read(OTEL_PYTHON_DEEPSPEED_JOB_ID, None, _non_empty,
+                 "the default: an id from the launcher's or the scheduler's, else a random one rank 0 shares")
 
 
 @cache
@@ -303,12 +308,13 @@ def _positive_number(raw: str) -> float:
 
 @cache
 def flops_per_token() -> float | None:
-    return _read(OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN, None, _positive_number)
+    return _read(OTEL_PYTHON_DEEPSPEED_FLOPS_PER_TOKEN, None, _positive_number, "the default: 6 x parameters")
 
 
 @cache
 def peak_flops() -> float | None:
-    return _read(OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS, None, _positive_number)
+    return _read(OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS, None, _positive_number,
+                 "the default: the device's known peak (none elsewhere: no training.mfu)")
 
 
 def _seconds_or_zero(raw: str) -> float:
@@ -420,12 +426,12 @@ def _rank_seconds_and_rate(raw: str) -> tuple[int, float, float]:
 
 @cache
 def test_clock_skew() -> tuple[int, float, float] | None:
-    return _read(OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW, None, _rank_seconds_and_rate)
+    return _read(OTEL_PYTHON_DEEPSPEED_TEST_CLOCK_SKEW, None, _rank_seconds_and_rate, "the default: no skew")
 
 
 @cache
 def pad_token_id() -> int | None:
-    return _read(OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID, None, _token_id)
+    return _read(OTEL_PYTHON_DEEPSPEED_PAD_TOKEN_ID, None, _token_id, "the default: the model's config.pad_token_id")
 
 
 _READERS = (output_dir, output_max_mb, sigterm_flush, exit_timeout, exception_detail, job_id, job_id_timeout,

@@ -162,7 +162,7 @@ def test_a_bad_span_in_a_collectors_batch_is_skipped_alone(tmp_path, capsys):
     assert (report["input"]["bad_lines"], report["input"]["bad_spans"]) == (0, 2), report["input"]["problems"]
     assert [problem.split(": ", 1)[1] for problem in report["input"]["problems"]] == [
         "span 'other.work' has impossible times (1000000000000000000, 1), skipped",
-        "attribute training.step is str, not <class 'int'>, skipped"], report["input"]["problems"]
+        "attribute training.step is str, not int, skipped"], report["input"]["problems"]
 
 
 # Sets the limit, then becomes the console script: no preexec_fn in this (threaded) test process.
@@ -549,3 +549,17 @@ def test_a_tls_failure_is_reported_once_and_training_goes_on(tls_with_ca_bundle)
 def test_otlp_certificate_wins_over_requests_ca_bundle(tls_with_ca_bundle):
     _, receiver = tls_with_ca_bundle
     assert sum(names.count("training.step") for _, _, names in receiver.of("/v1/traces")) == STEPS
+
+
+@pytest.mark.parametrize(("flag", "value", "said"), [("--limit", "abc", "'abc' is not a count in [1, 1000000]"),
+                                                     ("--limit", "0", "'0' is not a count in [1, 1000000]"),
+                                                     ("--since", "abc", "'abc' is not a number of seconds"),
+                                                     ("--since", "nan", "'nan' is not a number of seconds")])
+def test_a_bad_flag_value_is_named_with_what_was_expected(capsys, flag, value, said):
+    """A review: "invalid _count value: 'abc'" named a function of the program's, not what it wanted."""
+    from opentelemetry_instrumentation_deepspeed.diagnose.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["diagnose", flag, value, "telemetry"])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: {said}" in error and "_" not in error.splitlines()[-1], error

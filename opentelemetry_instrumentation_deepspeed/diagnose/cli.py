@@ -161,14 +161,20 @@ def _text_lines(report: dict) -> list[str]:
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # argparse would name the function: "invalid _seconds value"
+        value = math.nan
     if not 0 < value <= 10 * 366 * 86400:  # NaN fails this too
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 10 years]")
     return value
 
 
 def _count(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if not 0 < value <= 10**6:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count in [1, 1000000]")
     return value

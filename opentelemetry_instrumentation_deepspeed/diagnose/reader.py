@@ -199,7 +199,8 @@ def _checked(span: dict, attributes: dict) -> tuple[int, int]:
     for key, value in attributes.items():
         if value is not None and (not isinstance(value, _TYPES[key]) or
                                   (_TYPES[key] is int and isinstance(value, bool))):
-            raise Shape(f"attribute {key} is {type(value).__name__}, not {_TYPES[key]}")
+            expected = _TYPES[key] if isinstance(_TYPES[key], tuple) else (_TYPES[key],)
+            raise Shape(f"attribute {key} is {type(value).__name__}, not {' or '.join(t.__name__ for t in expected)}")
     if semconv.COMM_BUSBW in attributes:
         # A bandwidth that is not a finite double (NaN from a zero-length timing, a 400-digit
         # integer) is no measurement: left out, as if the attribute were absent.

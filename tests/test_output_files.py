@@ -223,3 +223,29 @@ def test_a_job_directory_planted_as_a_symlink_is_refused(files, tmp_path, monkey
     exporter.export(_spans(1))
     assert not list(elsewhere.iterdir()), "nothing written through the link"
     assert (tmp_path / env.DEFAULT_OUTPUT_DIR / "job" / "traces-rank1.jsonl").is_file(), "the default instead"
+
+
+@pytest.mark.parametrize(("set_", "hint"), [
+    ({}, "(set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead)"),
+    # A review: an endpoint that is no URL went to the files with its warning, then "set ... instead", though set.
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "(OTEL_EXPORTER_OTLP_ENDPOINT set, not used for them)"),
+    # The traces' own endpoint does not concern the metrics written to files.
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://tempo:4318"}, "(set OTEL_EXPORTER_OTLP_ENDPOINT to export")])
+def test_the_announcement_of_the_files_names_an_endpoint_only_where_none_is_set(tmp_path, monkeypatch, capsys, set_,
+                                                                                 hint):
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in set_.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(env.OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR, str(tmp_path))
+    env.reset_cache()
+    output.reset()
+    try:
+        output.use_identity(JobIdentity("job", 0, 0, 1))
+        output.announce(["metrics"])
+    finally:
+        output.reset()
+        env.reset_cache()
+    said = capsys.readouterr().err
+    assert f"to {tmp_path / 'job'}/ {hint}" in said, said

@@ -118,9 +118,15 @@ def announce(signals: list[str]) -> None:
     """Say once, on rank 0, where the telemetry goes."""
     folder = directory()
     if folder is not None and _identity is not None and _identity.rank == 0:
+        # An endpoint set for these signals was not taken (not a URL: said above; or their exporter chosen): "set
+        # OTEL_EXPORTER_OTLP_ENDPOINT ... instead" misled where it was set.
+        named = sorted({name for signal in signals for name in env.OTLP_ENDPOINTS.get(signal, ())
+                        if os.environ.get(name, "").strip()})
+        hint = (f"{' and '.join(named)} set, not used for them" if named
+                else "set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead")
         print(
             f"opentelemetry-instrumentation-deepspeed: writing {' and '.join(signals)} of job {_identity.job_id} "
-            f"as OTLP JSON lines to {folder}/ (set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead)",
+            f"as OTLP JSON lines to {folder}/ ({hint})",
             file=sys.stderr,
             flush=True,
         )

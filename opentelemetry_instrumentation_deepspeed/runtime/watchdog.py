@@ -303,15 +303,15 @@ class Watchdog(Component):
         for report in reports:
             where = hangs.where_text(report)
             if report.reason == semconv.HANG_REASON_RESUMED:
-                _logger.warning("opentelemetry-instrumentation-deepspeed: the training thread moved on after %.0f s "
-                                "in %s", (report.at - report.step_start) / 1e9, where)
+                _logger.warning("opentelemetry-instrumentation-deepspeed: the training thread moved on after %s s "
+                                "in %s", _seconds((report.at - report.step_start) / 1e9), where)
                 continue
             if report.collective is not None:
                 where += (f", in {report.collective.route.span_name} (sequence {report.collective.sequence}) for "
-                          f"{(report.at - report.collective.start) / 1e9:.0f} s")
-            _logger.warning("opentelemetry-instrumentation-deepspeed: no step progress for %.0f s (threshold %.0f s): "
+                          f"{_seconds((report.at - report.collective.start) / 1e9)} s")
+            _logger.warning("opentelemetry-instrumentation-deepspeed: no step progress for %s s (threshold %s s): "
                             "the training thread is in %s; its stack is in the training.hang span",
-                            (report.at - report.step_start) / 1e9, report.threshold, where)
+                            _seconds((report.at - report.step_start) / 1e9), _seconds(report.threshold), where)
 
     def _flush(self, providers: list) -> None:
         """The reports' providers flushed, on a thread of their own, waited for ``FLUSH_MILLIS`` at most: the SDK's
@@ -586,3 +586,8 @@ def watch(recorder, meter=None, engine=None) -> None:
     if _watchdog is None:
         _watchdog = Watchdog(floor)
     _watchdog.watch(recorder, meter if _watchdog.reporting else None, engine=engine)
+
+
+def _seconds(seconds: float) -> str:
+    """Whole seconds, as the usual thresholds read; two digits below 10 s (a threshold of 0.001 s read "0 s")."""
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.2g}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import pathlib
@@ -113,6 +114,9 @@ def parse_args(argv=None):
                         help="the forward of step K blocks on rank 0 until a signal arrives, after printing "
                              "'blocked in step K': a SIGTERM sent then lands inside a step; SIGUSR1 lets the step "
                              "go on (a running job's telemetry can be read while it waits)")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="K",
+                        help="after every K-th optimizer step, evaluate a micro-batch of half the size in "
+                             "engine.eval() under torch.no_grad(), then engine.train()")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--loss-file", help="rank 0 writes one JSON loss per optimizer step here")
     parser.add_argument("--comms-log", help="each rank writes DeepSpeed's own comms_logger counts of the training "
@@ -478,6 +482,17 @@ def make_loader(args, engine, dataset) -> DataLoader:
                                                  stall_from=args.stall_from, crash_step=crash, slow_ms=slow))
 
 
+def evaluate(engine, evaluation: DataLoader, batches: int = 1) -> float:
+    """An evaluation as a loop makes it between steps: DeepSpeed's eval() (the wrapped module's mode), no gradients,
+    the first ``batches`` of the evaluation set (the loader left before its end)."""
+    engine.eval()
+    with torch.no_grad():
+        losses = [float(engine(**{name: value.to(engine.device) for name, value in batch.items()}))
+                  for batch in itertools.islice(evaluation, batches)]
+    engine.train()
+    return sum(losses) / len(losses)
+
+
 def print_step(args, engine, loss: float) -> None:
     if not args.print_steps:
         return
@@ -495,18 +510,9 @@ def slow_rank_delays(args) -> dict[str, float]:
     return {phase: delay if phase == args.slow_phase else 0.0 for phase in ("forward", "backward", "optimizer")}
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    default_single_process_env()
-    torch.manual_seed(args.seed)
-
+def build(args):
+    """The model, its engine and the training loader."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        # DeepSpeed would JIT-compile its shared-memory allreduce (~40 s) on first use;
-        # gloo is what it falls back to without it, and what this example is for.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     delays = slow_rank_delays(args)
     longest = max(args.seq_len, args.shift_seq_len)
@@ -524,11 +530,30 @@ def main(argv=None):
         training_data=dataset if args.loader == "deepspeed" else None,
     )
     loader = ds_loader if ds_loader is not None else make_loader(args, engine, dataset)
+    return model, engine, loader
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    default_single_process_env()
+    torch.manual_seed(args.seed)
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed would JIT-compile its shared-memory allreduce (~40 s) on first use;
+        # gloo is what it falls back to without it, and what this example is for.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+    model, engine, loader = build(args)
 
     if args.comms_log:
         deepspeed.comm.configure(enabled=True, prof_all=True)
     losses = []
     batches = iter(loader)
+    evaluation = DataLoader(SyntheticTokens(4 * max(1, args.micro_batch_size // 2), args.seq_len, args.vocab,
+                                            args.seed + 1), batch_size=max(1, args.micro_batch_size // 2))
     engine.train()
     step_seconds = []
     injection = Injection(args, engine.global_rank)
@@ -556,6 +581,8 @@ def main(argv=None):
         losses.append(step_loss)
         print_step(args, engine, step_loss)
         step_seconds.append(time.perf_counter() - started)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            evaluate(engine, evaluation)
         after_step(args, engine.global_rank, step + 1)
     write_measurements(args, engine.global_rank, step_seconds)
 

@@ -205,3 +205,27 @@ def test_a_torch_compiled_engine_warns_as_without_us_and_every_forward_is_seen(t
     assert "time_ns" not in runs[True].output and "get_ident" not in runs[True].output
     names = [span.name for span in runs[True].spans]
     assert names.count("training.forward") == names.count("training.step") == 4
+
+
+def test_an_evaluation_in_deepspeed_s_eval_mode_feeds_no_step(train):
+    """DeepSpeed's engine.eval() sets the wrapped module's mode, not the engine's: its evaluation forward (a batch of
+    4 samples under no_grad, after every 2nd step) read as a training pass without gradients, and its batch was
+    counted in the next step's, every step after it one batch behind (a review: 704 tokens where 512 were)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instrumentors = (DeepSpeedInstrumentor(), DataLoaderInstrumentor())
+    for instrumentor in instrumentors:
+        instrumentor.instrument(tracer_provider=provider)
+    try:
+        train(["--steps", "6", "--eval-every", "2", "--micro-batch-size", "8", "--seq-len", "16"])
+        provider.force_flush()
+    finally:
+        for instrumentor in instrumentors:
+            instrumentor.uninstrument()
+        session.reset()
+    spans = exporter.get_finished_spans()
+    steps = sorted((span for span in spans if span.name == "training.step"), key=lambda span: span.start_time)
+    assert [span.attributes.get("training.step.tokens") for span in steps] == [8 * 16] * 6
+    forwards = [span.attributes.get("training.batch.samples") for span in spans if span.name == "training.forward"]
+    assert forwards == [8] * 6, "the evaluation's forwards are no phases"

@@ -324,3 +324,18 @@ def test_a_forward_argument_not_foreseen_turns_off_its_reading_not_the_steps(mon
     assert (records[1].samples, records[1].tokens) == (2, 0), "a jagged batch's samples; its tokens are symbolic"
     assert caplog.text.count("batch shape reading failed") == 1, "the strided one's shape raises: once"
     assert records[4].tokens == 0, "the reading stays off"
+
+
+def test_a_step_s_samples_are_those_its_batches_held():
+    """Micro-batch size 2 configured: an epoch's partial last batch of 1 sample, a batch whose size was not read
+    (counted as configured), a loop feeding 5. The step said micro-batch size x micro-batches: 6 where it trained
+    on 8, while training.samples counted 8."""
+    import torch
+
+    recorder, engine, exporter = recorder_on(1, grad_accum=3)
+    for batch in (torch.zeros(1, 4, dtype=torch.long), object(), torch.zeros(5, 4, dtype=torch.long)):
+        recorder.phase_ended(recorder.forward_started(engine, (batch,)))
+        recorder.phase_ended(recorder.backward_started(engine))
+        engine.step(recorder)
+    (step,) = [span for span in exporter.get_finished_spans() if span.name == "training.step"]
+    assert (step.attributes["training.step.samples"], step.attributes["training.step.micro_batches"]) == (8, 3)

@@ -473,11 +473,10 @@ class Emitter(Component):
         facts.metrics.inputs(counted, record.end, step.context)
         more = {} if record.phases_dropped else dict(batch_sums)  # sums of some of its batches would read as a drop
         if record.failure is None:
-            # A plain PyTorch loop has no configured micro-batch size: its samples are counted per forward.
-            micro_batch_size = facts.static.get(semconv.TRAINING_MICRO_BATCH_SIZE)
-            samples = record.micro_batches * micro_batch_size if micro_batch_size is not None else record.samples
-            if samples:  # none: no forward's batch was seen (a compiled forward, batches of no known shape)
-                more[semconv.TRAINING_STEP_SAMPLES] = samples
+            # Each forward's batch as it left the loader (an epoch's partial last batch, a loop feeding fewer samples
+            # than configured), the configured micro-batch size where a batch was not read: as training.samples counts.
+            if record.samples:  # none: no forward's batch was seen (a compiled forward, batches of no known shape)
+                more[semconv.TRAINING_STEP_SAMPLES] = record.samples
             more.update({semconv.TRAINING_STEP_MICRO_BATCHES: record.micro_batches,
                          semconv.TRAINING_STEP_SKIPPED: record.skipped})
             facts.metrics.step(record.start, record.end, step.context, record.tokens, record.skipped)

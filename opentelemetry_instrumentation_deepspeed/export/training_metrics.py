@@ -11,6 +11,7 @@ the loss scale is reported only where it is a host value.
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 
@@ -173,7 +174,9 @@ class TrainingMetrics:
     def _last(self, name):
         def observe(_options):
             value = getattr(self, name)
-            return [] if value is None else [Observation(value)]
+            # A NaN or infinite loss is no point: the SDK drops it with a warning at every collection (the span keeps
+            # it; training.numerics.anomalies counts it).
+            return [] if value is None or not math.isfinite(value) else [Observation(value)]
 
         return observing(self._observers, observe)
 

@@ -750,6 +750,28 @@ def test_an_exception_that_ended_a_step_on_its_way_out_leaves_no_report_between_
     assert [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG] == []
 
 
+def test_an_exhausted_loader_s_stop_iteration_out_of_the_loop_is_reported_between_steps(monkeypatch):
+    """A review: a loop that asked its exhausted loader for one more batch ended with a StopIteration out of main();
+    the loader's wrapper passed it on (an epoch's end ends no step) and the exit took it for a step's own: no report,
+    and diagnose read "killed (SIGKILL, the kernel's OOM killer) or crashed in native code"."""
+    from opentelemetry_instrumentation_deepspeed.instrumentors import dataloader
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        try:
+            dataloader._next(lambda _self: next(iter([])))(None)  # the loader's next(), through its wrapper
+        except StopIteration as error:
+            monkeypatch.setattr("sys.last_value", error, raising=False)
+
+    thread, made = _training_thread(train)
+    thread.join(10)
+    made["dog"]._at_exit(lifecycle.EXITED)
+    emitter().drain()
+    (report,) = [s for s in made["emitted"].get_finished_spans() if s.name == semconv.SPAN_HANG]
+    assert report.attributes[semconv.HANG_REASON] == semconv.STATUS_EXITED_BETWEEN
+    assert report.status.description == "the process exited between steps: StopIteration"
+
+
 @pytest.mark.slow  # 2 s each, its looks a second apart: the unit lane stays under its minute
 @pytest.mark.parametrize("engines", [1, 2])
 def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the_same(engines):

@@ -36,7 +36,7 @@ class Failure:
         message = _cut(str(error), MAX_MESSAGE, keep_end=False)
         stacktrace = _cut("".join(traceback.format_exception(error)), MAX_STACKTRACE, keep_end=True) \
             if detail == "full" else ""
-        return cls(kind, message, stacktrace, f"{type(error).__name__}: {message}")
+        return cls(kind, message, stacktrace, f"{type(error).__name__}: {message}" if message else type(error).__name__)
 
 
 MAX_MESSAGE = 1000  # characters of an exception's message that are kept

@@ -508,14 +508,18 @@ def _resumed(watched: _Watched, now: int, exiting: bool = False) -> list[HangRep
 _OURS = "opentelemetry_instrumentation_deepspeed"
 # The wrappers that end a step with the exception going through them (a phase, a fetch, a plain loop's hooks).
 _STEP_WRAPPERS = tuple(os.path.join("instrumentors", name) for name in ("engine.py", "dataloader.py", "torch_loop.py"))
+_STEP_WRAPPERS_OF_STOP_ITERATION = tuple(path for path in _STEP_WRAPPERS if not path.endswith("dataloader.py"))
 
 
 def _through_a_step(error: BaseException) -> bool:
-    """Whether ``error`` went through a wrapper that ended its step with it: its traceback passes one."""
+    """Whether ``error`` went through a wrapper that ended its step with it: its traceback passes one. A loader's
+    ``StopIteration`` ends no step (it is an epoch's end): out of the loop, the exit is the report's to tell (a
+    review: an exhausted loader's, out of main(), read "killed by the OOM killer")."""
+    wrappers = _STEP_WRAPPERS_OF_STOP_ITERATION if isinstance(error, StopIteration) else _STEP_WRAPPERS
     traceback_ = error.__traceback__
     while traceback_ is not None:
         path = traceback_.tb_frame.f_code.co_filename
-        if _OURS in path and path.endswith(_STEP_WRAPPERS):
+        if _OURS in path and path.endswith(wrappers):
             return True
         traceback_ = traceback_.tb_next
     return False

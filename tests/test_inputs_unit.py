@@ -81,6 +81,14 @@ def test_a_jagged_nested_batch_queues_a_placeholder_and_its_step_is_emitted():
     assert "training.step.padded_tokens" not in step.attributes and not emitter().broken
 
 
+def test_a_strided_nested_batch_queues_a_placeholder_and_counting_stays_on(caplog):
+    """A review: its shape raises a RuntimeError, which turned the counting off for the process, with a traceback."""
+    strided = torch.nested.nested_tensor([torch.arange(1, 4), torch.arange(1, 7)])
+    assert counted({"input_ids": strided}) is None
+    assert counted(torch.ones(2, 5, dtype=torch.long)) == (2, 5, 10)
+    assert "failed" not in caplog.text
+
+
 def test_a_batch_already_on_a_device_keeps_its_shape_and_is_not_counted():
     # A meta tensor stands for device memory: any read of its values would fail here, as it would sync there.
     ids = torch.empty(4, 64, dtype=torch.long, device="meta")

@@ -322,7 +322,8 @@ def test_a_forward_argument_not_foreseen_turns_off_its_reading_not_the_steps(mon
     assert not rec.broken and not rec.builder.broken and len(records) == 5
     assert (records[0].samples, records[0].tokens) == (4, 24)
     assert (records[1].samples, records[1].tokens) == (2, 0), "a jagged batch's samples; its tokens are symbolic"
-    assert caplog.text.count("batch shape reading failed") == 1, "the strided one's shape raises: once"
+    assert records[2].samples == 2, "a strided one's shape raises: not read (the micro-batch size), reading stays on"
+    assert caplog.text.count("batch shape reading failed") == 1, "the object whose attributes raise: once"
     assert records[4].tokens == 0, "the reading stays off"
 
 

@@ -14,11 +14,12 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
 
     Token ids: the ``input_ids`` keyword, an ``input_ids`` entry of a dict argument, or else the
     first positional tensor of an integer dtype. Tokens are its element count, padding included
-    (counting a mask would need the device); samples its first dimension. An argument of a kind not
-    foreseen (a nested tensor, an object whose attributes raise) turns this reading off, not the step's.
+    (counting a mask would need the device); samples its first dimension. A nested tensor is not counted; an
+    argument of a kind not foreseen (an object whose attributes raise) turns this reading off, not the step's.
     """
     if _reading.broken:
         return None, None
+    ids = None
     try:
         ids = kwargs.get("input_ids")
         if ids is None and args:
@@ -35,8 +36,17 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
         # A jagged dimension is symbolic: no count to record.
         return int(shape[0]), (tokens if type(tokens) is int else None)
     except Exception:  # noqa: BLE001 - ours only: the forward has not started yet
-        _reading.fail("batches.batch_shape")
+        if not nested(ids):  # a strided nested tensor's shape raises: not counted
+            _reading.fail("batches.batch_shape")
         return None, None
 
 
 _INTEGER_DTYPES: dict = {}  # torch dtype -> whether it holds integers: two tensor calls fewer per forward
+
+
+def nested(value) -> bool:
+    """A nested tensor (whose strided layout has no shape to read), asked of anything: its attributes may raise."""
+    try:
+        return getattr(value, "is_nested", False) is True
+    except Exception:  # noqa: BLE001 - not a tensor, whatever it raised
+        return False

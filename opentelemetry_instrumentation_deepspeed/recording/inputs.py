@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from opentelemetry_instrumentation_deepspeed.recording.batches import nested
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component
 
 _reading = Component("input batch counting")
@@ -31,6 +32,7 @@ def left_loader(recorder, batch) -> None:
     """
     if _reading.broken:
         return
+    ids = None
     try:
         mask = None
         if type(batch) is dict or isinstance(batch, Mapping):
@@ -64,6 +66,13 @@ def left_loader(recorder, batch) -> None:
             tokens = padded  # nothing says which tokens are padding: every one is real
         recorder.inputs.append((samples, length, tokens))
     except Exception:  # noqa: BLE001 - a batch of a kind not foreseen: counting stops, training goes on
+        _unreadable(recorder, ids)
+
+
+def _unreadable(recorder, ids) -> None:
+    if nested(ids):  # a strided nested tensor has no shape to read: a placeholder, as for any batch not counted
+        recorder.inputs.append(None)
+    else:
         _reading.fail("inputs.left_loader")
 
 

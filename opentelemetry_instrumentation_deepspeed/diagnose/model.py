@@ -21,6 +21,7 @@ from opentelemetry_instrumentation_deepspeed import semconv
 
 WINDOW = 32  # recent finite values of the baseline
 MIN_BASELINE = 8  # values needed before a spike can be judged
+SETTLED = 16  # values from which the step-to-step noise alone is the spread (_noise)
 LOSS_SPIKE_FACTOR = 2.0
 GRAD_NORM_SPIKE_FACTOR = 5.0
 SPREAD_FACTOR = 6.0  # ... and this many robust standard deviations (1.4826 MAD) above the median
@@ -66,10 +67,15 @@ def _noise(series: list[float]) -> float:
     """The robust standard deviation of a series' step-to-step noise: 1.4826 MAD of its successive differences
     (around their median), over sqrt 2. A falling loss's trend is no noise: the MAD of the values themselves grew
     with it, and a loss that jumped x4.5 from 1.92 to 8.61 at step 30 of a run falling from 5.6 needed x20-50 (a
-    review), where x2.2 sufficed on a flat loss."""
+    review), where x2.2 sufficed on a flat loss. Under SETTLED values the differences' MAD is too unsteady (a
+    healthy run's noisy loss read x4.6 at its 9th step as a spike): the larger of the two spreads until then."""
     differences = sorted(later - earlier for earlier, later in itertools.pairwise(series))
     center = _median(differences)
-    return 1.4826 * _median(sorted(abs(d - center) for d in differences)) / math.sqrt(2)
+    noise = 1.4826 * _median(sorted(abs(d - center) for d in differences)) / math.sqrt(2)
+    if len(series) >= SETTLED:
+        return noise
+    center = _median(sorted(series))
+    return max(noise, 1.4826 * _median(sorted(abs(v - center) for v in series)))
 
 
 def _median(ordered: list) -> float:

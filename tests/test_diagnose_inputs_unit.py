@@ -12,6 +12,7 @@ import pytest
 
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.html import render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.inputs import FOLLOWS, change_points
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
@@ -322,3 +323,44 @@ def test_a_step_the_change_reached_halfway_does_not_hide_the_change():
     steps = [215, 210, 188, 620, 819, 866, 2102, 1205, 1023, 1435, 1474, 2117, 2267, 1746, 4029, 3420, 2549]
     assert change_points(steps, 1.5)[0] == 3
     assert change_points([1.0] * 4 + [2.0] + [1.0] * 5, 1.5) == [], "one slow step is still no new regime"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_longer_sequences_for_a_while_then_back_are_one_input_finding(seed):
+    """A review: sequences of 256 in steps 10-15 of 30, 64 otherwise, read NONE (no single split holds), though the
+    stretch took half the run. The stretch, its length, place, factor and the ranks it is on drawn."""
+    rng = random.Random(3000 + seed)
+    steps = rng.randint(24, 60)
+    start = rng.randint(5, steps - 10)
+    end = rng.randint(start + 3, min(start + steps // 2, steps - 4))  # its last step; 3 or more after it
+    base, factor = rng.choice(((64, 4), (64, 2), (32, 8), (128, 3)))
+    one_rank = rng.random() < 0.5
+
+    def lengths(rank, step):
+        return base * factor if start <= step <= end and (rank == 1 or not one_rank) else base
+
+    report = diagnose(run_spans(rng, steps, None, rank_lengths=lengths))
+    inputs = [f for f in report["findings"] if f["layer"] == "INPUT"]
+    assert len(inputs) == 1 and report["verdict"] is inputs[0], report["findings"]
+    (finding,) = inputs
+    assert (finding["change_step"], finding["until_step"], finding["rank"]) == (start, end, 1 if one_rank else None)
+    assert f"in steps {start}-{end} (then back), tokens per step x" in finding["summary"], finding["summary"]
+    page = render_html(report)  # the step-time chart marks where the stretch starts and where it came back
+    assert f"change at step {start}<" in page and f"back after step {end}<" in page
+
+
+def test_a_stretch_is_two_change_points_only_where_asked_and_where_it_holds():
+    stretch = [1.0] * 10 + [4.0] * 5 + [1.0] * 10
+    assert change_points(stretch, 1.2) == []
+    assert change_points(stretch, 1.2, spells=True) == [10, 15]
+    assert change_points([1.0] * 10 + [4.0] * 2 + [1.0] * 10, 1.2, spells=True) == [], "two steps are no stretch"
+    assert change_points([1.0, 3.0] * 10, 1.2, spells=True) == []
+
+
+def test_fewer_samples_of_the_same_length_are_named_so():
+    """A review: a micro-batch of 8 samples instead of 16 read "(sequence length 128 -> 128)"."""
+    rng = random.Random(5)
+    spans = run_spans(rng, 12, lambda step: 128, samples=16) + [
+        span for span in run_spans(rng, 24, lambda step: 128, samples=8) if span.attributes[semconv.TRAINING_STEP] > 12]
+    report = diagnose(spans)
+    assert "(samples per step 32 -> 16, sequence length 128)" in report["verdict"]["summary"], report["verdict"]

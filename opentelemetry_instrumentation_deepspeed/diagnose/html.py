@@ -31,7 +31,7 @@ def _breakdown(shares: dict) -> str:
     return f'<svg width="900" height="28" role="img">{"".join(bars)}</svg><p>{"".join(legend)}</p>'
 
 
-def _series(series: dict, anomaly: dict | None, change_step: int | None = None) -> str:
+def _series(series: dict, anomaly: dict | None, change_step: int | None = None, until_step: int | None = None) -> str:
     points = [(step, seconds) for values in series.values() for step, seconds in values]
     if not points:
         return "<p>No steps.</p>"
@@ -57,6 +57,10 @@ def _series(series: dict, anomaly: dict | None, change_step: int | None = None) 
                       f'stroke="#e4572e" stroke-dasharray="5,4"><title>change point: step {_e(change_step)}</title>'
                       f'</line><text x="{x(change_step) + 4:.1f}" y="20" class="axis">change at step '
                       f"{_e(change_step)}</text>")
+    if until_step is not None and first <= until_step <= last:  # the stretch's end: the change came back after it
+        shapes.append(f'<line x1="{x(until_step + 0.5):.1f}" y1="10" x2="{x(until_step + 0.5):.1f}" '
+                      f'y2="{height - 25}" stroke="#e4572e" stroke-dasharray="5,4"><title>back after step '
+                      f"{_e(until_step)}</title></line>")
     palette = ["#2e5aac", "#e4572e", "#17a398", "#8e6bbf", "#f3a712", "#555"]
     for index, (rank, values) in enumerate(sorted(series.items())):
         color = palette[index % len(palette)]
@@ -189,7 +193,8 @@ def render_html(report: dict) -> str:
     verdict, job = report["verdict"], report.get("job") or {}
     timelines = report.get("timelines") or {}
     found = report.get("findings") or []
-    change = next((f["change_step"] for f in found if f.get("change_step") is not None), None)
+    changed = next((f for f in found if f.get("change_step") is not None), {})
+    change, until = changed.get("change_step"), changed.get("until_step")
     missing = report.get("missing_ranks") or []
     # The steps the chart marks: a periodic stall's (a late rank's are most steps, which would mark them all).
     marked = next((f for f in (verdict, *found) if f.get("period") and f.get("steps")), None)
@@ -209,7 +214,7 @@ def render_html(report: dict) -> str:
         _findings(found),
         "<h2>Where step time goes</h2>" + _breakdown(job.get("shares", {})),
         _pipeline(report.get("pipeline")),
-        "<h2>Step time</h2>" + _series(report.get("step_series", {}), marked, change),
+        "<h2>Step time</h2>" + _series(report.get("step_series", {}), marked, change, until),
     ]
     model_charts = charts_html(report)  # the model layer beside step time (diagnose/model.py)
     if model_charts:

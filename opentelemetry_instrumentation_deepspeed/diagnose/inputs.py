@@ -43,8 +43,11 @@ only if it holds beyond the noise: the medians of the two sides differ by
 the factor below, and at least ``SEPARATION`` of the steps on each side lie on their side of the
 geometric middle of the two medians (a run of a few slow steps, or noise, does not). A stretch of
 slow steps in the middle of a run (a neighbour's job on the host for a while) is no single split
-that holds, so it makes no finding: the findings here are "from step K on". The first step is left
-out: it pays for warm-up.
+that holds, so the time per token makes no finding of it: its findings are "from step K on". The
+tokens per step are exact counts: where a segment has no split that holds, the stretch inside it
+whose tokens and the rest's are the two least-squares levels is tested the same way against the
+rest (longer sequences in steps 10-15 of 30, then back: one finding, "in steps 10-15 (then back)",
+costed as the change). The first step is left out: it pays for warm-up.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ FOLLOWS = 0.75  # probability that a step after the change is slower (or faster)
 PER_TOKEN_FACTOR = 1.5  # the time per token, with the tokens unchanged, to be a compute change
 SEPARATION = 0.85  # share of each side's steps that lies on its side of the middle
 MAX_CHANGES = 4  # change points searched per series
+SPELL_POSITIONS = 400  # starts (and ends) of a stretch tried per segment, at most
 UNCHANGED = 1.25  # time per token within this factor (either way) reads "unchanged"
 HOST_IDLE = 0.5  # CPUs: fewer idle than this on the host, and the training threads waited for one
 
@@ -153,8 +157,10 @@ def _holds(before: list[float], after: list[float], factor: float) -> bool:
     return max(ratio, 1 / ratio) >= factor and _separation(before, after) >= SEPARATION
 
 
-def change_points(values: list[float], factor: float) -> list[int]:
-    """Indices where ``values`` (positive) change by ``factor`` or more, beyond the noise, in order."""
+def change_points(values: list[float], factor: float, *, spells: bool = False) -> list[int]:
+    """Indices where ``values`` (positive) change by ``factor`` or more, beyond the noise, in order. ``spells``: where
+    a segment has no split that holds, a stretch inside it that differs from the rest of it (``_best_spell``) gives
+    two, its start and its end."""
     logs = [math.log(v) for v in values]
     found: list[int] = []
     segments = [(0, len(values))]
@@ -167,11 +173,43 @@ def change_points(values: list[float], factor: float) -> list[int]:
         # middle, or the host's load moved with it) may pull the split one step off, onto the wrong side.
         split = next((at for at in (split, split - 1, split + 1)
                       if _holds(values[low:at], values[at:high], factor)), None)
-        if split is None:
+        if split is not None:
+            found.append(split)
+            segments += [(low, split), (split, high)]
             continue
-        found.append(split)
-        segments += [(low, split), (split, high)]
+        spell = _best_spell(logs, low, high) if spells else None
+        if spell is not None and _holds(values[low:spell[0]] + values[spell[1]:high], values[spell[0]:spell[1]],
+                                        factor):
+            found += spell
+            segments += [(low, spell[0]), (spell[0], spell[1]), (spell[1], high)]
     return sorted(found)
+
+
+def _best_spell(logs: list[float], low: int, high: int) -> tuple[int, int] | None:
+    """The stretch (start, end) inside logs[low:high], neither at its start nor at its end, whose values and the
+    rest's are the two least-squares segments: longer sequences for some steps, then back. Every start and end
+    up to SPELL_POSITIONS apart of each, so that a long run's search stays bounded (its steps in strides)."""
+    size = high - low
+    if size < 2 * MIN_SEGMENT + 2:
+        return None
+    prefix, squares = [0.0], [0.0]
+    for value in logs[low:high]:
+        prefix.append(prefix[-1] + value)
+        squares.append(squares[-1] + value * value)
+    total, total_squares = prefix[-1], squares[-1]
+    stride = max(1, size // SPELL_POSITIONS)
+    best, where = None, None
+    for start in range(1, size - MIN_SEGMENT, stride):
+        for end in range(start + MIN_SEGMENT, size, stride):
+            inside = end - start
+            if size - inside < MIN_SEGMENT:
+                continue
+            inner, inner_squares = prefix[end] - prefix[start], squares[end] - squares[start]
+            outer, outer_squares = total - inner, total_squares - inner_squares
+            cost = (inner_squares - inner * inner / inside) + (outer_squares - outer * outer / (size - inside))
+            if best is None or cost < best - 1e-12:
+                best, where = cost, (low + start, low + end)
+    return where
 
 
 def _segments(count: int, points: list[int], at: int) -> tuple[range, range]:
@@ -270,9 +308,9 @@ def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> t
     padded = [s["padded"] for s in steps]
     seconds = [s["seconds"] for s in steps]
     per_token = [s["seconds"] / s["padded"] for s in steps]
-    token_changes = change_points(padded, TOKEN_FACTOR)
-    found = [finding for at in token_changes
-             if (finding := _input_finding(steps, token_changes, at, run_seconds)) is not None]
+    token_changes = change_points(padded, TOKEN_FACTOR, spells=True)
+    found = _spells(steps, token_changes, [(at, finding) for at in token_changes
+                                           if (finding := _input_finding(steps, token_changes, at, run_seconds))])
     # A change of the time per token where the tokens changed is the input's own (attention, efficiency).
     near_input = {at + shift for at in token_changes for shift in (-1, 0, 1)}
     time_changes = change_points(per_token, PER_TOKEN_FACTOR)
@@ -294,6 +332,40 @@ def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> t
                                       _compute_changed_rank(by_rank, steps, before, after)))
     found.sort(key=lambda finding: finding["cost_seconds"], reverse=True)
     return found, loads
+
+
+def _spells(steps: list[dict], points: list[int], changes: list[tuple[int, dict]]) -> list[dict]:
+    """The input findings, a change that came back (more tokens from step K, as many as before from step L) one
+    finding of the steps between, costed as the change: a second finding of the way back would count its time
+    again, as a gain."""
+    found, index = [], 0
+    while index < len(changes):
+        at, finding = changes[index]
+        if index + 1 < len(changes) and changes[index + 1][0] == _next(points, at):
+            end, back = changes[index + 1]
+            before, during = _segments(len(steps), points, at)
+            after = _segments(len(steps), points, end)[1]
+            up = _median_padded(steps, during) / _median_padded(steps, before)
+            returned = _median_padded(steps, after) / _median_padded(steps, before)
+            if (up > 1) == (_median_padded(steps, after) < _median_padded(steps, during)) and \
+                    1 / TOKEN_FACTOR < returned < TOKEN_FACTOR:
+                last = steps[end - 1]["step"]
+                finding = {**finding, "until_step": last,
+                           "summary": finding["summary"].replace(f"from step {finding['change_step']}, ",
+                                                                 f"in steps {finding['change_step']}-{last} (then "
+                                                                 "back), ", 1),
+                           "evidence": [*finding["evidence"], f"from step {back['change_step']}, tokens per step "
+                                        f"{_median_padded(steps, after):.0f} again"],
+                           "trace_ids": [*finding["trace_ids"], *back["trace_ids"][1:]]}
+                index += 1
+        found.append(finding)
+        index += 1
+    return found
+
+
+def _next(points: list[int], at: int) -> int | None:
+    index = points.index(at)
+    return points[index + 1] if index + 1 < len(points) else None
 
 
 def _host_load(steps: list[dict], seconds: list[float], before: range, after: range) -> dict | None:
@@ -387,8 +459,12 @@ def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: f
     per_token = time_factor / tokens_factor
     per_token_text = ("time per token unchanged" if 1 / UNCHANGED <= per_token <= UNCHANGED
                       else f"time per token {_factor(per_token)}")
-    summary = (f"from step {change_step}, tokens per step {_factor(tokens_factor)} (sequence length "
-               f"{length_before:.0f} -> {length_after:.0f}), {measured} {_factor(time_factor)}, {per_token_text}")
+    shape = f"sequence length {length_before:.0f} -> {length_after:.0f}"
+    if length_before == length_after and length_after:  # the samples changed, not their length (a review)
+        shape = (f"samples per step {_median_padded(steps, before) / length_before:.0f} -> "
+                 f"{_median_padded(steps, after) / length_after:.0f}, sequence length {length_after:.0f}")
+    summary = (f"from step {change_step}, tokens per step {_factor(tokens_factor)} ({shape}), {measured} "
+               f"{_factor(time_factor)}, {per_token_text}")
     ranks_before = statistics.median(len(steps[i]["ranks"]) for i in before)
     changed = sorted(rank for rank in steps[at]["ranks"]
                      if _rank_changed(steps, rank, before, after, tokens_factor))

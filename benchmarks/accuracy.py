@@ -230,6 +230,22 @@ def draw_input_shift(rng: random.Random) -> Draw:
     return Draw(args, Expected("INPUT", step=at))
 
 
+def draw_input_spell(rng: random.Random) -> Draw:
+    # Longer sequences for 3-8 steps, then back (a review's "steps 10-15 of 30": NONE), on every rank or on one.
+    steps = rng.choice((20, 24, 30))
+    start = rng.randint(5, steps - 12)
+    until = start + rng.randint(2, 7)
+    base, factor = rng.choice(((64, 2), (64, 4), (32, 4), (32, 8)))
+    rank = rng.choice((None, 0, 1))
+    args = ["--steps", str(steps), "--zero-stage", "2", "--grad-accum", str(rng.choice((1, 2))), "--seq-len",
+            str(base), "--shift-seq-len", str(base * factor), "--shift-at", str(start), "--shift-until", str(until)]
+    if rank is not None:
+        args += ["--shift-rank", str(rank)]
+    if rng.random() < 0.5:
+        args.append("--padding")
+    return Draw(args, Expected("INPUT", rank=rank, step=start, offset=until))
+
+
 def draw_input_shift_busy(rng: random.Random) -> Draw:
     # The input shift on a host whose load changes during the steps (sitting 12's miss: a neighbour's load that
     # fell two steps before the sequences doubled hid the change from the step time).
@@ -299,6 +315,15 @@ def judge_change(report: dict, expected: Expected) -> dict[str, bool]:
     layer = verdict["layer"] == expected.layer
     return {"layer": layer, "rank": layer and verdict.get("rank") is None,
             "pattern": layer and abs((verdict.get("change_step") or -99) - expected.step) <= slack}
+
+
+def judge_spell(report: dict, expected: Expected) -> dict[str, bool]:
+    """A stretch of longer sequences: its first step and its last (``offset``) exact, and the rank it is on."""
+    verdict = report["verdict"]
+    layer = verdict["layer"] == "INPUT"
+    return {"layer": layer, "rank": layer and verdict.get("rank") == expected.rank,
+            "pattern": layer and (verdict.get("change_step"), verdict.get("until_step")) == (expected.step,
+                                                                                                expected.offset)}
 
 
 def judge_hang(report: dict, expected: Expected) -> dict[str, bool]:
@@ -377,6 +402,8 @@ CLASSES = [
                "arrive 4-8 s after the first telemetry file"),
     FaultClass("comm-heavy", draw_comm_heavy, notes="each backward all-reduces a 32-64 MiB buffer too, ZeRO 0-2"),
     FaultClass("input-shift", draw_input_shift, judge_change, notes="sequence length x2, x4 or /2 at a random step"),
+    FaultClass("input-spell", draw_input_spell, judge_spell,
+               notes="sequence length x2-x8 for 3-8 steps, then back, on every rank or on one"),
     FaultClass("input-shift-busy", draw_input_shift_busy, judge_change,
                notes="the input shift while 1-3 spinning processes arrive, or leave, during the steps"),
     FaultClass("compute-slowdown", draw_compute_slowdown, judge_change,

@@ -28,6 +28,20 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 HERE = pathlib.Path(__file__).resolve().parent
 
 
+def _input_faults(faults) -> None:
+    """The input's faults: what the batches hold changes."""
+    faults.add_argument("--shift-seq-len", type=int, default=0, metavar="N",
+                        help="from optimizer step --shift-at on, batches hold sequences of N tokens instead of "
+                             "--seq-len (the input changes: more or fewer tokens per step)")
+    faults.add_argument("--shift-at", type=int, default=0, metavar="K", help="first step of --shift-seq-len")
+    faults.add_argument("--shift-until", type=int, default=0, metavar="L",
+                        help="last step of --shift-seq-len, then back to --seq-len (0: to the end)")
+    faults.add_argument("--shift-rank", type=int, default=-1, metavar="R", help="only rank R's input shifts")
+    faults.add_argument("--padding", action="store_true",
+                        help="each sequence holds between half and all of its length in real tokens, padded to "
+                             "the batch's length with an attention_mask, as tokenizers pad")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to run")
@@ -84,13 +98,7 @@ def parse_args(argv=None):
                         help="at step --desync-step every rank all-reduces a small float32 tensor, rank R an int32 "
                              "one of the same size: the same collective with another dtype on one rank")
     faults.add_argument("--desync-step", type=int, default=0, metavar="N")
-    faults.add_argument("--shift-seq-len", type=int, default=0, metavar="N",
-                        help="from optimizer step --shift-at on, batches hold sequences of N tokens instead of "
-                             "--seq-len (the input changes: more or fewer tokens per step)")
-    faults.add_argument("--shift-at", type=int, default=0, metavar="K", help="first step of --shift-seq-len")
-    faults.add_argument("--padding", action="store_true",
-                        help="each sequence holds between half and all of its length in real tokens, padded to "
-                             "the batch's length with an attention_mask, as tokenizers pad")
+    _input_faults(faults)
     faults.add_argument("--slowdown-at", type=int, default=0, metavar="K",
                         help="from optimizer step K on, every rank's forward and backward compute "
                              "--slowdown-factor times slower, with the same tokens (a throttled device, a slower "
@@ -469,9 +477,10 @@ def make_loader(args, engine, dataset) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
     every = args.stall_every if args.stall_rank in (-1, engine.global_rank) else 0
     lengths = None
-    if args.shift_seq_len:
+    if args.shift_seq_len and args.shift_rank in (-1, engine.global_rank):
         def lengths(step):
-            return args.shift_seq_len if step >= args.shift_at else args.seq_len
+            shifted = step >= args.shift_at and (not args.shift_until or step <= args.shift_until)
+            return args.shift_seq_len if shifted else args.seq_len
     pad_id = args.vocab if args.padding else None
     hang = args.hang_step if args.hang_phase == "data" and args.hang_rank == engine.global_rank else 0
     crash = args.crash_after + 1 if args.crash_after and args.crash_in == "data" and engine.global_rank == 0 else 0

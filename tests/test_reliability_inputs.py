@@ -563,3 +563,17 @@ def test_a_bad_flag_value_is_named_with_what_was_expected(capsys, flag, value, s
         main(["diagnose", flag, value, "telemetry"])
     error = capsys.readouterr().err
     assert exited.value.code == 2 and f"argument {flag}: {said}" in error and "_" not in error.splitlines()[-1], error
+
+
+def test_an_input_with_no_span_says_what_diagnose_reads(tmp_path, capsys):
+    """A review: an empty folder, or one of metrics files only, read "Read 0 spans from 0/2 file(s)" and no more."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, report = run_main(capsys, str(empty))
+    assert code == 1 and report["input"]["problems"] == [f"no .json or .jsonl file in {empty}"]
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    (metrics / "metrics-rank0.jsonl").write_text(json.dumps({"resourceMetrics": []}) + "\n")
+    code, report = run_main(capsys, str(metrics))
+    assert code == 1 and report["input"]["problems"][0].startswith("no span in the files read: diagnose reads the "
+                                                                   "traces (traces-rank<N>.jsonl")

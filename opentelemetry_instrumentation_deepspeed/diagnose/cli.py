@@ -63,6 +63,11 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
     for rank in result["ranks"].values():
         rank.pop("compute_by_step", None)
     of_job = analysis.jobs.get(result["job_id"], 0)
+    if not stats.spans and backend is None and not stats.problems:  # a review: "Read 0 spans from 0/2 file(s)"
+        stats.problems.append(
+            "no span in the files read: diagnose reads the traces (traces-rank<N>.jsonl, or a Collector's file of "
+            "spans); metrics files hold none" if stats.files else
+            f"no .json or .jsonl file in {', '.join(paths) or 'the input'}")
     if job is not None and stats.spans and not of_job:
         stats.problems.append(f"no span of job {job!r} in the input; its jobs: {', '.join(sorted(analysis.jobs))}")
     return {"schema_version": SCHEMA_VERSION, **result,

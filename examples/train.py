@@ -477,9 +477,11 @@ def make_loader(args, engine, dataset) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank, shuffle=False)
     every = args.stall_every if args.stall_rank in (-1, engine.global_rank) else 0
     lengths = None
-    if args.shift_seq_len and args.shift_rank in (-1, engine.global_rank):
+    if args.shift_seq_len:  # the sequences are cut to the step's length: unshifted, --seq-len
+        shifts = args.shift_rank in (-1, engine.global_rank)
+
         def lengths(step):
-            shifted = step >= args.shift_at and (not args.shift_until or step <= args.shift_until)
+            shifted = shifts and step >= args.shift_at and (not args.shift_until or step <= args.shift_until)
             return args.shift_seq_len if shifted else args.seq_len
     pad_id = args.vocab if args.padding else None
     hang = args.hang_step if args.hang_phase == "data" and args.hang_rank == engine.global_rank else 0

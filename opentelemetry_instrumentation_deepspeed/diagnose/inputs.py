@@ -232,7 +232,7 @@ def _duration(seconds: float) -> str:
 
 def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> list[dict]:
     """Per step number of the job: its time (median over ranks), tokens summed over ranks, longest sequence."""
-    steps: dict[int, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0,
+    steps: dict[int, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0, "samples": 0,
                                                   "counted": 0, "ranks": {}, "trace_id": "", "cpus": {},
                                                   "unwaited": {}})
     for rank, rank_steps in by_rank.items():
@@ -246,7 +246,9 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
             padded = attributes[semconv.TRAINING_STEP_PADDED_TOKENS]
             entry["padded"] += padded
             entry["ranks"][rank] = padded
-            entry["length"] = max(entry["length"], attributes.get(semconv.TRAINING_STEP_SEQUENCE_LENGTH) or 0)
+            length = attributes.get(semconv.TRAINING_STEP_SEQUENCE_LENGTH) or 0
+            entry["length"] = max(entry["length"], length)
+            entry["samples"] += padded / length if length else 0
             tokens = attributes.get(semconv.TRAINING_STEP_TOKENS)
             entry["tokens"] = None if tokens is None or entry["tokens"] is None else entry["tokens"] + tokens
             entry["counted"] += 1
@@ -265,7 +267,7 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
         # A step counts when every rank that ran it counted its input.
         if entry["counted"] and entry["counted"] == len(entry["seconds"]) and entry["padded"] > 0:
             ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
-                key: entry[key] for key in ("padded", "tokens", "length", "ranks", "trace_id")},
+                key: entry[key] for key in ("padded", "tokens", "length", "samples", "ranks", "trace_id")},
                 "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None,
                 "unwaited": _unwaited(entry["unwaited"]) if len(entry["unwaited"]) == len(entry["seconds"])
                 else None})
@@ -460,9 +462,9 @@ def _input_finding(steps: list[dict], points: list[int], at: int, run_seconds: f
     per_token_text = ("time per token unchanged" if 1 / UNCHANGED <= per_token <= UNCHANGED
                       else f"time per token {_factor(per_token)}")
     shape = f"sequence length {length_before:.0f} -> {length_after:.0f}"
-    if length_before == length_after and length_after:  # the samples changed, not their length (a review)
-        shape = (f"samples per step {_median_padded(steps, before) / length_before:.0f} -> "
-                 f"{_median_padded(steps, after) / length_after:.0f}, sequence length {length_after:.0f}")
+    samples = [statistics.median(steps[i]["samples"] for i in side) for side in (before, after)]
+    if length_before == length_after and round(samples[0]) != round(samples[1]):  # a review: "128 -> 128"
+        shape = f"samples per step {samples[0]:.0f} -> {samples[1]:.0f}, sequence length {length_after:.0f}"
     summary = (f"from step {change_step}, tokens per step {_factor(tokens_factor)} ({shape}), {measured} "
                f"{_factor(time_factor)}, {per_token_text}")
     ranks_before = statistics.median(len(steps[i]["ranks"]) for i in before)

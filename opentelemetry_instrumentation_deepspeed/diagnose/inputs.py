@@ -177,7 +177,7 @@ def change_points(values: list[float], factor: float, *, spells: bool = False) -
             found.append(split)
             segments += [(low, split), (split, high)]
             continue
-        spell = _best_spell(logs, low, high) if spells else None
+        spell = _best_spell(logs, low, high) if spells and len(found) + 2 <= MAX_CHANGES else None
         if spell is not None and _holds(values[low:spell[0]] + values[spell[1]:high], values[spell[0]:spell[1]],
                                         factor):
             found += spell
@@ -187,8 +187,9 @@ def change_points(values: list[float], factor: float, *, spells: bool = False) -
 
 def _best_spell(logs: list[float], low: int, high: int) -> tuple[int, int] | None:
     """The stretch (start, end) inside logs[low:high], neither at its start nor at its end, whose values and the
-    rest's are the two least-squares segments: longer sequences for some steps, then back. Every start and end
-    up to SPELL_POSITIONS apart of each, so that a long run's search stays bounded (its steps in strides)."""
+    rest's are the two least-squares segments: longer sequences for some steps, then back. A long segment's starts
+    and ends are tried SPELL_POSITIONS apart at most, then every one within a stride of the best: its search stays
+    bounded, its edges exact."""
     size = high - low
     if size < 2 * MIN_SEGMENT + 2:
         return None
@@ -197,19 +198,27 @@ def _best_spell(logs: list[float], low: int, high: int) -> tuple[int, int] | Non
         prefix.append(prefix[-1] + value)
         squares.append(squares[-1] + value * value)
     total, total_squares = prefix[-1], squares[-1]
+
+    def best_of(starts, ends) -> tuple[float, int, int] | None:
+        best = None
+        for start in starts:
+            for end in ends:
+                inside = end - start
+                if not (1 <= start and end < size and inside >= MIN_SEGMENT and size - inside >= MIN_SEGMENT):
+                    continue
+                inner, inner_squares = prefix[end] - prefix[start], squares[end] - squares[start]
+                outer, outer_squares = total - inner, total_squares - inner_squares
+                cost = (inner_squares - inner * inner / inside) + (outer_squares - outer * outer / (size - inside))
+                if best is None or cost < best[0] - 1e-12:
+                    best = (cost, start, end)
+        return best
+
     stride = max(1, size // SPELL_POSITIONS)
-    best, where = None, None
-    for start in range(1, size - MIN_SEGMENT, stride):
-        for end in range(start + MIN_SEGMENT, size, stride):
-            inside = end - start
-            if size - inside < MIN_SEGMENT:
-                continue
-            inner, inner_squares = prefix[end] - prefix[start], squares[end] - squares[start]
-            outer, outer_squares = total - inner, total_squares - inner_squares
-            cost = (inner_squares - inner * inner / inside) + (outer_squares - outer * outer / (size - inside))
-            if best is None or cost < best - 1e-12:
-                best, where = cost, (low + start, low + end)
-    return where
+    found = best_of(range(1, size, stride), range(1, size, stride))
+    if found is not None and stride > 1:
+        _cost, start, end = found
+        found = best_of(range(start - stride, start + stride + 1), range(end - stride, end + stride + 1))
+    return None if found is None else (low + found[1], low + found[2])
 
 
 def _segments(count: int, points: list[int], at: int) -> tuple[range, range]:
@@ -311,8 +320,8 @@ def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> t
     seconds = [s["seconds"] for s in steps]
     per_token = [s["seconds"] / s["padded"] for s in steps]
     token_changes = change_points(padded, TOKEN_FACTOR, spells=True)
-    found = _spells(steps, token_changes, [(at, finding) for at in token_changes
-                                           if (finding := _input_finding(steps, token_changes, at, run_seconds))])
+    found = _spells(steps, token_changes, {at: _input_finding(steps, token_changes, at, run_seconds)
+                                           for at in token_changes})
     # A change of the time per token where the tokens changed is the input's own (attention, efficiency).
     near_input = {at + shift for at in token_changes for shift in (-1, 0, 1)}
     time_changes = change_points(per_token, PER_TOKEN_FACTOR)
@@ -336,38 +345,40 @@ def findings(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> t
     return found, loads
 
 
-def _spells(steps: list[dict], points: list[int], changes: list[tuple[int, dict]]) -> list[dict]:
-    """The input findings, a change that came back (more tokens from step K, as many as before from step L) one
-    finding of the steps between, costed as the change: a second finding of the way back would count its time
-    again, as a gain."""
+def _spells(steps: list[dict], points: list[int], changes: dict[int, dict | None]) -> list[dict]:
+    """The input findings of the change ``points`` (``changes``: each one's finding, None where the step time did not
+    follow). A change that came back (more tokens from step K, as many as before from step L) is one finding of the
+    steps between, costed as the change: a finding of the way back would count its time again, as a gain. Where
+    the step time did not follow the change, the way back costs nothing either."""
     found, index = [], 0
-    while index < len(changes):
-        at, finding = changes[index]
-        if index + 1 < len(changes) and changes[index + 1][0] == _next(points, at):
-            end, back = changes[index + 1]
-            before, during = _segments(len(steps), points, at)
-            after = _segments(len(steps), points, end)[1]
-            up = _median_padded(steps, during) / _median_padded(steps, before)
-            returned = _median_padded(steps, after) / _median_padded(steps, before)
-            if (up > 1) == (_median_padded(steps, after) < _median_padded(steps, during)) and \
-                    1 / TOKEN_FACTOR < returned < TOKEN_FACTOR:
+    while index < len(points):
+        at, finding = points[index], changes[points[index]]
+        if index + 1 < len(points) and _came_back(steps, points, at, points[index + 1]):
+            end = points[index + 1]
+            if finding is not None:
+                after = _segments(len(steps), points, end)[1]
                 last = steps[end - 1]["step"]
+                back = changes[end]
                 finding = {**finding, "until_step": last,
                            "summary": finding["summary"].replace(f"from step {finding['change_step']}, ",
                                                                  f"in steps {finding['change_step']}-{last} (then "
                                                                  "back), ", 1),
-                           "evidence": [*finding["evidence"], f"from step {back['change_step']}, tokens per step "
+                           "evidence": [*finding["evidence"], f"from step {steps[end]['step']}, tokens per step "
                                         f"{_median_padded(steps, after):.0f} again"],
-                           "trace_ids": [*finding["trace_ids"], *back["trace_ids"][1:]]}
-                index += 1
-        found.append(finding)
+                           "trace_ids": [*finding["trace_ids"], *(back["trace_ids"][1:] if back else ())]}
+            index += 1
+        if finding is not None:
+            found.append(finding)
         index += 1
     return found
 
 
-def _next(points: list[int], at: int) -> int | None:
-    index = points.index(at)
-    return points[index + 1] if index + 1 < len(points) else None
+def _came_back(steps: list[dict], points: list[int], at: int, end: int) -> bool:
+    """The tokens per step changed at ``at`` and came back to their level before it at ``end``."""
+    before, during = _segments(len(steps), points, at)
+    after = _segments(len(steps), points, end)[1]
+    first, second, third = (_median_padded(steps, side) for side in (before, during, after))
+    return (second > first) == (third < second) and 1 / TOKEN_FACTOR < third / first < TOKEN_FACTOR
 
 
 def _host_load(steps: list[dict], seconds: list[float], before: range, after: range) -> dict | None:

@@ -772,6 +772,23 @@ def test_an_exhausted_loader_s_stop_iteration_out_of_the_loop_is_reported_betwee
     assert report.status.description == "the process exited between steps: StopIteration"
 
 
+def test_a_stop_iteration_through_a_pipeline_s_train_batch_ended_its_step():
+    """A pipeline's train_batch() ends its step with whatever it raised, its data iterator's end too: the exit must
+    not report it again between steps (a code review: the loader's frame had covered it, until a StopIteration
+    through the loader alone was no longer a step's)."""
+    from opentelemetry_instrumentation_deepspeed.instrumentors import dataloader, pipeline
+
+    def batches(_engine):
+        return dataloader._next(lambda _self: next(iter([])))(None)
+
+    with pytest.raises(StopIteration) as through_train_batch:
+        pipeline.train_batch(batches)(object())  # no recorder: the wrapper passes the call on, its frame is there
+    assert watchdog._through_a_step(through_train_batch.value)
+    with pytest.raises(StopIteration) as through_the_loader:
+        batches(None)
+    assert not watchdog._through_a_step(through_the_loader.value)
+
+
 @pytest.mark.slow  # 2 s each, its looks a second apart: the unit lane stays under its minute
 @pytest.mark.parametrize("engines", [1, 2])
 def test_steps_written_between_looks_are_progress_even_where_the_stack_looks_the_same(engines):

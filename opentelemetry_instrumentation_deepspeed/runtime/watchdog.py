@@ -507,7 +507,8 @@ def _resumed(watched: _Watched, now: int, exiting: bool = False) -> list[HangRep
 
 _OURS = "opentelemetry_instrumentation_deepspeed"
 # The wrappers that end a step with the exception going through them (a phase, a fetch, a plain loop's hooks).
-_STEP_WRAPPERS = tuple(os.path.join("instrumentors", name) for name in ("engine.py", "dataloader.py", "torch_loop.py"))
+_STEP_WRAPPERS = tuple(os.path.join("instrumentors", name)
+                       for name in ("engine.py", "dataloader.py", "torch_loop.py", "pipeline.py"))
 _STEP_WRAPPERS_OF_STOP_ITERATION = tuple(path for path in _STEP_WRAPPERS if not path.endswith("dataloader.py"))
 
 

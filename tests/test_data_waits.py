@@ -208,3 +208,40 @@ def test_an_epoch_s_last_partial_step_keeps_the_fetch_made_before_its_loader_end
                 train_micro_batch(registry.active(), engine)
     assert [len(record.waits) for record in records] == [2, 1, 2, 1]
     assert all(_forward_lengths(record) == [4] * len(record.waits) for record in records)
+
+
+class _ModuleEngine(torch.nn.Module, Engine):
+    """An engine as DeepSpeed's is: an nn.Module wrapping the model as ``module``, whose eval() and train() set the
+    wrapped module's mode only."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        Engine.__init__(self)
+        self.module = torch.nn.Linear(2, 2)
+
+    def eval(self):
+        self.module.train(False)
+
+    def train(self, mode=True):
+        self.module.train(mode)
+
+
+@pytest.mark.parametrize(("mode", "grad", "state"), [("train", True, "forward"), ("train", False, "idle"),
+                                                     ("eval", False, "idle"), ("eval", True, "forward")])
+def test_deepspeed_s_eval_mode_is_an_evaluation_without_gradients_and_training_with_them(mode, grad, state):
+    """engine.eval() under no_grad is an evaluation (its batch feeds no step); with gradients the wrapped module's
+    eval mode is training without dropout (a code review: every such forward read as an evaluation)."""
+    from opentelemetry_instrumentation_deepspeed.instrumentors import engine as engine_wrappers
+
+    engine = _ModuleEngine()
+    recorder = StepRecorder(engine, "facts", Records().submit)
+    registry.track(engine, recorder)
+    try:
+        getattr(engine, mode)()
+        seen = []
+        with torch.set_grad_enabled(grad):
+            engine_wrappers._forward(lambda self, x: seen.append(recorder.state) or self.module(x))(engine,
+                                                                                                  torch.ones(1, 2))
+        assert seen == [state]
+    finally:
+        registry.forget_all()

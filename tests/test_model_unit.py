@@ -391,6 +391,17 @@ def test_a_spike_while_the_loss_still_falls_is_found(seed):
     assert found == [(30, "loss_spike")]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_loss_that_climbs_step_after_step_is_one_spike_at_most(seed):
+    """A code review: a loss tripling over 20 steps (x1.057 a step) read as a spike at 15-17 of them, each counted in
+    the live metric and in the finding's cost. A spike is a jump from the step before."""
+    rng = random.Random(seed)
+    losses = [2.0 * math.exp(rng.gauss(0, 0.05)) for _ in range(30)]
+    losses += [losses[-1] * 1.057 ** step * math.exp(rng.gauss(0, 0.05)) for step in range(1, 21)]
+    watch = NumericsWatch()
+    assert sum(kind == "loss_spike" for loss in losses for kind, _ in watch.step(loss, None, False)) <= 1
+
+
 def test_no_spike_on_a_noisy_loss_s_first_steps():
     """A healthy run's loss of a few samples per step (the review's kill test): 3.57 at its 9th step, x4.6 the median
     of 8 values from 0.29 to 1.35. The MAD of 7 differences alone put it 6 deviations out."""

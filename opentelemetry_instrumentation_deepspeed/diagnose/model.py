@@ -53,29 +53,34 @@ class _Baseline:
             # The spread (more sorting) only for a candidate: this runs on the emitter's thread every step.
             if median > 0 and value > self.factor * median:
                 if ordered[0] > 0:
-                    series = [math.log(v) for v in self.values]
-                    excess = math.log(value) - _median(sorted(series))
+                    series, this = [math.log(v) for v in self.values], math.log(value)
                 else:  # a loss that may be negative (a log-likelihood, a reward): the values themselves
-                    series, excess = list(self.values), value - median
-                if excess > SPREAD_FACTOR * _noise(series):
+                    series, this = list(self.values), value
+                noise, trend = _noise(series)
+                # Above the median, and a jump from the step before beyond its usual change: a loss that climbs
+                # step after step (a divergence) is one spike where it starts, not one at every step (a code review:
+                # 15-17 per run of a loss tripling over 20 steps).
+                if (this - _median(sorted(series)) > SPREAD_FACTOR * noise
+                        and this - series[-1] - trend > SPREAD_FACTOR * noise):
                     found = value / median
         self.values.append(value)
         return found
 
 
-def _noise(series: list[float]) -> float:
-    """The robust standard deviation of a series' step-to-step noise: 1.4826 MAD of its successive differences
-    (around their median), over sqrt 2. A falling loss's trend is no noise: the MAD of the values themselves grew
-    with it, and a loss that jumped x4.5 from 1.92 to 8.61 at step 30 of a run falling from 5.6 needed x20-50 (a
-    review), where x2.2 sufficed on a flat loss. Under SETTLED values the differences' MAD is too unsteady (a
-    healthy run's noisy loss read x4.6 at its 9th step as a spike): the larger of the two spreads until then."""
+def _noise(series: list[float]) -> tuple[float, float]:
+    """The robust standard deviation of a series' step-to-step noise, and its usual change per step: 1.4826 MAD of
+    its successive differences (around their median, the change), over sqrt 2. A falling loss's trend is no noise:
+    the MAD of the values themselves grew with it, and a loss that jumped x4.5 from 1.92 to 8.61 at step 30 of a
+    run falling from 5.6 needed x20-50 (a review), where x2.2 sufficed on a flat loss. Under SETTLED values the
+    differences' MAD is too unsteady (a healthy run's noisy loss read x4.6 at its 9th step as a spike): the larger
+    of the two spreads until then."""
     differences = sorted(later - earlier for earlier, later in itertools.pairwise(series))
-    center = _median(differences)
-    noise = 1.4826 * _median(sorted(abs(d - center) for d in differences)) / math.sqrt(2)
-    if len(series) >= SETTLED:
-        return noise
-    center = _median(sorted(series))
-    return max(noise, 1.4826 * _median(sorted(abs(v - center) for v in series)))
+    trend = _median(differences)
+    noise = 1.4826 * _median(sorted(abs(d - trend) for d in differences)) / math.sqrt(2)
+    if len(series) < SETTLED:
+        center = _median(sorted(series))
+        noise = max(noise, 1.4826 * _median(sorted(abs(v - center) for v in series)))
+    return noise, trend
 
 
 def _median(ordered: list) -> float:
@@ -214,6 +219,7 @@ def _anomalies(steps: dict) -> dict:
     found: dict = {}
     run: list = []  # the skipped steps in a row up to this one: (number, trace id)
     in_finding = False  # that run was found: its later steps join the finding
+    first_run = 0  # the first run found, as long as it went on (its steps, counted: a step's span may be missing)
     for number in sorted(steps):
         trace_id, _end, attributes, _earlier = steps[number]
         loss, grad_norm = attributes.get(semconv.TRAINING_LOSS), attributes.get(semconv.TRAINING_GRAD_NORM)
@@ -231,11 +237,10 @@ def _anomalies(steps: dict) -> dict:
             found[semconv.NUMERICS_SKIPPED_RUN]["steps"].append(number)
             found[semconv.NUMERICS_SKIPPED_RUN]["trace_ids"].append(trace_id)
         in_finding = skipped and (in_finding or any(kind == semconv.NUMERICS_SKIPPED_RUN for kind, _ in kinds))
-    entry = found.get(semconv.NUMERICS_SKIPPED_RUN)
-    if entry is not None:  # the first run as long as it went on
-        numbers = entry["steps"]
-        length = next((i for i, (a, b) in enumerate(itertools.pairwise(numbers), 1) if b != a + 1), len(numbers))
-        entry["detail"] = f"{length} consecutive steps skipped (overflow)"
+        if in_finding and len(found[semconv.NUMERICS_SKIPPED_RUN]["steps"]) == len(run):
+            first_run = len(run)
+    if first_run:
+        found[semconv.NUMERICS_SKIPPED_RUN]["detail"] = f"{first_run} consecutive steps skipped (overflow)"
     return found
 
 

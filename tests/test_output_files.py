@@ -230,11 +230,14 @@ def test_a_job_directory_planted_as_a_symlink_is_refused(files, tmp_path, monkey
     # A review: an endpoint that is no URL went to the files with its warning, then "set ... instead", though set.
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "(OTEL_EXPORTER_OTLP_ENDPOINT set, not used for them)"),
     # The traces' own endpoint does not concern the metrics written to files.
-    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://tempo:4318"}, "(set OTEL_EXPORTER_OTLP_ENDPOINT to export")])
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://tempo:4318"}, "(set OTEL_EXPORTER_OTLP_ENDPOINT to export"),
+    # Both exporters for the metrics: the endpoint is used (a code review).
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_METRICS_EXPORTER": "otlp,deepspeed_file"},
+     "(the metrics over OTLP too)")])
 def test_the_announcement_of_the_files_names_an_endpoint_only_where_none_is_set(tmp_path, monkeypatch, capsys, set_,
                                                                                  hint):
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                 "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+                 "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_METRICS_EXPORTER"):
         monkeypatch.delenv(name, raising=False)
     for name, value in set_.items():
         monkeypatch.setenv(name, value)

@@ -120,16 +120,21 @@ def announce(signals: list[str]) -> None:
     if folder is not None and _identity is not None and _identity.rank == 0:
         # An endpoint set for these signals was not taken (not a URL: said above; or their exporter chosen): "set
         # OTEL_EXPORTER_OTLP_ENDPOINT ... instead" misled where it was set.
-        named = sorted({name for signal in signals for name in env.OTLP_ENDPOINTS.get(signal, ())
+        also = [signal for signal in signals if "otlp" in _exporters(signal)]
+        named = sorted({name for signal in signals if signal not in also for name in env.OTLP_ENDPOINTS.get(signal, ())
                         if os.environ.get(name, "").strip()})
-        hint = (f"{' and '.join(named)} set, not used for them" if named
-                else "set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead")
+        hint = (f"{' and '.join(named)} set, not used for them" if named else f"the {' and '.join(also)} over OTLP "
+                "too" if also else "set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead")
         print(
             f"opentelemetry-instrumentation-deepspeed: writing {' and '.join(signals)} of job {_identity.job_id} "
             f"as OTLP JSON lines to {folder}/ ({hint})",
             file=sys.stderr,
             flush=True,
         )
+
+
+def _exporters(signal: str) -> list[str]:
+    return [name.strip() for name in os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").split(",")]
 
 
 def reset() -> None:

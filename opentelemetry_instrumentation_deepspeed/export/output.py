@@ -123,8 +123,12 @@ def announce(signals: list[str]) -> None:
         also = [signal for signal in signals if "otlp" in _exporters(signal)]
         named = sorted({name for signal in signals if signal not in also for name in env.OTLP_ENDPOINTS.get(signal, ())
                         if os.environ.get(name, "").strip()})
-        hint = (f"{' and '.join(named)} set, not used for them" if named else f"the {' and '.join(also)} over OTLP "
-                "too" if also else "set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead")
+        if named:
+            hint = f"{' and '.join(named)} set, not used for them"
+        elif also:
+            hint = f"the {' and '.join(also)} over OTLP too"
+        else:
+            hint = "set OTEL_EXPORTER_OTLP_ENDPOINT to export over OTLP instead"
         print(
             f"opentelemetry-instrumentation-deepspeed: writing {' and '.join(signals)} of job {_identity.job_id} "
             f"as OTLP JSON lines to {folder}/ ({hint})",

@@ -71,6 +71,34 @@ def test_drops_and_failed_exports_are_counted_and_reported_once(ledger, caplog):
     meter_provider.shutdown()
 
 
+def test_a_fault_in_the_counting_turns_it_off_and_the_batches_are_exported_all_the_same(ledger, monkeypatch, caplog):
+    """A review: an exception in our count of a batch's metric points lost every metric export of the run, with the
+    SDK's traceback and no word of ours."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from opentelemetry_instrumentation_deepspeed.runtime.safety import Component
+
+    monkeypatch.setattr(delivery, "_counting", Component("telemetry delivery counting"), raising=False)
+    inner = InMemorySpanExporter()
+
+    def broken(_batch):
+        raise ValueError("a count that fails")
+
+    counting = delivery._CountingExporter(inner, "test", delivery.LEDGER.spans, broken,
+                                          success=SpanExportResult.SUCCESS, failure=SpanExportResult.FAILURE)
+    tracer_provider = TracerProvider()
+    spans = []
+    for name in ("first", "second"):
+        span = tracer_provider.get_tracer("test").start_span(name)
+        span.end()
+        spans.append(span)
+    with caplog.at_level(logging.ERROR):
+        assert counting.export([spans[0]]) == SpanExportResult.SUCCESS
+        assert counting.export([spans[1]]) == SpanExportResult.SUCCESS
+    assert [span.name for span in inner.get_finished_spans()] == ["first", "second"]
+    assert sum("telemetry delivery counting" in record.getMessage() for record in caplog.records) == 1
+
+
 def test_nothing_lost_nothing_said(ledger):
     assert delivery.summary() is None
 

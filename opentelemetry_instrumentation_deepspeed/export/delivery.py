@@ -80,6 +80,9 @@ def _error_type(result_or_error) -> str:
     return "export_failed"
 
 
+_counting = Component("telemetry delivery counting")
+
+
 class _CountingExporter:
     """Wraps an exporter: every other attribute is the wrapped one's, so readers and processors see no change.
     It exports only from the process that set it up (see lifecycle: forked children)."""
@@ -100,7 +103,13 @@ class _CountingExporter:
     def export(self, batch, *args, **kwargs):
         if os.getpid() != self._pid:  # a forked child's copy of the rank's telemetry: not its to send
             return self._success
-        count = self._count_items(batch)
+        if _counting.broken:
+            return self._inner.export(batch, *args, **kwargs)
+        try:
+            count = self._count_items(batch)
+        except Exception:  # noqa: BLE001 - ours: the counting turns off, the batch is exported all the same (a review:
+            _counting.fail("delivery count")  # every metric export was lost, and no line said so)
+            return self._inner.export(batch, *args, **kwargs)
         with self._lock:
             if self.settled:  # counted as lost when the exit settled: the process is going away
                 return self._failure
@@ -118,8 +127,11 @@ class _CountingExporter:
     def _returned(self, call: int, error: str) -> None:
         with self._lock:
             count = self._in_flight.pop(call, None)
-        if count is not None:  # else: counted as lost when the exit settled
-            LEDGER.add(self._table, self._component, count, error)
+        if count is not None and not _counting.broken:  # else: counted as lost when the exit settled
+            try:
+                LEDGER.add(self._table, self._component, count, error)
+            except Exception:  # noqa: BLE001 - ours: the result goes back to the SDK all the same
+                _counting.fail("delivery ledger")
 
     def settle(self) -> int:
         """Count what is in an export that has not returned as lost, and export nothing more: how many."""

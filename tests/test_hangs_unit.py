@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import logging
 import threading
 import time
 import weakref
@@ -1022,3 +1023,17 @@ def test_a_ctrl_c_the_program_went_on_from_leaves_no_stack_for_a_later_signal(mo
         first.set()
         release.set()
         thread.join(10)
+
+
+def test_a_fault_in_the_watchdog_s_own_loop_is_said_once_and_the_watching_stops(monkeypatch, caplog):
+    dog = watchdog.Watchdog(floor=2.0)
+
+    def broken(_seconds):
+        raise RuntimeError("a fault of ours")
+
+    monkeypatch.setattr(dog, "_wait", broken)
+    with caplog.at_level(logging.ERROR):
+        dog._run()  # returns: on its thread, an exception would end it with Python's own message
+    assert dog.broken
+    assert sum("hang watchdog failed in Watchdog._run" in record.getMessage() for record in caplog.records) == 1, \
+        caplog.text

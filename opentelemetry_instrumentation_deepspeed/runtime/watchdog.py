@@ -172,14 +172,17 @@ class Watchdog(Component):
     # -- the watchdog's thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self.broken:
-            signals = self._wait(self.poll)
-            if self.reporting:
-                self.check()
-            else:
-                self._prune()
-            for signum in signals:
-                self._signalled(signum)
+        try:
+            while not self.broken:
+                signals = self._wait(self.poll)
+                if self.reporting:
+                    self.check()
+                else:
+                    self._prune()
+                for signum in signals:
+                    self._signalled(signum)
+        except Exception:  # noqa: BLE001 - ours: said once, the watching stops (a review: the thread died with Python's
+            self.fail("Watchdog._run")  # own "Exception in thread" message, and nothing turned off)
 
     def _wait(self, seconds: float) -> bytes:
         if self._signals is None:

@@ -206,3 +206,52 @@ def test_ctrl_c_during_the_exit_flush_leaves_the_collector_and_says_what_was_los
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
     (line,) = [line for line in stderr.splitlines() if "were not delivered" in line]
     assert "1500 spans" in line and "the exit did not wait for: flush spans" in line and "(a second Ctrl-C)" in line
+
+
+def test_an_exporter_answers_until_an_export_fails_or_waits_a_second(ledger, monkeypatch):
+    """What the exit's flushes are shortened by (lifecycle.UNANSWERED_SECONDS): a collector that refused the last
+    export, or holds one unanswered for STUCK_SECONDS."""
+    import threading
+
+    results = [SpanExportResult.SUCCESS, SpanExportResult.FAILURE, SpanExportResult.SUCCESS]
+    release = threading.Event()
+
+    class Inner(SpanExporter):
+        def export(self, spans):
+            if not results:
+                release.wait(10)  # a black hole
+                return SpanExportResult.FAILURE
+            return results.pop(0)
+
+    counting = delivery._CountingExporter(Inner(), "test", delivery.LEDGER.spans, len,
+                                          success=SpanExportResult.SUCCESS, failure=SpanExportResult.FAILURE)
+    assert counting.answering() is None and not delivery._silent([counting])
+    answers = []
+    for _ in range(3):
+        counting.export([])
+        answers.append(counting.answering())
+    assert answers == [True, False, True]
+    clock = [1000.0]
+    monkeypatch.setattr(delivery.time, "monotonic", lambda: clock[0])
+    stuck = threading.Thread(target=counting.export, args=([],))
+    stuck.start()
+    try:
+        for _ in range(100):  # until the export has started
+            if counting._since:
+                break
+            release.wait(0.01)
+        assert counting.answering() is True, "an export under way for less than STUCK_SECONDS"
+        clock[0] += delivery.STUCK_SECONDS
+        assert counting.answering() is False and delivery._silent([counting])
+
+        class File(SpanExporter):
+            def export(self, spans):
+                return SpanExportResult.SUCCESS
+
+        answered = delivery._CountingExporter(File(), "file", delivery.LEDGER.spans, len,
+                                              success=SpanExportResult.SUCCESS, failure=SpanExportResult.FAILURE)
+        answered.export([])
+        assert not delivery._silent([counting, answered]), "another exporter of the signal answers: a full share"
+    finally:
+        release.set()
+        stuck.join(10)

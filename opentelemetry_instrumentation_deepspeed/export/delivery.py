@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections import Counter
 
 from opentelemetry_instrumentation_deepspeed import semconv
@@ -81,6 +82,7 @@ def _error_type(result_or_error) -> str:
 
 
 _counting = Component("telemetry delivery counting")
+STUCK_SECONDS = 1.0  # an export waiting this long for its answer: the collector does not answer (a healthy one: ms)
 
 
 class _CountingExporter:
@@ -97,6 +99,8 @@ class _CountingExporter:
         self._failure = failure
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}  # export call -> its item count, until it returns
+        self._since: dict[int, float] = {}  # export call -> when it started, until it returns
+        self._failed: bool | None = None  # the last export that returned failed (None: none returned yet)
         self._calls = 0
         self.settled = False  # set at exit: nothing more is exported or counted
 
@@ -116,6 +120,7 @@ class _CountingExporter:
             self._calls += 1
             call = self._calls
             self._in_flight[call] = count
+            self._since[call] = time.monotonic()
         try:
             result = self._inner.export(batch, *args, **kwargs)
         except Exception as error:  # an exporter that raises loses the batch like one that fails
@@ -124,8 +129,19 @@ class _CountingExporter:
         self._returned(call, "" if result == self._success else _error_type(result))
         return result
 
+    def answering(self) -> bool | None:
+        """Whether the collector answers: False where the last export failed or one has waited STUCK_SECONDS for its
+        answer; None where no export has been tried."""
+        with self._lock:
+            oldest = min(self._since.values(), default=None)
+        if oldest is not None and time.monotonic() - oldest >= STUCK_SECONDS:
+            return False
+        return None if self._failed is None else not self._failed
+
     def _returned(self, call: int, error: str) -> None:
         with self._lock:
+            self._since.pop(call, None)
+            self._failed = bool(error)
             count = self._in_flight.pop(call, None)
         if count is not None and not _counting.broken:  # else: counted as lost when the exit settled
             try:
@@ -139,6 +155,7 @@ class _CountingExporter:
             self.settled = True
             unreturned = sum(self._in_flight.values())
             self._in_flight.clear()
+            self._since.clear()
         LEDGER.add(self._table, self._component, unreturned, EXIT_TIMEOUT)
         return unreturned
 
@@ -207,8 +224,19 @@ def watch(tracer_provider, meter_provider) -> None:
         sdk.swap_metric_exporter(reader, counting)
         _point_pipes.append(counting)
 
+    spans = [counting for _processor, _component, counting in _span_pipes]
+    lifecycle.unanswered_when(lifecycle.FLUSH_SPANS, lambda: _silent(spans))
+    # No metric export yet (a job shorter than the export interval): the spans' collector is theirs too, as a rule.
+    lifecycle.unanswered_when(lifecycle.FLUSH_METRICS, lambda: _silent(_point_pipes) or (
+        all(counting.answering() is None for counting in _point_pipes) and _silent(spans)))
     if not _sdk_reports_itself() and hasattr(meter_provider, "get_meter"):
         _observe(meter_provider)
+
+
+def _silent(pipes: list[_CountingExporter]) -> bool:
+    """Some of these exporters were tried, and none of those answers."""
+    known = [answering for answering in (counting.answering() for counting in pipes) if answering is not None]
+    return bool(known) and not any(known)
 
 
 # What watch() wrapped: (batch span processor, its component name, its counting exporter); counting metric exporters.

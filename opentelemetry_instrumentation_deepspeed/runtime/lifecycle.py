@@ -14,7 +14,8 @@ its handlers under a stage, and the order is the list's, not the order of regist
   ``OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT`` seconds (5) of the start of exit, or of the SIGTERM. Each
   stage that waits on something outside the process (draining, the flushes, the last scrape) runs
   on a thread of its own and has until a share of that time (``_ENDS_BY``): the SDK is asked to
-  give up by then, and a stage that has not ended is left behind. The stage after each flush
+  give up by then, and a stage that has not ended is left behind; a flush to a collector that has
+  stopped answering (``unanswered_when``) gets ``UNANSWERED_SECONDS``. The stage after each flush
   counts what it left undelivered (queued, or in an export that never returned) as lost, so the
   metrics and the summary line, which come after the last flush attempt, count every span and
   point exactly. Ctrl-C while they run (on the main thread) leaves the stages that wait on the
@@ -91,6 +92,11 @@ EXIT_ORDER = (STOP_PROFILER, STOP_CLOCK, REPORT_HANGS, CLOSE_OPEN_STEPS, DRAIN, 
 # exiting thread. The last quarter is left for the report and the interpreter's own exit, which
 # takes seconds longer on a loaded machine than an uninstrumented process's.
 _ENDS_BY = {DRAIN: 0.25, FLUSH_SPANS: 0.4, FINAL_SCRAPE: 0.45, FLUSH_METRICS: 0.7, FLUSH_LOGS: 0.75}
+# A flush to a collector that has stopped answering (delivery.py says) gets this long: no more than a healthy one
+# needs. Each rank's full share added up along a job's crash: the failing rank's exit held back the launcher's
+# SIGTERM to the others, whose exit then took its share again (a review: 7.6 s, against the 5 s bound).
+UNANSWERED_SECONDS = 0.5
+_unanswered: dict[str, Callable[[], bool]] = {}
 
 # Stages in a forked child (a DataLoader worker), in the order they run.
 RESEED_IDS = "reseed ids"  # the id generator's own random source: else the child repeats the parent's ids
@@ -181,6 +187,11 @@ def _wire() -> None:
     in_forked_child(STOP_SDK, _stop_sdk)
 
 
+def unanswered_when(stage: str, collector_silent: Callable[[], bool]) -> None:
+    """``stage``'s flush gets UNANSWERED_SECONDS at most where ``collector_silent()`` as it starts."""
+    _unanswered[stage] = collector_silent
+
+
 def allow_extra_exit_time(seconds: float) -> None:
     """A wait at exit the user configured (the last Prometheus scrape): the stages from it on get that much more."""
     global _extra_seconds  # noqa: PLW0603
@@ -214,6 +225,8 @@ def finish(reason: str, spent: float = 0.0) -> None:
                         cut_short.append(stage)
                 else:
                     _deadline = started + share * budget + extra
+                    if _silent(stage):
+                        _deadline = min(_deadline, time.monotonic() + UNANSWERED_SECONDS)
                     _run_bounded(stage, reason)
             except KeyboardInterrupt:
                 # Ctrl-C again while the telemetry is flushed: whoever pressed it will not wait for the collector.
@@ -268,6 +281,15 @@ def _no_wakeup() -> None:
 def handles_sigterm() -> bool:
     """SIGTERM runs this module's exit stages (its handler is installed)."""
     return signal.getsignal(signal.SIGTERM) is _on_sigterm
+
+
+def _silent(stage: str) -> bool:
+    silent = _unanswered.get(stage)
+    try:
+        return silent is not None and silent()
+    except Exception:  # the process is exiting: the stage gets its full share
+        _logger.debug("Cannot tell whether the collector answers", exc_info=True)
+        return False
 
 
 def _run_bounded(stage: str, reason: str) -> None:

@@ -297,6 +297,14 @@ def test_the_tables_cover_every_variable_of_ours():
     assert {reader for reader, _ in VARIABLES.values()} == set(env._READERS)
 
 
+def assert_names_the_default(message: str, default) -> None:
+    if default is None:  # what the default is, in words: not "None" (a review)
+        assert "; using the default: " in message and "None" not in message, message
+    else:  # a boolean as it is written: 'true'
+        said = str(default).lower() if isinstance(default, bool) else default
+        assert message.endswith(f"using the default {said!r}."), message
+
+
 @pytest.mark.parametrize(("name", "raw", "expected"), CASES)
 def test_garbage_empty_and_extreme_values(our_variables, caplog, name, raw, expected):
     reader, default = VARIABLES[name]
@@ -309,11 +317,7 @@ def test_garbage_empty_and_extreme_values(our_variables, caplog, name, raw, expe
         assert first == second == default
         (message,) = warnings
         assert message.startswith(f"{name}={raw!r} is not valid (")
-        if default is None:  # what the default is, in words: not "None"
-            assert "; using the default: " in message and "None" not in message, message
-        else:  # a boolean as it is written: 'true'
-            said = str(default).lower() if isinstance(default, bool) else default
-            assert message.endswith(f"default {said!r}."), message
+        assert_names_the_default(message, default)
     else:
         assert first == second == expected
         assert warnings == []
@@ -360,7 +364,7 @@ def test_every_variable_garbage_at_once_trains_and_traces(runs_dir):
             _, default = VARIABLES[name]
             assert len(warnings) == 1, (name, warnings)
             assert warnings[0].startswith(f"{name}={raw!r} is not valid (")
-            assert warnings[0].endswith(f"using the default {default!r}.")
+            assert_names_the_default(warnings[0], default)
     assert "Traceback" not in run.stderr
     assert [path.name for path in run.trace_files] == ["traces-rank0.jsonl"]
     assert run.trace_files[0].parent.parent == workdir / "telemetry"

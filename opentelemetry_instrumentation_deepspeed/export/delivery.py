@@ -27,7 +27,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections import Counter
 
 from opentelemetry_instrumentation_deepspeed import semconv
@@ -82,7 +81,6 @@ def _error_type(result_or_error) -> str:
 
 
 _counting = Component("telemetry delivery counting")
-STUCK_SECONDS = 1.0  # an export waiting this long for its answer: the collector does not answer (a healthy one: ms)
 
 
 class _CountingExporter:
@@ -99,7 +97,6 @@ class _CountingExporter:
         self._failure = failure
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}  # export call -> its item count, until it returns
-        self._since: dict[int, float] = {}  # export call -> when it started, until it returns
         self._failed: bool | None = None  # the last export that returned failed (None: none returned yet)
         self._calls = 0
         self.settled = False  # set at exit: nothing more is exported or counted
@@ -120,7 +117,6 @@ class _CountingExporter:
             self._calls += 1
             call = self._calls
             self._in_flight[call] = count
-            self._since[call] = time.monotonic()
         try:
             result = self._inner.export(batch, *args, **kwargs)
         except Exception as error:  # an exporter that raises loses the batch like one that fails
@@ -130,17 +126,12 @@ class _CountingExporter:
         return result
 
     def answering(self) -> bool | None:
-        """Whether the collector answers: False where the last export failed or one has waited STUCK_SECONDS for its
-        answer; None where no export has been tried."""
-        with self._lock:
-            oldest = min(self._since.values(), default=None)
-        if oldest is not None and time.monotonic() - oldest >= STUCK_SECONDS:
-            return False
+        """Whether the collector answers: False where the last export failed; None where none has returned. (One
+        under way for long is no sign: a slow collector's answer comes, and the exit gives it its share.)"""
         return None if self._failed is None else not self._failed
 
     def _returned(self, call: int, error: str) -> None:
         with self._lock:
-            self._since.pop(call, None)
             self._failed = bool(error)
             count = self._in_flight.pop(call, None)
         if count is not None and not _counting.broken:  # else: counted as lost when the exit settled
@@ -155,7 +146,6 @@ class _CountingExporter:
             self.settled = True
             unreturned = sum(self._in_flight.values())
             self._in_flight.clear()
-            self._since.clear()
         LEDGER.add(self._table, self._component, unreturned, EXIT_TIMEOUT)
         return unreturned
 
@@ -234,9 +224,10 @@ def watch(tracer_provider, meter_provider) -> None:
 
 
 def _silent(pipes: list[_CountingExporter]) -> bool:
-    """Some of these exporters were tried, and none of those answers."""
+    """Some of these exporters were tried, and none of those answers; or none returned yet, and an exporter warned
+    (a job that ends within its first exports: a refused connection's retries)."""
     known = [answering for answering in (counting.answering() for counting in pipes) if answering is not None]
-    return bool(known) and not any(known)
+    return not any(known) if known else _exporter_warned
 
 
 # What watch() wrapped: (batch span processor, its component name, its counting exporter); counting metric exporters.
@@ -286,16 +277,21 @@ def _observe(meter_provider) -> None:
 
 
 class _OncePerLogger(logging.Filter):
-    """Lets a logger's first warning through and counts the rest, for the summary at exit."""
+    """Lets a logger's first warning through and counts the rest, for the summary at exit; an exporter's warning (a
+    retry, a failed export) says its collector does not answer, before any export returned."""
 
-    def __init__(self):
+    def __init__(self, exporter: bool = False):
         super().__init__()
         self.seen = False
         self.suppressed = 0
+        self.exporter = exporter
 
     def filter(self, record: logging.LogRecord) -> bool:
+        global _exporter_warned  # noqa: PLW0603 - one process, one set of exporters
         if record.levelno < logging.WARNING:
             return True
+        if self.exporter:
+            _exporter_warned = True
         if not self.seen:
             self.seen = True
             record.msg = f"{record.msg} (further messages like this are counted, and summarized at exit)"
@@ -307,9 +303,12 @@ class _OncePerLogger(logging.Filter):
 _filters: list[_OncePerLogger] = []
 
 
+_exporter_warned = False  # an exporter warned (a retry, a failed export): _silent's evidence before any answer
+
+
 def quiet_repeated_warnings() -> None:
     for name in _NOISY_LOGGERS:
-        log_filter = _OncePerLogger()
+        log_filter = _OncePerLogger(exporter=name in sdk.EXPORTER_LOGGERS)
         logging.getLogger(name).addFilter(log_filter)
         _filters.append(log_filter)
 

@@ -222,14 +222,14 @@ def queued_spans(processor) -> int:
 # -- delivery accounting ---------------------------------------------------------------------------
 
 # Loggers that warn once per failed batch, or once per dropped span (named for the SDK's modules).
-EXPORT_WARNING_LOGGERS = (
+EXPORTER_LOGGERS = (  # their warnings: an export that failed or is retried
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
     "opentelemetry.exporter.otlp.proto.http.metric_exporter",
     "opentelemetry.exporter.otlp.proto.http._log_exporter",
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
-    "opentelemetry.sdk._shared_internal",
     "opentelemetry.sdk.metrics._internal.export",
 )
+EXPORT_WARNING_LOGGERS = (*EXPORTER_LOGGERS, "opentelemetry.sdk._shared_internal")  # and the batch queue's
 
 
 def span_processors(tracer_provider) -> tuple:

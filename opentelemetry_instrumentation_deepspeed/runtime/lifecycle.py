@@ -92,10 +92,11 @@ EXIT_ORDER = (STOP_PROFILER, STOP_CLOCK, REPORT_HANGS, CLOSE_OPEN_STEPS, DRAIN, 
 # exiting thread. The last quarter is left for the report and the interpreter's own exit, which
 # takes seconds longer on a loaded machine than an uninstrumented process's.
 _ENDS_BY = {DRAIN: 0.25, FLUSH_SPANS: 0.4, FINAL_SCRAPE: 0.45, FLUSH_METRICS: 0.7, FLUSH_LOGS: 0.75}
-# A flush to a collector that has stopped answering (delivery.py says) gets this long: no more than a healthy one
-# needs. Each rank's full share added up along a job's crash: the failing rank's exit held back the launcher's
-# SIGTERM to the others, whose exit then took its share again (a review: 7.6 s, against the 5 s bound).
+# A flush to a collector that does not answer (delivery.py says) gets this long: no more than a healthy one needs.
+# Each rank's full share added up along a job's crash: the failing rank's exit held back the launcher's SIGTERM to
+# the others, whose exit then took its share again (a review: 7.6 s, against the 5 s bound).
 UNANSWERED_SECONDS = 0.5
+UNANSWERED_POLL_SECONDS = 0.05  # how often a running flush looks whether its collector answers
 _unanswered: dict[str, Callable[[], bool]] = {}
 
 # Stages in a forked child (a DataLoader worker), in the order they run.
@@ -225,8 +226,6 @@ def finish(reason: str, spent: float = 0.0) -> None:
                         cut_short.append(stage)
                 else:
                     _deadline = started + share * budget + extra
-                    if _silent(stage):
-                        _deadline = min(_deadline, time.monotonic() + UNANSWERED_SECONDS)
                     _run_bounded(stage, reason)
             except KeyboardInterrupt:
                 # Ctrl-C again while the telemetry is flushed: whoever pressed it will not wait for the collector.
@@ -293,12 +292,19 @@ def _silent(stage: str) -> bool:
 
 
 def _run_bounded(stage: str, reason: str) -> None:
+    global _deadline
     if not _at_exit[stage]:
         return
     worker = threading.Thread(target=_run_exit_stage, args=(stage, reason), daemon=True,
                               name=f"otel-deepspeed-exit: {stage}")
     worker.start()
-    worker.join(time_left())
+    shortened = stage not in _unanswered
+    while worker.is_alive() and time_left() > 0:
+        # Looked at again as the flush runs: a job shorter than its first export learns only now that the collector
+        # refuses (the exporter's first retry).
+        worker.join(min(time_left(), UNANSWERED_POLL_SECONDS))
+        if not shortened and worker.is_alive() and _silent(stage):
+            shortened, _deadline = True, min(_deadline, time.monotonic() + UNANSWERED_SECONDS)
     if worker.is_alive():  # left behind: a daemon thread, which the interpreter does not wait for
         cut_short.append(stage)
 

@@ -189,7 +189,7 @@ def _wire() -> None:
 
 
 def unanswered_when(stage: str, collector_silent: Callable[[], bool]) -> None:
-    """``stage``'s flush gets UNANSWERED_SECONDS at most where ``collector_silent()`` as it starts."""
+    """``stage``'s flush gets UNANSWERED_SECONDS more at most once ``collector_silent()``, looked at as it runs."""
     _unanswered[stage] = collector_silent
 
 

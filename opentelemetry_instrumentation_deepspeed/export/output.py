@@ -120,7 +120,7 @@ def announce(signals: list[str]) -> None:
     if folder is not None and _identity is not None and _identity.rank == 0:
         # An endpoint set for these signals was not taken (not a URL: said above; or their exporter chosen): "set
         # OTEL_EXPORTER_OTLP_ENDPOINT ... instead" misled where it was set.
-        also = [signal for signal in signals if "otlp" in _exporters(signal)]
+        also = [signal for signal in signals if "otlp" in env.exporters(signal)]
         named = sorted({name for signal in signals if signal not in also for name in env.OTLP_ENDPOINTS.get(signal, ())
                         if os.environ.get(name, "").strip()})
         if named:
@@ -135,10 +135,6 @@ def announce(signals: list[str]) -> None:
             file=sys.stderr,
             flush=True,
         )
-
-
-def _exporters(signal: str) -> list[str]:
-    return [name.strip() for name in os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").split(",")]
 
 
 def reset() -> None:

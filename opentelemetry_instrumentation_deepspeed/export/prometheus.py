@@ -19,7 +19,7 @@ DEFAULT_PORT = 9464
 
 
 def in_use() -> bool:
-    return "prometheus" in [name.strip() for name in os.environ.get("OTEL_METRICS_EXPORTER", "").split(",")]
+    return "prometheus" in env.exporters("metrics")
 
 
 def assign_port(local_rank: int) -> int:

@@ -448,6 +448,11 @@ OTLP_ENDPOINTS = {signal: (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTE
 _GRPC_TARGET = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}|(?:dns|unix|unix-abstract|ipv4|ipv6):\S+")
 
 
+def exporters(signal: str) -> list[str]:
+    """The exporter names ``OTEL_<SIGNAL>_EXPORTER`` lists ("traces", "metrics", "logs"), as the SDK splits them."""
+    return [name.strip() for name in os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").split(",")]
+
+
 def unusable_otlp_endpoint(signal: str) -> tuple[str, str, str] | None:
     """(variable, value, why) when the endpoint the OTLP exporter of ``signal`` would use cannot be
     reached by any retry (a malformed URL, which the exporters treat as a transient failure); else None."""

@@ -136,7 +136,7 @@ def _leave_unusable_endpoints() -> None:
     until its timeout and lost, and the variable is never named."""
     unusable: dict[tuple[str, str, str], list[str]] = {}  # (variable, value, why) -> its signals
     for signal, variable in (*_EXPORTER_VARIABLES, ("logs", "OTEL_LOGS_EXPORTER")):
-        names = [name.strip() for name in os.environ.get(variable, "").split(",")]
+        names = env.exporters(signal)
         problem = env.unusable_otlp_endpoint(signal) if "otlp" in names else None
         if problem is None:
             continue

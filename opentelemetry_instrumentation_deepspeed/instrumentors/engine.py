@@ -152,18 +152,16 @@ def _forward(forward):
         recorder = registry._by_id.get(id(self))
         if recorder is None or recorder.broken:
             return forward(self, *args, **kwargs)
-        # DeepSpeed's own eval() and train() set the mode of the module it wraps, not its own: an evaluation through
-        # engine.eval() under no_grad read as training (a review: its batch counted in the next step's, and every
-        # step's after). With gradients, the wrapped module's eval mode is training without dropout (a code review).
-        # Read from _modules: the attribute goes through nn.Module.__getattr__, ten times slower.
-        module = self._modules.get("module")
-        grad = sys.modules["torch"].is_grad_enabled()
-        training = self.training and (grad or module is None or module.training)
-        if not (training and grad):
+        if not (self.training and sys.modules["torch"].is_grad_enabled()):
             # No phase. An evaluation (eval mode) was fed by the waits since the last step; passes without
             # gradients in training mode are an evaluation loop's where a fetch comes between two of them, else a
-            # pseudo-labelling pass (or a probe) on what the step trains on next.
-            if training:
+            # pseudo-labelling pass (or a probe) on what the step trains on next. DeepSpeed's own eval() and train()
+            # set the mode of the module it wraps, not its own: an evaluation through engine.eval() read as such a
+            # pass (a review: its batch counted in the next step's, and every step's after). With gradients, the
+            # wrapped module's eval mode is training without dropout (a code review), so it is read only here, from
+            # _modules (the attribute goes through nn.Module.__getattr__, ten times slower).
+            module = self._modules.get("module")
+            if self.training and (module is None or module.training):
                 recorder.without_gradients()
             else:
                 recorder.not_training()

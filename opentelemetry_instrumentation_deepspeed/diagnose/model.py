@@ -218,29 +218,31 @@ def _anomalies(steps: dict) -> dict:
     watch = NumericsWatch(scaled=first_step.get(semconv.TRAINING_PRECISION) not in UNSCALED)
     found: dict = {}
     run: list = []  # the skipped steps in a row up to this one: (number, trace id)
-    in_finding = False  # that run was found: its later steps join the finding
-    first_run = 0  # the first run found, as long as it went on (its steps, counted: a step's span may be missing)
+    reported: list = []  # the run of the latest skipped-run finding: its later steps join the finding as they come
+    first: list = []  # the first run found, as long as it went on
     for number in sorted(steps):
         trace_id, _end, attributes, _earlier = steps[number]
         loss, grad_norm = attributes.get(semconv.TRAINING_LOSS), attributes.get(semconv.TRAINING_GRAD_NORM)
         skipped = bool(attributes.get(semconv.TRAINING_STEP_SKIPPED))
-        run = [*run, (number, trace_id)] if skipped else []
-        kinds = watch.step(loss, grad_norm, skipped)
-        for kind, detail in kinds:
+        if skipped:
+            run.append((number, trace_id))
+        else:
+            run = []
+        entry = found.get(semconv.NUMERICS_SKIPPED_RUN)
+        if skipped and reported is run:
+            entry["steps"].append(number)
+            entry["trace_ids"].append(trace_id)
+        for kind, detail in watch.step(loss, grad_norm, skipped):
             # A run of skipped steps is found at its SKIPPED_RUN-th: the finding starts at its first (a review: "at
             # step 14: 3 consecutive" for steps 12-15, costed as one step).
             taken = run if kind == semconv.NUMERICS_SKIPPED_RUN else [(number, trace_id)]
             entry = found.setdefault(kind, {"step": taken[0][0], "detail": detail, "steps": [], "trace_ids": []})
             entry["steps"] += [step for step, _trace in taken]
             entry["trace_ids"] += [trace for _step, trace in taken]
-        if in_finding and skipped:
-            found[semconv.NUMERICS_SKIPPED_RUN]["steps"].append(number)
-            found[semconv.NUMERICS_SKIPPED_RUN]["trace_ids"].append(trace_id)
-        in_finding = skipped and (in_finding or any(kind == semconv.NUMERICS_SKIPPED_RUN for kind, _ in kinds))
-        if in_finding and len(found[semconv.NUMERICS_SKIPPED_RUN]["steps"]) == len(run):
-            first_run = len(run)
-    if first_run:
-        found[semconv.NUMERICS_SKIPPED_RUN]["detail"] = f"{first_run} consecutive steps skipped (overflow)"
+            if kind == semconv.NUMERICS_SKIPPED_RUN:
+                reported, first = run, first or run
+    if first:
+        found[semconv.NUMERICS_SKIPPED_RUN]["detail"] = f"{len(first)} consecutive steps skipped (overflow)"
     return found
 
 

@@ -60,6 +60,7 @@ class Expected:
     phase: str | None = None  # the part of the late rank's step that made it late
     step: int | None = None  # the step of a change point, a hang or a desync
     stall: tuple | None = None  # a second fault, found too: (rank, period) of a loader stall at offset 0
+    until: int | None = None  # a stretch's last step (its first: ``step``)
 
 
 @dataclass
@@ -243,7 +244,7 @@ def draw_input_spell(rng: random.Random) -> Draw:
         args += ["--shift-rank", str(rank)]
     if rng.random() < 0.5:
         args.append("--padding")
-    return Draw(args, Expected("INPUT", rank=rank, step=start, offset=until))
+    return Draw(args, Expected("INPUT", rank=rank, step=start, until=until))
 
 
 def draw_input_shift_busy(rng: random.Random) -> Draw:
@@ -318,12 +319,12 @@ def judge_change(report: dict, expected: Expected) -> dict[str, bool]:
 
 
 def judge_spell(report: dict, expected: Expected) -> dict[str, bool]:
-    """A stretch of longer sequences: its first step and its last (``offset``) exact, and the rank it is on."""
+    """A stretch of longer sequences: its first step and its last exact, and the rank it is on."""
     verdict = report["verdict"]
     layer = verdict["layer"] == "INPUT"
     return {"layer": layer, "rank": layer and verdict.get("rank") == expected.rank,
             "pattern": layer and (verdict.get("change_step"), verdict.get("until_step")) == (expected.step,
-                                                                                                expected.offset)}
+                                                                                                expected.until)}
 
 
 def judge_hang(report: dict, expected: Expected) -> dict[str, bool]:

@@ -39,6 +39,16 @@ def test_an_attention_mask_gives_the_real_tokens():
     assert counted(UserDict({"input_ids": ids, "attention_mask": mask.bool()})) == (3, 8, 16)
 
 
+def test_a_float_mask_gives_the_real_tokens_whether_it_multiplies_or_adds():
+    ids, mask = padded_batch([3, 8, 5], 8)
+    assert counted({"input_ids": ids, "attention_mask": mask.float()}) == (3, 8, 16)
+    # Additive: 0 where attended, a large negative number (or -inf) at the padding.
+    for masked in (torch.finfo(torch.float32).min, float("-inf"), -1e4):
+        additive = torch.zeros(3, 8).masked_fill(mask == 0, masked)
+        assert counted({"input_ids": ids, "attention_mask": additive}) == (3, 8, 16)
+    assert counted({"input_ids": ids, "attention_mask": torch.zeros(3, 8)}) == (3, 8, 24), "additive, no padding"
+
+
 def test_a_padding_id_gives_the_real_tokens_when_there_is_no_mask():
     ids, _mask = padded_batch([2, 4], 6)
     assert counted({"input_ids": ids}, pad_token_id=0) == (2, 6, 6)

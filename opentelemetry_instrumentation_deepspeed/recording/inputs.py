@@ -59,7 +59,7 @@ def left_loader(recorder, batch) -> None:
             recorder.inputs.append(None)
             return
         if mask is not None and getattr(mask, "shape", None) == shape and hasattr(mask, "is_cpu"):  # a torch mask
-            tokens = int(mask.count_nonzero()) if mask.is_cpu else None
+            tokens = _attended(mask) if mask.is_cpu else None
         elif recorder.pad_token_id is not None:
             tokens = padded - int((ids == recorder.pad_token_id).count_nonzero()) if ids.is_cpu else None
         else:
@@ -67,6 +67,22 @@ def left_loader(recorder, batch) -> None:
         recorder.inputs.append((samples, length, tokens))
     except Exception:  # noqa: BLE001 - a batch of a kind not foreseen: counting stops, training goes on
         _unreadable(recorder, ids)
+
+
+def _attended(mask) -> int:
+    """The entries of a 2-D attention mask that are attended to.
+
+    Integer and boolean masks, and float masks of 1s and 0s, mark them non-zero. An additive float mask (0 where
+    attended, a large negative number or -inf where not) is told apart by its negative entries: its zeros are; all
+    zeros, it is one without padding (a mask that attends to nothing would be no batch at all).
+    """
+    attended = int(mask.count_nonzero())
+    if mask.is_floating_point():
+        if attended == 0:
+            return mask.numel()
+        if bool((mask < 0).any()):
+            return int((mask == 0).count_nonzero())
+    return attended
 
 
 def _unreadable(recorder, ids) -> None:

@@ -47,6 +47,18 @@ def test_loss_and_grad_norm_are_what_the_script_prints_to_the_bit(spiked):
             assert attributes["training.grad_norm"] == norm, (rank, number)
 
 
+def test_a_direct_backward_s_loss_is_the_tensor_it_was_called_on(tmp_path):
+    """``loss.backward()`` on a loss the loop transformed after the engine's forward (here x8 at step 6): the loss
+    the step reports is that tensor's, as the loop prints it, not the forward's output."""
+    run = launch(tmp_path, "python", "--steps", "8", "--zero-stage", "2", "--grad-accum", "2",
+                 "--backward", "direct", "--print-steps", "--inject-loss-spike", "6:0:8").check()
+    printed = {int(step): float(loss) for step, _rank, loss, _norm in PRINTED.findall(run.stdout)}
+    steps = {s.attributes["training.step"]: s.attributes for s in run.spans if s.name == "training.step"}
+    assert sorted(steps) == sorted(printed) == list(range(1, 9))
+    assert all(steps[number]["training.loss"] == loss for number, loss in printed.items())  # to the bit
+    assert steps[6]["training.loss"] > 4 * steps[5]["training.loss"]
+
+
 def test_an_injected_loss_spike_is_named_with_its_rank_step_and_trace(spiked):
     workdir, run = spiked
     report = diagnose(workdir)

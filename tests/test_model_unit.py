@@ -70,6 +70,35 @@ def test_a_direct_backward_takes_the_forwards_scalar_output_without_keeping_it()
     assert kept() is None, "a weak reference: the forward's output dies with the user's last reference"
 
 
+def test_a_direct_backward_takes_the_loss_it_was_called_on_not_the_forwards_output():
+    """DeepSpeed opens a direct backward from a hook on the engine's outputs: here logits, from which the loop made
+    its loss (a criterion, then a scale)."""
+    from opentelemetry_instrumentation_deepspeed.instrumentors import engine as engine_instrumentor
+    from opentelemetry_instrumentation_deepspeed.recording.recorder import BackwardRoot
+
+    recorder, engine, exporter = recorder_on(0)
+    original = torch.autograd.backward
+    weight = torch.tensor(2.0, requires_grad=True)
+    logits = weight * torch.tensor([1.0, 3.0])
+    recorder.forward_ended(recorder.forward_started(engine), logits)
+
+    def deepspeed_prologue(_grad):
+        recorder.backward_started(engine, direct=True)
+
+    logits.register_hook(deepspeed_prologue)
+    engine_instrumentor._follow_backward_roots()
+    try:
+        loss = (logits ** 2).mean() * 8  # 8 x (4 + 36) / 2
+        loss.backward()
+        assert BackwardRoot.tensors is None, "the loss is not kept past its backward"
+    finally:
+        engine_instrumentor._leave_backward_roots()
+    assert torch.autograd.backward is original
+    recorder.direct_backward_ended()
+    engine.step(recorder)
+    assert steps_of(exporter)[0].attributes["training.loss"] == 160.0
+
+
 # -- a CUDA scalar: copied into the pinned ring, read once its event completed ----------------------
 
 

@@ -21,13 +21,15 @@ from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors import pipeline
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
     keep_out_of_compiled_graphs,
+    original_of,
+    replacement,
     unwrap_methods,
     when_imported,
     wrap_methods,
 )
 from opentelemetry_instrumentation_deepspeed.package import _instruments
 from opentelemetry_instrumentation_deepspeed.recording import registry
-from opentelemetry_instrumentation_deepspeed.recording.recorder import StepRecorder
+from opentelemetry_instrumentation_deepspeed.recording.recorder import BackwardRoot, StepRecorder
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.version import __version__
 
@@ -57,6 +59,8 @@ def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
                     recorder.facts.peer_stages = pipeline.peer_stages(self)
                     recorder.pipelined = True
                 registry.track(self, recorder)
+                if getattr(self, "_support_torch_style_backward", False):  # a direct loss.backward() can train it
+                    _follow_backward_roots()
             except Exception:
                 _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                                   "training is not affected")
@@ -64,6 +68,41 @@ def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
         return wrapper
 
     return factory
+
+
+def _autograd_backward(backward):
+    # A backward inside it (reentrant checkpointing's) replaces and clears the root: DeepSpeed's hook, the first of
+    # the pass, has read it by then.
+    def wrapper(*args, **kwargs):
+        BackwardRoot.tensors = args[0] if args else kwargs.get("tensors")
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            BackwardRoot.tensors = None
+
+    return wrapper
+
+
+_backward_roots = None  # our replacement of torch.autograd.backward, once an engine can be trained by a direct one
+
+
+def _follow_backward_roots() -> None:
+    """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) so that a direct backward's loss is the
+    tensor it started from. Not where another replacement of ours is there already (a plain loop's): replacements do
+    not stack, and the loss is then the forward's output, as before."""
+    global _backward_roots  # noqa: PLW0603 - one replacement per process
+    autograd = sys.modules["torch"].autograd
+    if _backward_roots is None and original_of(autograd.backward) is None:
+        _backward_roots = replacement(autograd.backward, _autograd_backward)
+        autograd.backward = _backward_roots
+
+
+def _leave_backward_roots() -> None:
+    global _backward_roots  # noqa: PLW0603
+    autograd = getattr(sys.modules.get("torch"), "autograd", None)
+    if _backward_roots is not None and autograd is not None and autograd.backward is _backward_roots:
+        autograd.backward = original_of(_backward_roots)
+    _backward_roots = None
 
 
 def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
@@ -325,4 +364,5 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         unwrap_methods(getattr(module, "DeepSpeedEngine", None), ["__init__", *_PHASES])
         unwrap_methods(getattr(sys.modules.get(pipeline.MODULE), "PipelineEngine", None), ["__init__", "train_batch"])
         pipeline.restore_schedule()
+        _leave_backward_roots()
         registry.forget_all()

@@ -216,7 +216,10 @@ class StepRecorder(Component):
             return None
         if direct:
             output, self._forward_output = self._forward_output, None
-            loss = None if output is None else output()
+            root = BackwardRoot.tensors
+            # What loss.backward() was called on, when it is a scalar: the loss as the loop made it from the forward's
+            # output (scaled, or a criterion of logits); else the forward's own scalar output.
+            loss = root if getattr(root, "ndim", None) == 0 else None if output is None else output()
         taken = None if loss is None else scalars.take(loss, self._device_scalars)
         if taken is not None:
             self._losses = True
@@ -486,6 +489,16 @@ def _row(next_state: str | None, names: tuple[str, ...], actions: dict) -> tuple
         return None
     return (next_state, tuple(actions[name] for name in names), state.OPEN_STEP in names,
             bool(_ENDS.intersection(names)), state.CLOSE_STEP in names, state.FAIL_STEP in names)
+
+
+class BackwardRoot:
+    """What the running ``torch.autograd.backward`` was called on (``loss.backward()``'s loss), while it runs.
+
+    DeepSpeed starts a direct backward from a hook on the engine's outputs, on autograd's thread (a device's, on
+    CUDA): the hook sees the gradient, never the tensor the backward started from. Set by the training thread, read
+    there; None between backwards (no tensor kept)."""
+
+    tensors = None
 
 
 def _loss_entry(output):

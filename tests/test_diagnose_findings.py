@@ -627,3 +627,20 @@ def test_one_rank_s_input_change_takes_over_that_rank_s_straggler_finding(seed):
                                    if rank == 1 and step >= 15 else {}))
     assert [(f["layer"], f["rank"], f.get("change_step")) for f in report["findings"]] == [("INPUT", 1, 15)]
     assert any("rank 1 is the one the others wait for" in line for line in report["verdict"]["evidence"])
+
+
+def test_the_text_names_the_slowest_step_after_the_first_when_the_first_was_the_longest():
+    from opentelemetry_instrumentation_deepspeed.diagnose.cli import render_text as render
+
+    def render_text(report):
+        return render({**report, "input": {"files": 2, "lines": 1, "spans": 1, "spans_of_job": 1, "gpu_samples": 0,
+                                           "bad_lines": 0, "bad_spans": 0, "problems": []}})
+
+    def extra(rank, step):
+        return {"forward": 40.0 if step == 1 else 12.0 if step == 7 else 0.0}
+
+    text = render_text(analyse(synthetic_job(steps=12, extra=extra)))
+    assert text.count("slowest step after the first 7 (trace ") == 2, text
+    text = render_text(analyse(synthetic_job(steps=12, extra=lambda rank, step: {
+        "forward": 40.0 if step == 7 else 0.0})))
+    assert text.count("slowest step 7 (trace ") == 2, text

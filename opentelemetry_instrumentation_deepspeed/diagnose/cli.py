@@ -116,6 +116,15 @@ def write_json(report: dict, stream=None) -> None:
     stream.write("\n")
 
 
+def _slowest(summary: dict) -> str:
+    slowest = summary.get("slowest")
+    if not slowest:
+        return ""
+    # The first step pays for warm-up and is left out of the slowest (max above counts it).
+    after = " after the first" if slowest["seconds"] < summary["step_seconds"]["max"] else ""
+    return f"; slowest step{after} {slowest['step']} (trace {slowest['trace_id']})"
+
+
 def render_text(report: dict) -> str:
     """The report for a terminal: one line per fact, each escaped by ``printable``."""
     return "\n".join(printable(line) for line in _text_lines(report))
@@ -146,8 +155,7 @@ def _text_lines(report: dict) -> list[str]:
         seconds = summary["step_seconds"]
         lines.append(f"  rank {rank}: {summary['steps']} steps, step p50 {seconds['p50'] * 1e3:.1f} ms, "
                      f"p95 {seconds['p95'] * 1e3:.1f} ms, max {seconds['max'] * 1e3:.1f} ms"
-                     + (f"; slowest step {summary['slowest']['step']} (trace {summary['slowest']['trace_id']})"
-                        if summary.get("slowest") else ""))
+                     + _slowest(summary))
     for stage, summary in (report.get("pipeline") or {}).get("stages", {}).items():  # diagnose/pipeline.py
         lines.append(f"  pipeline stage {stage} (ranks {', '.join(map(str, summary['ranks']))}): compute "
                      f"{summary['compute_seconds'] * 1e3:.1f} ms, bubble {summary['bubble_seconds'] * 1e3:.1f} ms "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import types
 from collections import namedtuple
 
@@ -17,14 +18,24 @@ Memory = namedtuple("Memory", "total used free")
 Process = namedtuple("Process", "pid usedGpuMemory")
 
 
+_NVML_ERRORS = {3: "Not Supported", 6: "Not Found", 9: "Driver Not Loaded", 10: "Timeout", 15: "GPU is lost",
+                16: "GPU requires restart", 999: "Unknown Error"}
+
+
 class NVMLError(Exception):
-    def __init__(self, message="", value=999):
-        super().__init__(message)
+    """As nvidia-ml-py's: made from NVML's return code, which str() names (made from anything else, it fails)."""
+
+    def __init__(self, value):
+        super().__init__(value)
         self.value = value
+
+    def __str__(self):
+        return _NVML_ERRORS.get(self.value, "NVML Error with code %d" % self.value)  # noqa: UP031 - pynvml's own
 
 
 class NotSupported(NVMLError):
-    pass
+    def __init__(self, value=3):
+        super().__init__(value)
 
 
 class GpmSample:
@@ -48,7 +59,7 @@ def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0, gp
     def event_wait(event_set, timeout_ms):
         assert timeout_ms == 0, "collection never waits for an event"
         if not xids:
-            raise NVMLError("Timeout", value=10)
+            raise NVMLError(10)
         return types.SimpleNamespace(eventType=0x8, eventData=xids.pop(0), device=None)
 
     clock = iter(range(1, 10**6))
@@ -69,7 +80,7 @@ def fake_nvml(gpus: int = 1, mig: bool = False, unsupported=(), pid: int = 0, gp
         def call(handle, *args):
             calls.append((name, handle))
             if name in unsupported:
-                raise NotSupported(f"{name}: Not Supported")
+                raise NotSupported()
             return result(handle, *args) if callable(result) else result
         return call
 
@@ -184,10 +195,11 @@ def test_sm_activity_from_gpm_between_collections():
 
 def test_gpu_without_gpm_reports_no_sm_activity(caplog):
     nvml = fake_nvml(gpm=False)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.DEBUG, logger=gpu_metrics.__name__):
         _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
         assert "hw.gpu.sm.activity" not in points() | points()
     assert caplog.text.count("GPM not supported") == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "an A100 has no GPM by design"
 
 
 def test_unsupported_field_reports_nothing_and_warns_once(caplog):
@@ -209,7 +221,7 @@ def test_failure_mid_run_stops_that_field(caplog):
     nvml = fake_nvml()
     _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
     assert "hw.temperature" in points()
-    nvml.nvmlDeviceGetTemperature = lambda handle, kind: (_ for _ in ()).throw(NVMLError("GPU is lost"))
+    nvml.nvmlDeviceGetTemperature = lambda handle, kind: (_ for _ in ()).throw(NVMLError(999))
     gpu_metrics._CACHE_SECONDS, saved = 0.0, gpu_metrics._CACHE_SECONDS
     try:
         with caplog.at_level(logging.WARNING):
@@ -217,12 +229,12 @@ def test_failure_mid_run_stops_that_field(caplog):
     finally:
         gpu_metrics._CACHE_SECONDS = saved
     assert "hw.temperature" not in found and "hw.power" in found
-    assert "GPU is lost" in caplog.text
+    assert "Unknown Error" in caplog.text
 
 
 def test_nvml_missing_or_failing_at_init(caplog):
     broken = fake_nvml()
-    broken.nvmlInit = lambda: (_ for _ in ()).throw(NVMLError("Driver Not Loaded"))
+    broken.nvmlInit = lambda: (_ for _ in ()).throw(NVMLError(9))
     with caplog.at_level(logging.WARNING):
         _, points = collect(lambda meter: gpu_metrics.start(meter, broken, ["GPU-0"]))
     assert not [name for name in points() if name.startswith("hw.")]
@@ -286,3 +298,56 @@ def test_fields_older_gpus_or_pynvml_lack_report_nothing_quietly(caplog):
     assert sorted(a["error.type"] for a, _, _ in found["hw.errors"]) == ["corrected", "uncorrected"]
     assert found["hw.status"], "the state still comes from what is known"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "by design, not worth a warning"
+
+
+def test_a_lost_gpu_is_failed_said_once_and_read_no_more(caplog):
+    nvml = fake_nvml()
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+    assert next(a["hw.state"] for a, v, _ in points()["hw.status"] if v == 1) == "degraded"  # the fake's throttle
+    gpu_metrics._CACHE_SECONDS, saved = 0.0, gpu_metrics._CACHE_SECONDS
+    try:
+        def lost(*_args):
+            raise NVMLError(15)
+
+        for name in vars(nvml):
+            if name.startswith("nvmlDeviceGet"):
+                setattr(nvml, name, lost)
+        with caplog.at_level(logging.WARNING):
+            first, second = points(), points()
+    finally:
+        gpu_metrics._CACHE_SECONDS = saved
+    for found in (first, second):
+        assert next(a["hw.state"] for a, v, _ in found["hw.status"] if v == 1) == "failed"
+    assert not {"hw.temperature", "hw.power", "hw.gpu.utilization"} & set(second), "once known lost, nothing is read"
+    assert [r.getMessage() for r in caplog.records] == [
+        "NVML: GPU GPU-0 is lost (GPU is lost); hw.status says failed, its other readings stop."]
+
+
+def test_errors_that_are_not_nvml_errors_fail_their_field_and_only_it(caplog):
+    """nvidia-ml-py raises NVMLLibraryMismatchError (an Exception) where the driver lacks a function's version."""
+    class NVMLLibraryMismatchError(Exception):
+        pass
+
+    nvml = fake_nvml()
+    nvml.nvmlDeviceGetComputeRunningProcesses = lambda handle: (_ for _ in ()).throw(NVMLLibraryMismatchError("v3"))
+    with caplog.at_level(logging.WARNING):
+        _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+        first, second = points(), points()
+    assert "nvidia.gpu.process.memory.usage" not in first | second and "hw.power" in second
+    assert len(caplog.records) == 1 and "process.memory" in caplog.text and "Traceback" not in caplog.text
+
+
+def test_a_process_memory_nvml_does_not_know_is_no_point():
+    nvml = fake_nvml(pid=os.getpid())
+    nvml.nvmlDeviceGetComputeRunningProcesses = lambda handle: [Process(os.getpid(), None), Process(1, 2**30)]
+    _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+    assert "nvidia.gpu.process.memory.usage" not in points(), "not a made-up 0"
+
+
+def test_a_reading_this_nvidia_ml_py_lacks_is_said_with_its_name(caplog):
+    nvml = fake_nvml()
+    del nvml.nvmlDeviceGetPcieReplayCounter
+    with caplog.at_level(logging.DEBUG, logger=gpu_metrics.__name__):
+        _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
+        points()
+    assert "nvmlDeviceGetPcieReplayCounter is not in this nvidia-ml-py" in caplog.text

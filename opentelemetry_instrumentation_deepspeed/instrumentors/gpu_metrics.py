@@ -51,10 +51,17 @@ _HARDWARE_THROTTLE = 0x8 | 0x40 | 0x80  # hw_slowdown, hw_thermal_slowdown, hw_p
 # uncontained ECC errors, 119/120 GSP errors.
 _FATAL_XIDS = frozenset({48, 64, 74, 79, 95, 119, 120})
 _EVENTS_PER_COLLECTION = 64  # XID events taken per collection at most
-# Fields newer or older GPUs lack by design (retired pages before Ampere, remapped rows since):
-# their absence is said at debug level, not as a warning.
+# Fields newer or older GPUs lack by design (retired pages before Ampere, remapped rows since, GPM before Hopper,
+# NVLink on PCIe cards): their absence is said at debug level, not as a warning.
 _GENERATIONAL = frozenset({"retired_pages.corrected", "retired_pages.uncorrected", "remapped_rows", "xid",
-                           "pcie_replay"})
+                           "pcie_replay", "gpm", "nvlink.transmit", "nvlink.receive"})
+# NVML's return codes of a GPU that can no longer be read (fallen off the bus, or waiting for a reset).
+_LOST = frozenset({15, 16})  # NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED
+
+
+class _Unavailable(Exception):
+    """A reading this GPU or this nvidia-ml-py cannot give. Not pynvml's NVMLError, which takes NVML's return code
+    (an int) and names it with nvmlErrorString: made from a message, its str() fails."""
 
 
 class _Device:
@@ -67,7 +74,7 @@ class _Device:
             if nvml.nvmlDeviceIsMigDeviceHandle(handle):
                 parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
                 self.attributes[semconv.HW_PARENT] = _text(nvml.nvmlDeviceGetUUID(parent))
-        except nvml.NVMLError:
+        except Exception:  # noqa: BLE001 - an older nvidia-ml-py, a driver without MIG: a whole GPU
             pass
         self.with_direction = {
             direction: {**self.attributes, semconv.NETWORK_IO_DIRECTION: direction}
@@ -80,6 +87,8 @@ class _Device:
         self.last_xid: int | None = None
         self.fatal_xid = False
         self.uncorrected_at_start: int | None = None
+        self.lost = False  # NVML said the GPU is lost or needs a reset: hw.status failed, nothing else read
+        self.mig = semconv.HW_PARENT in self.attributes  # a MIG instance answers few device-wide queries
 
 
 def _text(value) -> str:
@@ -166,7 +175,7 @@ class NvmlReader:
 
     def _read(self, device: _Device, field: str, read):
         """NVML's value of ``field``, or None once that field failed (said once)."""
-        if self._stopped or field in self._failed:
+        if self._stopped or field in self._failed or device.lost:
             return None
         key = (id(device), field)
         now = time.monotonic()
@@ -176,7 +185,7 @@ class NvmlReader:
                 return cached[1]
             try:
                 value = read(device.handle)
-            except self._nvml.NVMLError as error:
+            except Exception as error:  # noqa: BLE001 - NVMLError, or another of pynvml's (a library mismatch)
                 self._fail(field, device, error)
                 return None
             self._cache[key] = (now, value)
@@ -187,16 +196,20 @@ class NvmlReader:
         function = getattr(self._nvml, name, None)
         if function is not None:
             return function
-        error = self._nvml.NVMLError
-
         def missing(*_args):
-            raise error(f"{name} is not in this nvidia-ml-py")
+            raise _Unavailable(f"{name} is not in this nvidia-ml-py")
 
         return missing
 
     def _fail(self, field: str, device: _Device, error) -> None:
+        if getattr(error, "value", None) in _LOST:
+            if not device.lost:
+                device.lost = True
+                _logger.warning("NVML: GPU %s is lost (%s); hw.status says failed, its other readings stop.",
+                                device.attributes[semconv.HW_ID], error)
+            return
         self._failed.add(field)
-        log = _logger.debug if field in _GENERATIONAL else _logger.warning
+        log = _logger.debug if field in _GENERATIONAL or device.mig else _logger.warning
         log("NVML %s of GPU %s: %s; it is not reported from now on.", field, device.attributes[semconv.HW_ID], error)
 
     def _each(self, field: str, read, convert):
@@ -258,7 +271,7 @@ class NvmlReader:
             for _ in range(_EVENTS_PER_COLLECTION):
                 try:
                     data = nvml.nvmlEventSetWait_v2(self._events, 0)
-                except nvml.NVMLError as error:
+                except Exception as error:  # noqa: BLE001 - NVMLError (a timeout: none queued), or another
                     if getattr(error, "value", None) != getattr(nvml, "NVML_ERROR_TIMEOUT", 10):
                         self._fail("xid", device, error)
                         self._events = None
@@ -297,11 +310,11 @@ class NvmlReader:
         return observations
 
     def state(self, device: _Device) -> str:
-        """failed: a row remapping failed, or a fatal XID; degraded: a remapping pending, any other XID,
-        uncorrected ECC errors since the rank started, or a hardware throttle reason active; else ok."""
+        """failed: the GPU is lost, a row remapping failed, or a fatal XID; degraded: a remapping pending, any other
+        XID, uncorrected ECC errors since the rank started, or a hardware throttle reason active; else ok."""
         self._take_xids()
         rows = self._read(device, "remapped_rows", self._function("nvmlDeviceGetRemappedRows"))
-        if device.fatal_xid or (rows is not None and rows[3]):
+        if device.lost or device.fatal_xid or (rows is not None and rows[3]):
             return semconv.HW_STATE_FAILED
         uncorrected = self._ecc_count(device, semconv.ECC_UNCORRECTED)
         if uncorrected is not None and device.uncorrected_at_start is None:
@@ -373,8 +386,10 @@ class NvmlReader:
             processes = self._read(device, "process.memory", nvml.nvmlDeviceGetComputeRunningProcesses)
             if processes is None:
                 continue
-            mine = [p.usedGpuMemory or 0 for p in processes if p.pid == pid]
-            if mine:  # in a container NVML may list host pids: then nothing, not a made-up 0
+            # In a container NVML may list host pids; it may not know a process's memory (None): then nothing, not a
+            # made-up 0.
+            mine = [p.usedGpuMemory for p in processes if p.pid == pid and p.usedGpuMemory is not None]
+            if mine:
                 observations.append(Observation(sum(mine), device.attributes))
         return observations
 
@@ -383,12 +398,12 @@ class NvmlReader:
         """SM utilization between this collection's GPM sample and the previous one."""
         nvml, observations = self._nvml, []
         for device in self._devices:
-            if self._stopped or "gpm" in self._failed:
+            if self._stopped or "gpm" in self._failed or device.lost:
                 continue
             try:
                 if device.gpm_samples is None:
                     if not nvml.nvmlGpmQueryDeviceSupport(device.handle).isSupportedDevice:
-                        raise nvml.NVMLError("GPM not supported by this GPU")
+                        raise _Unavailable("GPM not supported by this GPU")
                     device.gpm_samples = [None, nvml.nvmlGpmSampleAlloc()]
                 previous, current = device.gpm_samples
                 nvml.nvmlGpmSampleGet(device.handle, current)
@@ -402,7 +417,7 @@ class NvmlReader:
                         raise nvml.NVMLError(metric.nvmlReturn)
                     observations.append(Observation(metric.value / 100, device.attributes))
                 device.gpm_samples = [current, previous or nvml.nvmlGpmSampleAlloc()]
-            except nvml.NVMLError as error:
+            except Exception as error:  # noqa: BLE001 - NVMLError, or ours (_Unavailable)
                 self._fail("gpm", device, error)
         return observations
 

@@ -27,8 +27,18 @@ _GIB = 2**30
 _STARTED = time.monotonic()
 
 
+NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_FOUND = 2, 6
+
+
 class NVMLError(Exception):
-    pass
+    """As nvidia-ml-py's: made from NVML's return code, which str() names (made from a message, it fails)."""
+
+    def __init__(self, value):
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self):
+        return {2: "Invalid Argument", 6: "Not Found"}.get(self.value, "NVML Error with code %d" % self.value)  # noqa: UP031
 
 
 class _Handle:
@@ -54,7 +64,7 @@ def nvmlDeviceGetHandleByUUID(uuid):
     for index in range(8):
         if device_uuid(index) == uuid:
             return _Handle(index)
-    raise NVMLError("Not Found")
+    raise NVMLError(NVML_ERROR_NOT_FOUND)
 
 
 def nvmlDeviceGetUUID(handle):
@@ -70,7 +80,7 @@ def nvmlDeviceIsMigDeviceHandle(handle):
 
 
 def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle):
-    raise NVMLError("Not a MIG device")
+    raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
 
 
 def nvmlDeviceGetUtilizationRates(handle):

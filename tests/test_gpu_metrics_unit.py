@@ -351,3 +351,16 @@ def test_a_reading_this_nvidia_ml_py_lacks_is_said_with_its_name(caplog):
         _, points = collect(lambda meter: gpu_metrics.start(meter, nvml, ["GPU-0"]))
         points()
     assert "nvmlDeviceGetPcieReplayCounter is not in this nvidia-ml-py" in caplog.text
+
+
+@pytest.mark.parametrize(("name", "peak"), [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                            ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
+                                            ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)])
+def test_the_peak_is_the_device_s_own(monkeypatch, name, peak):
+    import torch
+
+    from opentelemetry_instrumentation_deepspeed.export import training_metrics
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_args: name)
+    assert training_metrics.peak_flops() == peak

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import pytest
 from opentelemetry.metrics import NoOpMeterProvider
 
@@ -18,6 +21,7 @@ class FakeCuda:
     def __init__(self):
         self.idle = True
         self.events = []
+        self.asked_on = []  # the thread's current device at each query and elapsed_time
         self.gpu_ms = 0.0
 
         cuda = self
@@ -33,10 +37,12 @@ class FakeCuda:
                     self.done, self.at = True, cuda.gpu_ms
 
             def query(self):
+                cuda.asked_on.append(cuda.current)
                 return self.done
 
             def elapsed_time(self, other):
                 assert self.done and other.done, "elapsed_time on an unfinished event blocks"
+                cuda.asked_on.append(cuda.current)
                 return other.at - self.at
 
             def synchronize(self):
@@ -60,6 +66,19 @@ class FakeCuda:
 
     def synchronize(self):
         raise AssertionError("torch.cuda.synchronize blocks")
+
+    current = 0  # the calling thread's current device, as the fake's only thread sees it
+
+    def current_device(self):
+        return self.current
+
+    @contextlib.contextmanager
+    def device(self, index):
+        previous, self.current = self.current, index
+        try:
+            yield
+        finally:
+            self.current = previous
 
     def run(self, milliseconds: float):
         """The GPU executes everything queued, each event `milliseconds` after the previous."""
@@ -204,3 +223,92 @@ def test_a_wait_that_raises_ends_its_collective_with_the_error(setup):
     (span,) = comm_spans(exporter)
     assert span.status.status_code.name == "ERROR" and "NCCL watchdog timeout" in span.status.description
     assert span.events[0].name == "exception" and span.attributes["comm.async"] is True
+
+
+def test_times_keep_their_precision_when_the_stream_never_idles():
+    """elapsed_time is a float32 of milliseconds: measured from the first origin of a busy day, every interval
+    would read in steps of 8 ms."""
+    import struct
+
+    from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
+
+    def float32(value):
+        return struct.unpack("f", struct.pack("f", value))[0]
+
+    cuda = FakeCuda()
+    real_elapsed = cuda.Event.elapsed_time
+    cuda.Event.elapsed_time = lambda self, other: float32(real_elapsed(self, other))
+    timeline = GpuTimeline(cuda)
+    timeline.anchor_if_idle()  # idle once, at the start
+    cuda.idle = False
+    interval_ms, hours = 0.1234, 24
+    widths, starts = [], []
+    for _hour in range(hours):
+        start, end = timeline.event(), timeline.event()
+        cuda.run(interval_ms)  # start at +0.1234 ms, end 0.1234 ms later
+        times = timeline.times(start, end)
+        widths.append((times[1] - times[0]) / 1e6)
+        starts.append(times[0])
+        for _ in range(60):  # the GPU busy for an hour, read every minute
+            marker = timeline.event()
+            cuda.run(60_000.0)
+            timeline.times(marker, marker)
+    assert all(abs(width - interval_ms) < 1e-3 for width in widths), widths
+    hour_ns = 3600e9 + 2 * interval_ms * 1e6
+    assert all(abs(later - earlier - hour_ns) < 1e3 for earlier, later in itertools.pairwise(starts)), "no drift"
+
+
+def test_events_are_asked_about_on_the_engine_s_device_from_any_thread():
+    """A thread of ours starts on device 0: asking there would create a CUDA context on GPU 0 for a rank on GPU 1."""
+    from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
+
+    cuda = FakeCuda()
+    cuda.current = 1  # DeepSpeed's set_device(local_rank), on the training thread that builds the engine
+    timeline = GpuTimeline(cuda)
+    timeline.anchor_if_idle()
+    start, end = timeline.event(), timeline.event()
+    cuda.current = 0  # the emitter's thread
+    assert timeline.times(start, end) is not None
+    assert cuda.asked_on and set(cuda.asked_on) == {1}
+    assert cuda.current == 0, "the thread's own device after"
+
+
+def test_no_thread_of_ours_asks_the_device_anything_while_a_cuda_graph_is_captured():
+    """torch's default capture mode refuses (and invalidates the graph on) any thread's query meanwhile."""
+    import types
+
+    from opentelemetry_instrumentation_deepspeed.instrumentors import cuda_graphs
+    from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import Captures, GpuTimeline
+
+    class CUDAGraph:  # torch.cuda.graphs.CUDAGraph, as far as captures go
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            self.capturing = True
+
+        def capture_end(self):
+            self.capturing = False
+
+    graphs = types.SimpleNamespace(CUDAGraph=CUDAGraph)
+    cuda = FakeCuda()
+    timeline = GpuTimeline(cuda)
+    timeline.anchor_if_idle()
+    cuda.idle = False
+    start, end = timeline.event(), timeline.event()
+    cuda.run(1.0)
+    cuda_graphs.follow(graphs)
+    try:
+        graph = CUDAGraph()
+        graph.capture_begin()
+        asked, recorded = len(cuda.asked_on), len(cuda.events)
+        assert timeline.times(start, end) is None, "asked again once the capture ended"
+        assert timeline.event() is None, "an interval begun in a capture has no GPU times"
+        timeline.anchor_if_idle()
+        assert (len(cuda.asked_on), len(cuda.events)) == (asked, recorded), "nothing asked or recorded"
+        graph.capture_end()
+        assert Captures.running == 0
+        assert timeline.times(start, end) is not None
+        graph.capture_begin()
+        graph.capture_end()
+        assert Captures.running == 0
+    finally:
+        cuda_graphs.leave(graphs)
+    assert "_opentelemetry_original" not in vars(CUDAGraph.capture_begin), "left as it was"

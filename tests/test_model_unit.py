@@ -3,6 +3,7 @@ one: scripts/gpu-check.sh), the numerics watch, and the MODEL / MEMORY findings 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -110,6 +111,7 @@ class FakeCudaEvent:
         self.gpu.events.append(self)
 
     def query(self):
+        self.gpu.asked_on.append(self.gpu.current)
         return self.done
 
     def elapsed_time(self, other):
@@ -126,6 +128,7 @@ class FakeCuda:
 
     def __init__(self):
         self.events = []
+        self.asked_on = []  # the thread's current device at each event query
         self.stats = {"allocated_bytes": {"all": {"current": 0, "peak": 0}},
                       "reserved_bytes": {"all": {"current": 0}}, "num_alloc_retries": 0, "num_ooms": 0}
         self.resets = 0
@@ -149,6 +152,19 @@ class FakeCuda:
 
     def synchronize(self):
         raise AssertionError("torch.cuda.synchronize blocks")
+
+    current = 0  # the calling thread's current device, as the fake's only thread sees it
+
+    def current_device(self):
+        return self.current
+
+    @contextlib.contextmanager
+    def device(self, index):
+        previous, self.current = self.current, index
+        try:
+            yield
+        finally:
+            self.current = previous
 
     def reset_peak_memory_stats(self, device=None):
         self.resets += 1
@@ -572,3 +588,14 @@ def test_a_non_finite_loss_or_gradient_norm_is_no_gauge_point_and_no_sdk_warning
     with caplog.at_level(logging.WARNING):
         assert gauges() == {}
     assert not [record for record in caplog.records if "non-finite" in record.getMessage()]
+
+
+def test_the_copies_are_asked_about_on_the_engine_s_device_from_any_thread():
+    cuda = FakeCuda()
+    cuda.current = 1  # the training thread's device
+    ring = DeviceScalars(torch, cuda, pin_memory=False)
+    ring.copy(torch.tensor(2.5))
+    copied = ring.event()
+    cuda.current = 0  # the emitter's thread
+    cuda.run()
+    assert copied.query() and cuda.asked_on == [1] and cuda.current == 0

@@ -18,7 +18,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.instrumentors import pipeline
+from opentelemetry_instrumentation_deepspeed.instrumentors import cuda_graphs, pipeline
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
     keep_out_of_compiled_graphs,
     original_of,
@@ -149,6 +149,7 @@ def _gpu_timeline(cuda):
         return None
     from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
 
+    cuda_graphs.follow()
     return GpuTimeline(cuda)
 
 
@@ -365,4 +366,5 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         unwrap_methods(getattr(sys.modules.get(pipeline.MODULE), "PipelineEngine", None), ["__init__", "train_batch"])
         pipeline.restore_schedule()
         _leave_backward_roots()
+        cuda_graphs.leave()
         registry.forget_all()

@@ -14,6 +14,8 @@ stream until it ran, as any ``non_blocking`` copy does.
 
 from __future__ import annotations
 
+from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import Captures, on_device
+
 SLOTS = 1024  # at one loss per micro-batch, steps of 32 micro-batches stay readable for 30 steps
 
 
@@ -31,6 +33,7 @@ class DeviceScalars:
 
     def __init__(self, torch, cuda=None, pin_memory: bool = True):
         self._cuda = cuda or torch.cuda
+        self._device = self._cuda.current_device()
         self._buffer = torch.empty(SLOTS, dtype=torch.float64, pin_memory=pin_memory)
         self._slots = list(self._buffer.unbind())  # views made once: indexing would cost a call per copy
         self._issued = 0
@@ -44,15 +47,28 @@ class DeviceScalars:
         self._slots[index % SLOTS].copy_(source.reshape(()) if source.ndim else source, non_blocking=True)
         return Pending(self, index)
 
-    def event(self):
+    def event(self) -> Copied:
         """An event behind every copy enqueued so far on the current stream."""
         event = self._cuda.Event()
         event.record()
-        return event
+        return Copied(self, event)
 
     def read(self, index: int) -> float | None:
         value = float(self._slots[index % SLOTS])  # pinned host memory: no device involved
         return value if self._issued <= index + SLOTS else None  # overwritten meanwhile: unknown
+
+
+class Copied:
+    """The copies of a step's scalars, done once ``query()`` (from any thread) says so."""
+
+    __slots__ = ("_event", "_ring")
+
+    def __init__(self, ring: DeviceScalars, event):
+        self._ring, self._event = ring, event
+
+    def query(self) -> bool:
+        with Captures.lock, on_device(self._ring._cuda, self._ring._device):
+            return not Captures.running and self._event.query()
 
 
 class Share:

@@ -24,7 +24,8 @@ from tests.otlp_json import Span, read_spans
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
-BIN = Path(sys.executable).parent
+# The interpreter's scripts, or those of the packages scripts/gpu-check.sh puts on PYTHONPATH of a GPU machine.
+BIN = Path(os.environ.get("TEST_BIN") or Path(sys.executable).parent)
 # Our variables and the SDK's must come from each test alone.
 _INHERITED_PREFIXES = ("OTEL_", "TORCHELASTIC_", "SLURM_")
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -35,6 +35,7 @@ dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.
 x = torch.randn(8192, 8192, device="cuda")
 data = torch.ones(64 * 1024 * 1024 // 4, device="cuda")
 dist.all_reduce(data)  # warm-up, outside any step
+torch.cuda.set_sync_debug_mode("error")  # a synchronizing call below, even one made in C++, raises
 forward = recorder.forward_started(engine)
 issued = time.time_ns()
 for _ in range(4):
@@ -46,6 +47,7 @@ host_done = time.time_ns()
 recorder.phase_ended(forward)
 recorder.phase_ended(recorder.backward_started(engine))
 engine.step(recorder)  # the step closes: its record goes to the emitter
+torch.cuda.set_sync_debug_mode("default")
 torch.cuda.synchronize()  # the test's own, after the fact: let every event complete
 syncs.remove("synchronize")
 spans = [s for s in exporter.get_finished_spans() if s.name == "comm.all_reduce"]  # a drain reads the events

@@ -644,3 +644,14 @@ def test_the_text_names_the_slowest_step_after_the_first_when_the_first_was_the_
     text = render_text(analyse(synthetic_job(steps=12, extra=lambda rank, step: {
         "forward": 40.0 if step == 7 else 0.0})))
     assert text.count("slowest step 7 (trace ") == 2, text
+
+
+def test_a_pattern_found_mid_run_whose_first_stalls_were_weak_is_no_traceback():
+    """A checkpoint every 5th step whose pause grew (16 -> 77 ms): the late search's pattern drops its weak first
+    stalls, and nothing before it may join."""
+    numbers = list(range(2, 31))
+    values = [1e-4] * len(numbers)
+    for number, value in {6: 0.016, 11: 0.011, 16: 0.047, 21: 0.077, 26: 0.076}.items():
+        values[numbers.index(number)] = value
+    found = periodic.find_period(numbers, values, 0.14, random.Random(0))
+    assert found is None or (found.period == 5 and set(found.steps) <= {6, 11, 16, 21, 26})

@@ -152,7 +152,7 @@ def _back_to_its_start(pattern: Pattern, numbers: list[int], values: list[float]
         first = pattern.steps.pop(0)
         pattern.cost -= max(pattern.excess.pop(first), 0.0)
         pattern.since = pattern.steps[0] if pattern.steps else first
-        numbers = []  # it started later than the search: nothing before it
+        numbers, values = [], []  # it started later than the search: nothing before it
     for number, value in zip(reversed(numbers), reversed(values), strict=True):
         if number % pattern.period != pattern.offset:
             continue

@@ -655,3 +655,13 @@ def test_a_pattern_found_mid_run_whose_first_stalls_were_weak_is_no_traceback():
         values[numbers.index(number)] = value
     found = periodic.find_period(numbers, values, 0.14, random.Random(0))
     assert found is None or (found.period == 5 and set(found.steps) <= {6, 11, 16, 21, 26})
+
+
+def test_the_loop_s_own_periodic_work_on_every_rank_is_said_with_its_cost_not_a_finding():
+    """A checkpoint every 5th step on every rank: no rank waits for another (no finding), but a fifth of the run."""
+    report = analyse(synthetic_job(30, extra=lambda rank, step: {"between_steps": 60.0} if step % 5 == 0 else {}))
+    assert report["verdict"]["layer"] == "none" and not report["findings"]
+    work = report["loop_work"]
+    assert (work["period"], work["offset"]) == (5, 0) and 0.10 < work["share_of_run"] < 0.30
+    assert "every 5th step on every rank" in report["verdict"]["summary"]
+    assert analyse(synthetic_job(30))["loop_work"] is None, "a healthy loop has none"

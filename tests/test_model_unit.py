@@ -492,6 +492,19 @@ def test_diagnose_names_the_first_non_finite_step_and_rank_with_its_trace():
     assert set(finding) >= {"summary", "evidence", "remedies", "confidence"}
 
 
+@pytest.mark.parametrize(("precision", "fp16_named"), [("bf16", False), ("fp32", False), ("fp16", True), (None, True)])
+def test_a_non_finite_loss_s_remedies_name_fp16_only_where_it_may_be_in_use(precision, fp16_named):
+    findings = ModelFindings()
+    for number, (loss, norm) in enumerate(healthy(20, 0), start=1):
+        attributes = {"training.loss": math.nan if number == 12 else loss, "training.grad_norm": norm}
+        if precision is not None:
+            attributes["training.precision"] = precision
+        findings.add(step_span(0, number, attributes))
+    (finding,) = findings.findings("job", 0.5)
+    assert finding["kind"] == "nonfinite_loss"
+    assert any("fp16" in remedy and "bf16" in remedy for remedy in finding["remedies"]) == fp16_named
+
+
 def test_the_same_anomaly_at_the_same_step_on_every_rank_names_no_rank():
     """DeepSpeed's gradient norm is the job's: a spike in one rank's gradients shows on every rank at once, and the
     first rank found used to be named (a review: rank 1's spike read "on rank 0")."""

@@ -265,10 +265,11 @@ class Analysis:
         model = self.model.findings(job, job_summary.get("step_seconds_p50") if job_summary else None)
         changes, result["host_load"] = inputs.findings(self._inputs, job, by_rank)
         result["host_load"] += steps.host_load
+        result["loop_work"] = steps.loop_work
         _explain_late_ranks(changes, result["findings"], steps.waits.held)
         result["findings"] = findings_module.ranked(result["findings"] + model + changes)
-        result["verdict"] = (result["findings"][0] if result["findings"]
-                             else findings_module.none(_quiet(job_summary, result["host_load"], pipelined)))
+        result["verdict"] = (result["findings"][0] if result["findings"] else findings_module.none(
+            _quiet(job_summary, result["host_load"], pipelined, steps.loop_work)))
         self._broken_or_crashed(result, model, job)
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
         found = self.hangs.findings(job)
@@ -561,7 +562,7 @@ def _anomaly_shape(period: int, offset, phase, numbers: list[int], steps: list[d
             "trace_ids": [s["trace_id"] for s in sorted(inside, key=lambda s: s["seconds"], reverse=True)[:5]]}
 
 
-def _quiet(job: dict, host_load: list | None = None, pipelined: bool = False) -> str:
+def _quiet(job: dict, host_load: list | None = None, pipelined: bool = False, loop_work: dict | None = None) -> str:
     if not job:
         return "no complete steps in the input"
     shares = job["shares"]
@@ -579,4 +580,5 @@ def _quiet(job: dict, host_load: list | None = None, pipelined: bool = False) ->
                      "collectives: the pipeline's bubble (per stage below)" if pipelined  # by design: fill and drain
                      else f"the ranks wait for each other {shares['comm_wait']:.0%} of step time in collectives, and "
                      "no rank's own part explains it beyond chance")
-    return "; ".join(quiet + [load["summary"] for load in host_load or ()])
+    notes = [load["summary"] for load in host_load or ()] + ([loop_work["summary"]] if loop_work else [])
+    return "; ".join(quiet + notes)

@@ -151,6 +151,9 @@ def _text_lines(report: dict) -> list[str]:
         shares = job["shares"]
         lines.append("Where step time goes (mean over ranks): " +
                      ", ".join(f"{part.replace('_', ' ')} {shares[part]:.0%}" for part in PARTS))
+    loop_work = report.get("loop_work")
+    if loop_work and report["verdict"].get("layer") != "none":  # a "none" verdict says it already
+        lines.append(f"Between steps: {loop_work['summary']}")
     for rank, summary in report["ranks"].items():
         seconds = summary["step_seconds"]
         lines.append(f"  rank {rank}: {summary['steps']} steps, step p50 {seconds['p50'] * 1e3:.1f} ms, "

@@ -138,6 +138,9 @@ class StepFindings:
         self.rng = random.Random(seed)  # the permutation tests: the same report for the same input
         self.patterns: dict[int, periodic.Pattern] = {}  # rank -> its costliest periodic pattern
         self.host_load: list[dict] = []  # late ranks whose lateness was their wait for a CPU (_waited_for_cpu)
+        # The loop's own periodic work between steps on every rank (a checkpoint, an evaluation): no finding, no one
+        # waits for it, but said with what it costs (the costliest such pattern).
+        self.loop_work: dict | None = None
         self.cpu_waits = {rank: {s["step"]: s.get("cpu_wait") for s in steps} for rank, steps in steady.items()}
         self.phase_waits = {rank: {s["step"]: s.get("phase_waits") for s in steps} for rank, steps in steady.items()}
 
@@ -286,6 +289,19 @@ class StepFindings:
             if pattern is not None:
                 members.append((rank, part, pattern))
 
+    def _loop_work(self, members: list[tuple[int, str, periodic.Pattern]]) -> None:
+        pattern = max((member[2] for member in members), key=lambda each: each.cost)
+        if pattern.cost < self.min_cost or (self.loop_work and self.loop_work["cost_seconds"] >= pattern.cost):
+            return
+        share = pattern.cost / self.run_seconds
+        since = f" from step {pattern.steps[0]}" if pattern.since is not None else ""
+        self.loop_work = {
+            "period": pattern.period, "offset": pattern.offset, "steps": pattern.steps,
+            "effect_seconds": round(pattern.effect, 6), "cost_seconds": round(pattern.cost, 6), "share_of_run": share,
+            "summary": f"the loop's own code between steps takes {_ms(pattern.effect)} every "
+                       f"{_ordinal(pattern.period)} step{since} on every rank, {share:.0%} of the run: the program's "
+                       "own periodic work (a checkpoint, an evaluation, logging), which no rank waits for"}
+
     def _periodic_finding(self, part: str, members: list[tuple[int, str, periodic.Pattern]],
                           unseen: dict[int, tuple[float, str]]) -> dict | None:
         """``unseen``: the ranks that wait for this stall inside a phase of theirs (``_unseen_waits``)."""
@@ -293,7 +309,8 @@ class StepFindings:
         everywhere = len(ranks) == len(self.steady) and len(ranks) > 1
         rank, _part, pattern = max(members, key=lambda member: member[2].cost)
         if everywhere and part == "between_steps":
-            return None  # the loop's own work on every rank (an evaluation, a checkpoint): its choice, no one waits
+            self._loop_work(members)  # the loop's own work on every rank (a checkpoint): its choice, no one waits
+            return None
         waiting = {} if everywhere else self._waiting_in(pattern.steps, exclude=set(ranks), effect=pattern.effect)
         cost = max(member[2].cost for member in members)
         if unseen:  # as below, the others' wait, read from the phase they waited in

@@ -243,6 +243,8 @@ def _anomalies(steps: dict) -> dict:
                 reported, first = run, first or run
     if first:
         found[semconv.NUMERICS_SKIPPED_RUN]["detail"] = f"{len(first)} consecutive steps skipped (overflow)"
+    for entry in found.values():
+        entry["precision"] = first_step.get(semconv.TRAINING_PRECISION)
     return found
 
 
@@ -252,6 +254,8 @@ def _numerics_finding(kind: str, rank: int | None, entry: dict, step_seconds: fl
     later = f" (and {count - 1} later step{'s' if count > 2 else ''}: {entry['steps'][1:6]})" if count > 1 else ""
     where = "every rank" if rank is None else f"rank {rank}"
     remedies = REMEDIES[kind]
+    if kind == semconv.NUMERICS_NONFINITE_LOSS and entry.get("precision") in UNSCALED:
+        remedies = [remedies[0], "lower the learning rate or add warm-up (no fp16 here: not a loss-scale overflow)"]
     if rank is None and kind == semconv.NUMERICS_NONFINITE_LOSS:
         remedies = [f"every rank at once: the same bad input on every rank, or weights that went non-finite in the "
                     f"update before step {entry['step']} (an inf or a NaN in one rank's gradients is all-reduced into "

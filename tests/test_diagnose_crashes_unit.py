@@ -51,13 +51,18 @@ def test_a_failed_step_is_not_timed_with_the_others():
     assert result["ranks"][0]["steps"] == 6 and result["ranks"][0]["step_seconds"]["max"] < 1
 
 
-@pytest.mark.parametrize(("ranks", "last"), [((0,), None), ((0, 1), 3)])
-def test_a_rank_with_no_error_that_wrote_less_or_nothing_died_without_a_word(ranks, last):
+@pytest.mark.parametrize(("ranks", "last", "said"), [
+    ((0,), None, "rank 1 wrote no telemetry"),
+    ((0, 1), 6, "rank 1 stopped after step 6, the last it wrote"),
+    # Its last batch of spans went with it (os._exit, SIGKILL): the others lost it at step 7.
+    ((0, 1), 3, "rank 1 stopped by step 7, where the others lost it (its telemetry ends at step 3"),
+])
+def test_a_rank_with_no_error_that_wrote_less_or_nothing_died_without_a_word(ranks, last, said):
     spans = [s for s in healthy(ranks) if not (s.rank == 1 and s.attributes["training.step"] > (last or 0))]
     spans.append(step(0, 7, LOST))
     verdict = report(spans)["verdict"]
     assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "silent", 1)
-    said = "rank 1 wrote no telemetry" if last is None else "rank 1 stopped after step 3, the last it wrote"
+    assert "os._exit" in verdict["summary"]
     assert verdict["summary"].startswith(said) and "no failure of its own in its telemetry" in verdict["summary"]
     assert verdict["step"] == 7, "at the latest, the step the others failed in (what it wrote last lags)"
 

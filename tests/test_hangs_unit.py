@@ -379,6 +379,55 @@ def test_a_rank_without_a_report_is_named_by_the_sequence_it_never_reached():
     assert "rank 2 stopped in step 8 before collective (group: sequence) 1: 49" in finding["summary"]
 
 
+def test_a_rank_with_no_telemetry_at_all_is_the_one_stopped_not_the_collective():
+    """Frozen (SIGSTOP) before its first export: the world size counts it, the input has nothing of it."""
+    hangs = Hangs()
+    _steps(hangs, 0, 7, [(48, "all_reduce", 540160, "float32")])
+    hangs.add(_report(0, phase="backward", stack=STACK_RANK0, collective=("all_reduce", 49)))
+    assert "none is missing" in hangs.findings("job")[0]["summary"], "without the world size, no rank is missing"
+    (finding,) = hangs.findings("job", silent=[1])
+    assert finding["rank"] == 1 and finding["step"] == 8
+    assert finding["summary"].startswith("rank 1 stopped in step 8 before collective (group: sequence) 1: 49, with "
+                                         "no telemetry at all in the input")
+
+
+def test_a_rank_whose_telemetry_lags_is_placed_where_its_peers_wait_for_it():
+    """Frozen at step 120 with its last batch of spans exported at step 100: it went through collective 265 with its
+    peer, who waits in 266 in step 120."""
+    hangs = Hangs()
+    _steps(hangs, 0, 100, [(227, "all_reduce", 540160, "float32")])
+    _steps(hangs, 1, 119, [(265, "all_reduce", 540160, "float32")])
+    hangs.add(_report(1, step=120, phase="backward", collective=("all_reduce", 266)))
+    (finding,) = hangs.findings("job")
+    assert finding["rank"] == 0 and finding["step"] == 120
+    assert finding["summary"].startswith("rank 0 stopped in step 120 (where its peers wait for it; its own telemetry "
+                                         "ends at step 100) before collective (group: sequence) 1: 266")
+
+
+def test_a_stall_the_job_went_on_from_is_named_with_its_rank_step_and_cost():
+    """Rank 1 paused 10 s in step 8 (reported twice by its watchdog), rank 0 waited for it; both went on to step 12."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 12, [(60, "all_reduce", 540160, "float32")])
+    hangs.add(_span(semconv.SPAN_STEP, 1, 20, 30.5, trace="t8", **{semconv.TRAINING_STEP: 8}))  # the stalled step
+    for duration in (3.6, 7.4):
+        hangs.add(_report(1, stack=STACK_RANK1, duration=duration))
+        hangs.add(_report(0, phase="backward", collective=("all_reduce", 49), duration=duration))
+    assert hangs.findings("job") == [], "no hang: both went on"
+    (stall,) = hangs.stalls("job")
+    assert (stall["layer"], stall["rank"], stall["step"]) == ("STALL", 1, 8)
+    assert stall["summary"].startswith("step 8 stalled 10 s, past the watchdog's threshold, then went on: rank 1 "
+                                       "stopped in forward of step 8 at train.py:152 in block_forever")
+    assert stall["cost_seconds"] == pytest.approx(10.0)
+    hangs = Hangs()  # rank 1 frozen (SIGSTOP, then SIGCONT): no report of its own, rank 0 waited for it
+    for rank in (0, 1):
+        _steps(hangs, rank, 12, [(60, "all_reduce", 540160, "float32")])
+    hangs.add(_report(0, phase="backward", collective=("all_reduce", 49), duration=7.4))
+    (stall,) = hangs.stalls("job")
+    assert stall["rank"] == 1 and "rank 1 stopped in step 8 before collective (group: sequence) 1: 49" in \
+        stall["summary"]
+
+
 def test_ranks_waiting_for_each_other_in_different_collectives_are_named_as_crossed():
     """Rank 1 alone all-reduces on the default group (a rank-dependent branch); rank 0 goes on to the next collective
     of DeepSpeed's group. Each waits in a collective the other has not reached: the verdict read "rank 0 stopped ...
@@ -470,6 +519,22 @@ def test_desync_names_the_collective_and_what_differs():
     assert finding["layer"] == "DESYNC"
     assert "collective 10 of group 1" in finding["summary"] and "differs in dtype" in finding["summary"]
     assert "rank 0 all_reduce of 16 bytes float32, rank 1 all_reduce of 16 bytes int32" in finding["summary"]
+
+
+def test_a_desync_seen_in_repeated_hang_reports_is_one_collective_with_the_reports_step():
+    """Rank 0 waits in all_gather 308 where rank 1 waits in all_reduce 308, each reported three times, in step 8,
+    which never closed: no step span names its trace."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 7, [(307, "all_reduce", 16, "float32")])
+    for duration in (40.0, 80.0, 160.0):
+        hangs.add(_report(0, phase=None, collective=("all_gather", 308), duration=duration))
+        hangs.add(_report(1, phase=None, collective=("all_reduce", 308), duration=duration))
+    hang, desync = hangs.findings("job")
+    assert "different collectives at the same point" in hang["summary"]
+    assert desync["layer"] == "DESYNC" and desync["step"] == 8 and "more such" not in desync["summary"]
+    assert desync["summary"].startswith("collective 308 of group 1 (step 8) differs in op")
+    assert len(desync["evidence"]) == 1
 
 
 @pytest.mark.parametrize(("rank0", "rank1"), [

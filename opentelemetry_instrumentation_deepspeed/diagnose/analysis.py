@@ -214,7 +214,10 @@ class Analysis:
     def result(self, job: str | None = None) -> dict:
         if not self.jobs:
             return {"job_id": None, "ranks": {}, "findings": [],
-                    "verdict": findings_module.none("no training spans in the input")}
+                    "verdict": findings_module.none(
+                        "no training spans in the input: a rank writes its steps as they end, and a hang report past "
+                        "its watchdog's threshold (ten times it before the first step): a live job stuck before "
+                        "its first step has none yet")}
         job = job if job is not None else max(self.jobs, key=self.jobs.get)
         self._waits_where_they_happened(job)  # data waits fetched ahead (issue 19)
         by_rank: dict[int, list[dict]] = defaultdict(list)
@@ -267,12 +270,12 @@ class Analysis:
         result["host_load"] += steps.host_load
         result["loop_work"] = steps.loop_work
         _explain_late_ranks(changes, result["findings"], steps.waits.held)
-        result["findings"] = findings_module.ranked(result["findings"] + model + changes)
+        result["findings"] = findings_module.ranked(result["findings"] + model + changes + self.hangs.stalls(job))
         result["verdict"] = (result["findings"][0] if result["findings"] else findings_module.none(
             _quiet(job_summary, result["host_load"], pipelined, steps.loop_work)))
         self._broken_or_crashed(result, model, job)
         # -- HANG and DESYNC (hangs.py): a stopped job, or ranks that disagree on a collective, come first
-        found = self.hangs.findings(job)
+        found = self.hangs.findings(job, result["missing_ranks"])
         if found:
             # The signal that stopped the hung job is the hang's end, not a finding of its own.
             result["findings"] = found + [f for f in result.get("findings", [])

@@ -7,8 +7,9 @@ saw raised) or where a signal ended it; with no step open, the exit by a signal 
 others' failures after it are its consequences: a collective that lost its peer (gloo's "Connection closed by peer",
 NCCL's "remote process exited", a communicator aborted, a timeout), or the signal the launcher sends to the ranks
 left. A rank with no failure of its own that wrote fewer steps than the step another failed in, or no telemetry at
-all where the world size counts it, left no word: it was killed (SIGKILL, the kernel's OOM killer) or crashed in
-native code. What it had not written went with it: it was at the step the others failed in, at the latest.
+all where the world size counts it, left no word: it was killed (SIGKILL, the kernel's OOM killer), crashed in
+native code, or exited without its exit handlers (os._exit). What it had not written went with it: it was at the
+step the others failed in, at the latest.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ REMEDIES = {
     "exited": ["the exception's traceback is in that rank's output (and on its last training.hang report, between "
                "steps): raised where no wrapper of the instrumentation saw it (the loop's own code, a callback, an "
                "optimizer hook)"],
-    "silent": ["the launcher's output: the rank's exit code (-9: SIGKILL; -11 or -6: a fault in native code)",
+    "silent": ["the launcher's output: the rank's exit code (-9: SIGKILL; -11 or -6: a fault in native code; 0 or "
+               "another without a signal: a hard exit, os._exit, in the program or a library)",
                "the node's kernel log (dmesg, journalctl -k): the OOM killer names the process it killed (host "
                "memory: data loader workers, pinned buffers, CPU offload)",
                "the job's memory limit (cgroup, the scheduler's request)"],
@@ -158,12 +160,15 @@ class Crashes:
                 return found
         if silent:
             culprit, last = silent[0], self._closed.get((job, silent[0]))
+            # Where it was at the latest: the step the others failed in (what it wrote last lags, unflushed).
+            number = min(failure[1] for failure in first.values())
             said = (f"rank {culprit} wrote no telemetry (the world size is {self.world[job]})" if last is None else
+                    f"rank {culprit} stopped by step {number}, where the others lost it (its telemetry ends at step "
+                    f"{last}: what it had not exported yet was lost with it)" if number > last + 1 else
                     f"rank {culprit} stopped after step {last}, the last it wrote")
             summary = (f"{said}, with no failure of its own in its telemetry: it was killed (SIGKILL, the kernel's "
-                       "OOM killer) or crashed in native code")
-            # Where it was at the latest: the step the others failed in (what it wrote last lags, unflushed).
-            return "silent", culprit, silent, min(failure[1] for failure in first.values()), None, summary
+                       "OOM killer), crashed in native code, or exited without its exit handlers (os._exit)")
+            return "silent", culprit, silent, number, None, summary
         failure, rank = min((failure, rank) for rank, failure in first.items())
         _end, number, trace_id, error, _where = failure
         if len(first) == len(self.ranks[job]) and all(_stopped(f[3]) for f in first.values()):

@@ -18,6 +18,7 @@ number it issued per group, and its training thread's stack. Read from a live jo
 from __future__ import annotations
 
 import re
+import statistics
 from collections import defaultdict
 
 from opentelemetry_instrumentation_deepspeed import semconv
@@ -40,6 +41,9 @@ REMEDIES = {
              "a collective issued on some ranks only (a rank-dependent branch, uneven data at the end of an epoch)",
              "NCCL: NCCL_DEBUG=INFO, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and a process-group timeout, so a hang "
              "becomes an error; TORCH_DISTRIBUTED_DEBUG=DETAIL checks collectives' shapes"],
+    "STALL": ["the stacks beside the finding: where each rank was during the stall (its watchdog's last report there)",
+              "a rank's own pause (a checkpoint, a synchronous evaluation or upload, a lock, garbage collection) "
+              "makes the others wait in their next collective: move it off the critical path or make it async"],
     "HANG_COMM": ["the collective does not complete on any rank: check the network (NCCL_DEBUG=INFO, "
                   "InfiniBand/RoCE counters, NVLink) and the communicator's health"],
     "DESYNC": ["find the code that issues this collective with a rank-dependent tensor (dtype, shape) or op",
@@ -87,6 +91,7 @@ class Hangs:
         self._mismatches: dict[str, list] = defaultdict(list)
         self._p2p: set = set()  # (job, group) that carried point-to-point calls
         self._trace_steps: dict[str, int] = {}
+        self._step_seconds: dict[tuple[str, int], list[float]] = defaultdict(list)  # (job, step) -> each rank's
         self.ranks: dict[str, set] = defaultdict(set)
 
     def add(self, span: Span) -> None:
@@ -96,6 +101,7 @@ class Hangs:
             number = attributes.get(semconv.TRAINING_STEP, 0)
             self._last_step[key] = max(self._last_step.get(key, 0), number)
             self._trace_steps[span.trace_id] = number
+            self._step_seconds[span.job, number].append(span.seconds)
             self.ranks[span.job].add(span.rank)
         elif name == semconv.SPAN_HANG:
             # The exit's last report with no step open, made before the threshold: where a rank that went on
@@ -131,15 +137,20 @@ class Hangs:
         signature = (op, size, attributes.get(semconv.COMM_DTYPE))
         key = (span.job, group, sequence)
         seen = self._signatures.get(key)
+        # The step: a hang report's own (its step never closed, so no step span names its trace).
+        this = (signature, span.rank, span.trace_id, attributes.get(semconv.TRAINING_STEP))
         if seen is None:
-            self._signatures[key] = (signature, span.rank, span.trace_id)
-        elif seen[0] != signature and len(self._mismatches[span.job]) < MAX_MISMATCHES:
-            self._mismatches[span.job].append((group, sequence, seen, (signature, span.rank, span.trace_id)))
+            self._signatures[key] = this
+        elif seen[0] != signature and len(self._mismatches[span.job]) < MAX_MISMATCHES and not any(
+                m[:2] == (group, sequence) and m[3][1] == span.rank for m in self._mismatches[span.job]):
+            self._mismatches[span.job].append((group, sequence, seen, this))  # once per rank (its reports repeat it)
 
     # -- findings -----------------------------------------------------------------------------------
 
-    def findings(self, job: str) -> list[dict]:
-        return [*self._hang(job), *self._desync(job)]
+    def findings(self, job: str, silent: list[int] = ()) -> list[dict]:
+        """``silent``: the ranks the world size counts that have no telemetry in the input (stopped before their
+        first export, or their files left out)."""
+        return [*self._hang(job, silent), *self._desync(job)]
 
     def _stuck(self, job: str) -> dict[int, Span]:
         """Rank -> its last hang report, for the ranks stuck still."""
@@ -161,11 +172,49 @@ class Hangs:
                 latest[rank] = report
         return latest
 
-    def _hang(self, job: str) -> list[dict]:
-        latest = self._stuck(job)
-        if not latest:
+    def stalls(self, job: str) -> list[dict]:
+        """STALL: the costliest past hang, a step in which ranks reported no progress past the watchdog's threshold
+        and which they went beyond; explained as a hang is, from each rank's longest report in that step."""
+        episodes: dict[int, dict[int, Span]] = defaultdict(dict)  # step -> rank -> its longest report in it
+        for (report_job, rank), reports in self._reports.items():
+            if report_job != job:
+                continue
+            for report in reports:
+                attributes = report.attributes
+                number = attributes.get(semconv.TRAINING_STEP, 0)
+                if (attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED
+                        or self._last_step.get((job, rank), 0) <= number):
+                    continue  # made as its thread moved on; or the rank never went beyond it (a hang, if any)
+                kept = episodes[number].get(rank)
+                if kept is None or report.end - report.start > kept.end - kept.start:
+                    episodes[number][rank] = report
+        if not episodes:
             return []
-        ranks = sorted(self.ranks[job] | set(latest))
+        number, latest = max(episodes.items(), key=lambda item: max(
+            r.attributes.get(semconv.HANG_DURATION) or 0 for r in item[1].values()))
+        # A rank with no report there while others waited was not running (frozen: its watchdog's thread too).
+        (found,) = self._explained(job, latest, sorted(self.ranks[job] - set(latest)), number)
+        # What it cost: the step's excess over the usual step, where its span says more than the last report (made
+        # a threshold's multiple into the stall); a stall between steps is outside any step span.
+        usual = statistics.median(max(seconds) for (step_job, _n), seconds in self._step_seconds.items()
+                                  if step_job == job)
+        lost = found["cost_seconds"] = max(found["cost_seconds"] or 0.0,
+                                           max(self._step_seconds.get((job, number), [0.0])) - usual)
+        others = f" ({len(episodes) - 1} other such step(s): {sorted(set(episodes) - {number})[:5]})" \
+            if len(episodes) > 1 else ""
+        found.update(layer="STALL", summary=f"step {number} stalled {lost:.0f} s, past the watchdog's "
+                     f"threshold, then went on{others}: {found['summary']}", remedies=REMEDIES["STALL"])
+        return [found]
+
+    def _hang(self, job: str, silent: list[int] = ()) -> list[dict]:
+        latest = self._stuck(job)
+        return self._explained(job, latest, silent) if latest else []
+
+    def _explained(self, job: str, latest: dict[int, Span], silent: list[int], stall: int | None = None) -> list[dict]:
+        """The finding of the ranks' hang reports ``latest`` (one per rank that reported): who stopped, where, and who
+        waits for it in which collective. ``silent``: ranks known not to have reached any collective waited in;
+        ``stall``: the step of a past hang, which the ranks went beyond (not where their telemetry ends)."""
+        ranks = sorted(self.ranks[job] | set(latest) | set(silent))
         waiting = {rank: r for rank, r in latest.items() if r.attributes.get(semconv.COMM_SEQUENCE) is not None}
         missing: dict[int, set] = defaultdict(set)  # stopped rank -> collectives it never reached
         for rank, report in waiting.items():
@@ -178,7 +227,7 @@ class Hangs:
             group = report.attributes.get(semconv.COMM_GROUP_NAME, "0")
             sequence = report.attributes[semconv.COMM_SEQUENCE]
             for other in ranks:
-                if other != rank and self._reached.get((job, group, other), -1) < sequence:
+                if other != rank and (other in silent or self._reached.get((job, group, other), -1) < sequence):
                     missing[other].add((group, sequence))
         untraced = _waiting_untraced({rank: latest[rank] for rank in set(latest) - set(waiting)})
         stopped = sorted(set(missing) | (set(latest) - set(waiting) - set(untraced)))
@@ -202,7 +251,7 @@ class Hangs:
                              0.9 if reported_all else 0.7, trace_ids)
             return [_with_stacks(found, latest, ())]  # none stopped on its own: each waits
         if stopped:
-            culprits = "; ".join(self._stopped_text(job, rank, latest.get(rank), missing.get(rank))
+            culprits = "; ".join(self._stopped_text(job, rank, latest.get(rank), missing.get(rank), waiting, stall)
                                  for rank in stopped)
             waits = "; ".join([f"rank {rank} waits for {_plural(sorted(r for r in stopped if r != rank))} in "
                                f"{_collective_text(report)}{_during(report)}"
@@ -211,8 +260,8 @@ class Hangs:
                                  "collective not traced (DDP's gradient all-reduce)"
                                  for rank, report in sorted(untraced.items())])
             summary = f"{culprits}" + (f"; {waits}" if waits else "")
-            if len(stopped) == 1 and stopped[0] not in latest and (job, stopped[0]) in self._last_step:
-                step = self._last_step[job, stopped[0]] + 1  # the step it is in: the one after its last closed
+            if len(stopped) == 1 and stopped[0] not in latest and stall is None:
+                step = self._step_of(job, stopped[0], missing.get(stopped[0]), waiting) or step
             found = _finding("HANG", summary, evidence, REMEDIES["HANG"], stopped[0] if len(stopped) == 1 else None,
                              step, lost, 0.9 if reported_all else 0.7, trace_ids)
             if len(stopped) == 1 and stopped[0] in latest:  # where it stopped, as the summary says (--json's readers)
@@ -227,8 +276,9 @@ class Hangs:
             # ranks only met another rank's next one (FSDP2: a rank's extra all-reduce against the others' all-gather).
             each = "; ".join(f"rank {rank} in {_collective_text(report)}{_during(report)}"
                              for rank, report in sorted(waiting.items()))
-            summary = (f"the ranks wait in different collectives at the same point: {each}. The ranks issue their "
-                       "collectives in different orders (one issued on some ranks only)")
+            summary = (f"the ranks wait in different collectives at the same point: {each}. The ranks issued different "
+                       "collectives there: a rank-dependent branch or order (one issued on some ranks only, or another "
+                       "op in its place)")
             found = _finding("HANG", summary, evidence, [*REMEDIES["DESYNC"], *REMEDIES["HANG"][1:2]], None, step,
                              lost, 0.9 if reported_all else 0.7, trace_ids)
             return [_with_stacks(found, latest, ())]
@@ -248,15 +298,34 @@ class Hangs:
                 for other in behind]
         return f"{_plural(behind)} {'has' if len(behind) == 1 else 'have'} not reached ({', '.join(last)})"
 
-    def _stopped_text(self, job: str, rank: int, report: Span | None, never: set | None) -> str:
+    def _step_of(self, job: str, rank: int, never: set | None, waiting: dict) -> int | None:
+        """The step a rank with no hang report stopped in: the latest of the peers waiting for it in a collective it
+        never reached (it went through the one before with them), else the one after its last step span. Its own
+        spans lag: they are exported in batches, and a frozen or killed rank's last batch never left."""
+        peers = [report.attributes.get(semconv.TRAINING_STEP) for report in waiting.values()
+                 if (report.attributes.get(semconv.COMM_GROUP_NAME, "0"),
+                     report.attributes.get(semconv.COMM_SEQUENCE)) in (never or ())]
+        last = self._last_step.get((job, rank))
+        known = [step for step in peers if step] + ([last + 1] if last is not None else [])
+        return max(known) if known else None
+
+    def _stopped_text(self, job: str, rank: int, report: Span | None, never: set | None, waiting: dict,  # noqa: PLR0917
+                      stall: int | None = None) -> str:
         if report is None:
             reached = ", ".join(f"{group}: {sequence}" for group, sequence in sorted(never or ()))
-            last = self._last_step.get((job, rank))
-            in_step = f" in step {last + 1}" if last is not None else ""
+            step, last = stall or self._step_of(job, rank, never, waiting), self._last_step.get((job, rank))
+            in_step = f" in step {step}" if step is not None else ""
+            if stall is None and last is not None and step is not None and step > last + 1:
+                in_step += f" (where its peers wait for it; its own telemetry ends at step {last})"
             before = (f" before {'collective' if len(never) == 1 else 'collectives'} (group: sequence) {reached}"
                       if never else "")  # none: a peer a send or recv waits for
-            return (f"rank {rank} stopped{in_step}{before}, with no hang report of its own (not yet past its "
-                    "threshold, dead, or its watchdog off)")
+            if rank not in self.ranks[job]:
+                return (f"rank {rank} stopped{in_step}{before}, with no telemetry at all in the input: frozen or hung "
+                        "before its first export (SIGSTOP, a debugger, a hang in native code), dead with nothing "
+                        "written, or its files left out")
+            return (f"rank {rank} stopped{in_step}{before}, with no hang report of its own: frozen (SIGSTOP, a "
+                    "debugger), hung in native code or dead (its watchdog's thread could not report), not yet past "
+                    "its threshold, or its watchdog off")
         text = f"rank {rank} stopped {_place(report.attributes)}"
         attributes = report.attributes
         if attributes.get(semconv.COMM_SEQUENCE) is not None:
@@ -281,17 +350,26 @@ class Hangs:
                                    if _OURS not in f[0]][:STACK_FRAMES])
         return text + (f"; stack (innermost first): {frames_text}" if frames_text else "")
 
+    def _step_of_call(self, *calls: tuple) -> int | None:
+        """The step of a collective seen as ``calls`` (signature, rank, trace, step): its step span's, or a report's."""
+        for _signature, _rank, trace_id, step in calls:
+            if trace_id in self._trace_steps:
+                return self._trace_steps[trace_id]
+            if step:
+                return step
+        return None
+
     def _desync(self, job: str) -> list[dict]:
         mismatches = [m for m in self._mismatches.get(job, ()) if (job, m[0]) not in self._p2p]
         if not mismatches:
             return []
         evidence = []
         for group, sequence, first, other in mismatches[:10]:
-            evidence.append(f"group {group}, sequence {sequence} (step {self._trace_steps.get(first[2], '?')}): "
+            evidence.append(f"group {group}, sequence {sequence} (step {self._step_of_call(first, other) or '?'}): "
                             f"rank {first[1]} {_signature_text(first[0])}, rank {other[1]} "
                             f"{_signature_text(other[0])}")
         group, sequence, first, other = mismatches[0]
-        step = self._trace_steps.get(first[2])
+        step = self._step_of_call(first, other)
         differs = [name for name, a, b in zip(("op", "size", "dtype"), first[0], other[0], strict=True) if a != b]
         summary = (f"collective {sequence} of group {group} (step {step if step is not None else '?'}) differs in "
                    f"{' and '.join(differs)} across ranks: rank {first[1]} {_signature_text(first[0])}, rank "

@@ -285,6 +285,16 @@ def draw_hang_between_steps(rng: random.Random) -> Draw:
                 env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR}, live=True)
 
 
+def draw_stall(rng: random.Random) -> Draw:
+    # A hang that ends: rank R pauses 4-8 s (past the watchdog's 2 s floor) in one step, then the run goes on.
+    rank, step = rng.randint(0, 1), rng.randint(3, 10)
+    phase = rng.choice(("forward", "backward", "data", "after-step"))
+    return Draw(["--steps", "14", "--hang-rank", str(rank), "--hang-step", str(step), "--hang-phase", phase,
+                 "--hang-seconds", f"{rng.uniform(4, 8):.1f}", *_zero(rng), "--grad-accum", str(rng.choice((1, 2)))],
+                Expected("STALL", rank, phase=phase, step=step + (phase == "after-step")),
+                env={"OTEL_PYTHON_DEEPSPEED_HANG_TIMEOUT": HANG_FLOOR})
+
+
 def draw_desync(rng: random.Random) -> Draw:
     rank, steps = rng.randint(0, 1), rng.randint(10, 16)
     step = rng.randint(2, steps - 1)
@@ -338,6 +348,16 @@ def judge_hang(report: dict, expected: Expected) -> dict[str, bool]:
              }.get(expected.phase, f"rank {expected.rank} stopped in {expected.phase} of step {expected.step}")
     return {"layer": layer, "rank": layer and verdict.get("rank") == expected.rank,
             "pattern": layer and verdict.get("step") == expected.step and verdict["summary"].startswith(where)}
+
+
+def judge_stall(report: dict, expected: Expected) -> dict[str, bool]:
+    """As a hang, after the run: "step N stalled S s, past the watchdog's threshold, then went on: rank R stopped
+    ..." (the step of a pause after step N's engine.step() is N + 1's, which it delayed)."""
+    verdict = report["verdict"]
+    if verdict["layer"] != "STALL":
+        return {"layer": False, "rank": False, "pattern": False}
+    stopped = verdict["summary"].partition("then went on: ")[2]
+    return judge_hang({"verdict": {**verdict, "layer": "HANG", "summary": stopped}}, expected)
 
 
 def judge_desync(report: dict, expected: Expected) -> dict[str, bool]:
@@ -412,6 +432,8 @@ CLASSES = [
     FaultClass("hang", draw_hang, judge_hang, notes="rank 0-1 blocks in forward/backward of step 2-10, diagnosed live"),
     FaultClass("hang-between-steps", draw_hang_between_steps, judge_hang,
                notes="rank 0-1 blocks in the data loader before step 2-10 or after its engine.step(), diagnosed live"),
+    FaultClass("stall", draw_stall, judge_stall,
+               notes="rank 0-1 pauses 4-8 s in forward/backward/data/after-step of step 3-10, then goes on"),
     FaultClass("desync", draw_desync, judge_desync, notes="one rank all-reduces int32 where the other float32"),
 ]
 

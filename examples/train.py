@@ -91,6 +91,8 @@ def parse_args(argv=None):
                         help="rank R blocks forever in --hang-phase of step --hang-step (the others then wait for "
                              "it in their next collective)")
     faults.add_argument("--hang-step", type=int, default=0, metavar="N", help="optimizer step (1-based) of the hang")
+    faults.add_argument("--hang-seconds", type=float, default=0.0, metavar="S",
+                        help="the hang ends after S seconds and the run goes on (a stall); 0: for good")
     faults.add_argument("--hang-phase", choices=("forward", "backward", "data", "after-step"), default="forward",
                         help="data: the loader never returns step N's first micro-batch (no step open yet); "
                              "after-step: the loop blocks after step N's engine.step() (between steps)")
@@ -295,8 +297,15 @@ class TinyLM(nn.Module):
         return loss
 
 
+HANG_SECONDS = 0.0  # --hang-seconds: how long an injected hang lasts; 0, for good
+
+
 def block_forever():
-    """An injected hang: this rank never returns, the others wait for it in their next collective."""
+    """An injected hang: this rank does not return (for --hang-seconds, if given), the others wait for it in their
+    next collective."""
+    if HANG_SECONDS:
+        time.sleep(HANG_SECONDS)
+        return
     while True:
         time.sleep(3600)
 
@@ -455,8 +464,7 @@ def inject_faults(args, model, rank: int, step: int) -> None:
         model.block = step + 1 if args.block_in_step and step + 1 == args.block_in_step else None
     if args.slowdown_at and step + 1 >= args.slowdown_at:
         model.slowdown = args.slowdown_factor
-    if step + 1 == args.hang_step and rank == args.hang_rank:
-        model.hang = args.hang_phase
+    model.hang = args.hang_phase if step + 1 == args.hang_step and rank == args.hang_rank else None
 
 
 def after_step(args, rank: int, step: int) -> None:
@@ -545,7 +553,9 @@ def build(args):
 
 
 def main(argv=None):
+    global HANG_SECONDS  # noqa: PLW0603 - read by the injected hang wherever it runs (a loader worker too)
     args = parse_args(argv)
+    HANG_SECONDS = args.hang_seconds
     default_single_process_env()
     torch.manual_seed(args.seed)
 

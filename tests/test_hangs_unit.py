@@ -1102,3 +1102,41 @@ def test_a_fault_in_the_watchdog_s_own_loop_is_said_once_and_the_watching_stops(
     assert dog.broken
     assert sum("hang watchdog failed in Watchdog._run" in record.getMessage() for record in caplog.records) == 1, \
         caplog.text
+
+
+@pytest.mark.parametrize("in_collective", [True, False])
+def test_a_sigterm_in_a_collective_is_taken_over_after_the_short_grace(monkeypatch, in_collective):
+    """The launcher stops ranks one after another, each once the one before exited: a rank waiting in a collective
+    for a peer it stops too would hold every later one for the whole grace."""
+    from types import SimpleNamespace
+
+    from opentelemetry_instrumentation_deepspeed.recording.record import Collective
+
+    blocked, release = threading.Event(), threading.Event()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        recorder.forward_started(engine)
+        if in_collective:
+            recorder.comm_issued(Collective(SimpleNamespace(span_name="comm.all_reduce"), 5, 64, "float32", False,
+                                            time.time_ns()))
+        blocked.set()
+        release.wait()
+
+    thread, made = _training_thread(train)
+    taken = []
+    monkeypatch.setattr(lifecycle, "handles_sigterm", lambda: True)
+    monkeypatch.setattr(lifecycle, "finishing", lambda: False)
+    monkeypatch.setattr(lifecycle, "finish_elsewhere", lambda signum, reason, spent: taken.append(reason))
+    # Whichever grace applies is short here; the other would outlast the test.
+    monkeypatch.setattr(lifecycle, "GRACE_SECONDS", 600.0 if in_collective else 0.05)
+    monkeypatch.setattr(lifecycle, "COLLECTIVE_GRACE_SECONDS", 0.05 if in_collective else 600.0)
+    try:
+        blocked.wait(10)
+        signalled = threading.Thread(target=made["dog"]._signalled, args=(watchdog.signal.SIGTERM,), daemon=True)
+        signalled.start()
+        signalled.join(20)
+        assert not signalled.is_alive() and taken == [lifecycle.TERMINATED]
+    finally:
+        release.set()
+        thread.join(10)

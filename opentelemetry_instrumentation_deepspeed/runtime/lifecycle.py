@@ -114,6 +114,7 @@ TERMINATED = semconv.STATUS_TERMINATED
 INTERRUPTED = semconv.STATUS_INTERRUPTED
 INTERRUPTED_EXIT = "a second Ctrl-C"  # what cut the exit short, in the summary line
 GRACE_SECONDS = 2.0  # a signal's own handler has this long to start before another thread takes over
+COLLECTIVE_GRACE_SECONDS = 0.25  # ... at a SIGTERM, when the training thread waits in a collective (watchdog.py)
 
 _logger = logging.getLogger(__name__)
 _at_exit: dict[str, list[Callable[[str], None]]] = {stage: [] for stage in EXIT_ORDER}

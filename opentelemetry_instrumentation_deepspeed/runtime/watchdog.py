@@ -346,7 +346,12 @@ class Watchdog(Component):
         self._at_signal = (time.monotonic(), reason, self._snapshot())
         before = self._positions()
         arrived = time.monotonic()
-        deadline = arrived + lifecycle.GRACE_SECONDS
+        # A thread waiting in a collective at a SIGTERM waits for a peer the launcher is stopping too (it stops the
+        # ranks one after another, each once the one before has exited): its handler would not start, and each such
+        # rank's grace would add to the job's exit.
+        grace = (lifecycle.COLLECTIVE_GRACE_SECONDS if signum == signal.SIGTERM and self._in_collectives()
+                 else lifecycle.GRACE_SECONDS)
+        deadline = arrived + grace
         while time.monotonic() < deadline:
             if lifecycle.finishing():
                 return
@@ -390,6 +395,19 @@ class Watchdog(Component):
         """Whether a watched thread has been reported stuck (past its threshold) and has not moved since: a report
         sets its next time, which a step opening or closing, or the thread moving between steps, sets back to 0."""
         return any(watched.next_report > 0 for watched in list(self._watched))
+
+    def _in_collectives(self) -> bool:
+        """Whether every watched thread waits in a collective now (in its open step, or between steps)."""
+        between = _comm("in_flight_between_steps", None)
+        for watched in list(self._watched):
+            record = watched.recorder.open
+            if record is None:
+                if between is None:
+                    return False
+            elif not any(c.end is None for c in list(record.collectives)) and (
+                    record.latest_dropped is None or record.latest_dropped.end is not None):
+                return False
+        return bool(self._watched)
 
     def _positions(self) -> list:
         """Where each watched thread is (its innermost frame and instruction; None once it ended), step

@@ -40,7 +40,8 @@ its handlers under a stage, and the order is the list's, not the order of regist
 - Signals while the training thread is blocked in native code: the hang watchdog's thread
   (``watchdog.py``) reads the signal numbers the interpreter writes to its wakeup fd
   (``signal.set_wakeup_fd``, set here when nothing else set one) even then. When the handler
-  above has not started ``GRACE_SECONDS`` after a SIGTERM (or a SIGINT leaves the training thread
+  above has not started ``GRACE_SECONDS`` after a SIGTERM (``COLLECTIVE_GRACE_SECONDS`` where the
+  training thread waits in a collective, for a peer the launcher stops too) (or a SIGINT leaves the training thread
   where it was, in a step or between steps reported stuck past the hang threshold), that thread
   runs the same exit stages in what is left of the exit budget (it counts from the signal, grace
   period included), then the process dies by the signal (``finish_elsewhere``), with its telemetry

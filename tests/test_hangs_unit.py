@@ -416,7 +416,7 @@ def test_a_stall_the_job_went_on_from_is_named_with_its_rank_step_and_cost():
     assert hangs.findings("job") == [], "no hang: both went on"
     (stall,) = hangs.stalls("job")
     assert (stall["layer"], stall["rank"], stall["step"]) == ("STALL", 1, 8)
-    assert stall["summary"].startswith("step 8 stalled 10 s, past the watchdog's threshold, then went on: rank 1 "
+    assert stall["summary"].startswith("step 8 stalled 10.0 s, past the watchdog's threshold, then went on: rank 1 "
                                        "stopped in forward of step 8 at train.py:152 in block_forever")
     assert stall["cost_seconds"] == pytest.approx(10.0)
     hangs = Hangs()  # rank 1 frozen (SIGSTOP, then SIGCONT): no report of its own, rank 0 waited for it

@@ -22,6 +22,7 @@ import statistics
 from collections import defaultdict
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose.findings import MIN_COST_SHARE
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
@@ -182,9 +183,11 @@ class Hangs:
             for report in reports:
                 attributes = report.attributes
                 number = attributes.get(semconv.TRAINING_STEP, 0)
-                if (attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED
+                if (attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED or number <= 1
                         or self._last_step.get((job, rank), 0) <= number):
-                    continue  # made as its thread moved on; or the rank never went beyond it (a hang, if any)
+                    # Made as its thread moved on; the first step, which pays for warm-up (a slow first all-gather
+                    # is no stall); or the rank never went beyond it (a hang, if any).
+                    continue
                 kept = episodes[number].get(rank)
                 if kept is None or report.end - report.start > kept.end - kept.start:
                     episodes[number][rank] = report
@@ -200,9 +203,12 @@ class Hangs:
                                   if step_job == job)
         lost = found["cost_seconds"] = max(found["cost_seconds"] or 0.0,
                                            max(self._step_seconds.get((job, number), [0.0])) - usual)
+        run = sum(max(seconds) for (step_job, _n), seconds in self._step_seconds.items() if step_job == job)
+        if lost < MIN_COST_SHARE * run:
+            return []  # a watchdog set to a hair's breadth reports steps that cost the run nothing
         others = f" ({len(episodes) - 1} other such step(s): {sorted(set(episodes) - {number})[:5]})" \
             if len(episodes) > 1 else ""
-        found.update(layer="STALL", summary=f"step {number} stalled {lost:.0f} s, past the watchdog's "
+        found.update(layer="STALL", summary=f"step {number} stalled {lost:.1f} s, past the watchdog's "
                      f"threshold, then went on{others}: {found['summary']}", remedies=REMEDIES["STALL"])
         return [found]
 

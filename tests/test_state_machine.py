@@ -718,3 +718,19 @@ def test_evaluation_forwards_keep_a_wait_fetched_ahead_for_the_next_step():
     train_micro_batch(rec, engine)
     train_micro_batch(rec, engine)
     assert [r.waits for r in records] == [[(0, 1, 0), (2, 3, 1)], [(4, 5, 0), (60, 61, 1)]]
+
+
+def test_an_evaluation_forward_inside_a_step_drops_its_own_fetch_not_the_step_s():
+    """Each micro-step: the main loader's batch, the training forward, an auxiliary batch through the model in eval
+    mode under no_grad, then the backward. The auxiliary fetches fed no micro-batch."""
+    rec, engine, records = recorder(grad_accum=2)
+    for step in range(2):
+        for micro in range(2):
+            at = 100 * step + 10 * micro
+            rec.data_waited(at, at + 1)  # main
+            rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+            rec.data_waited(at + 5, at + 6)  # auxiliary
+            rec.not_training()
+            rec.phase_ended(rec.backward_started(engine))
+            engine.step(rec)
+    assert [r.waits for r in records] == [[(0, 1, 0), (10, 11, 1)], [(100, 101, 0), (110, 111, 1)]]

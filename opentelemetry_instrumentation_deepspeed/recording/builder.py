@@ -64,6 +64,7 @@ class StepBuilder(Component):
         # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
         # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
         self._waits: list[tuple[int, int, bool]] = []
+        self._fetched = 0  # waits the open step took (or kept ahead) since its latest phase started
         self._lock = threading.RLock()  # the emitter's thread and the watchdog's may both replay
         self.actions = {name: getattr(self, "_" + name) for name in (
             state.KEEP_WAIT, state.ADD_WAIT, state.DROP_WAITS, state.OPEN_STEP, state.START_PHASE, state.END_PHASE,
@@ -158,14 +159,24 @@ class StepBuilder(Component):
 
     def _add_wait(self, entry) -> None:
         wait, waits = entry[3], self.open.waits
+        self._fetched += 1
         if len(waits) < self._max_waits:
             waits.append((wait[0], wait[1], len(waits)))
         else:
             self._keep(wait, True)
 
     def _drop_waits(self, _entry) -> None:
-        # An evaluation forward: what was fetched since the last step fed it; a look-ahead is the next step's.
-        self._waits = [wait for wait in self._waits if wait[2]]
+        # An evaluation forward: what was fetched since the last step fed it; a look-ahead is the next step's. Inside
+        # a step (an auxiliary batch through the model in eval mode, between a training forward and its backward),
+        # what was fetched since the step's latest phase started fed it: the fetches before fed that phase.
+        if self.open is None:
+            self._waits = [wait for wait in self._waits if wait[2]]
+        else:
+            dropping, self._fetched = self._fetched, 0
+            while dropping and self._waits and self._waits[-1][2]:  # the latest went ahead, once the step was full
+                self._waits.pop()
+                dropping -= 1
+            del self.open.waits[max(len(self.open.waits) - dropping, 0):]
         self._release_early()
 
     def _keep_collective(self, entry) -> None:
@@ -204,6 +215,7 @@ class StepBuilder(Component):
 
     def _start_phase(self, entry) -> None:
         event, record = entry[0], self.open
+        self._fetched = 0
         payload, gpu_start, schedstat = entry[5]
         if event == Event.FORWARD:
             micro_step = record.micro_batches

@@ -66,7 +66,9 @@ REMEDIES = {
     "compute": ["the model's operators: profile a step (touch the trigger file) and read its operator spans",
                 "mixed precision, fused kernels, activation checkpointing trade-offs"],
     "HOST WORK": ["Python work between the phases (logging, metrics, checkpoint writes): move it off the step or "
-                  "make it asynchronous", "profile a step (touch the trigger file) to see what runs between phases"],
+                  "make it asynchronous", "profile a step (touch the trigger file) to see what runs between phases",
+                  "batches from a source no wrapper times (a generator, a list) wait here too: a DataLoader around "
+                  "it makes that time data wait"],
     "GPU/hardware": ["check cooling, power capping and clocks of the named GPU (nvidia-smi -q -d PERFORMANCE)",
                      "drain the node if ECC errors or hardware slowdown persist"],
 }

@@ -428,6 +428,39 @@ def test_a_stall_the_job_went_on_from_is_named_with_its_rank_step_and_cost():
         stall["summary"]
 
 
+def test_a_stall_names_only_the_rank_that_stopped_where_a_waiter_stayed_under_its_threshold():
+    """3 ranks: rank 1 pauses (its report), rank 0 waits (its report), rank 2 waited too, under its own threshold."""
+    hangs = Hangs()
+    for rank in (0, 1, 2):
+        _steps(hangs, rank, 12, [(60, "all_reduce", 540160, "float32")])
+    hangs.add(_report(1, stack=STACK_RANK1, duration=7.4))
+    hangs.add(_report(0, phase="backward", collective=("all_reduce", 49), duration=7.4))
+    (stall,) = hangs.stalls("job")
+    assert stall["rank"] == 1 and "rank 2" not in stall["summary"].partition("; rank 0 waits")[0]
+    assert "rank 0 waits for rank 1 in all_reduce" in stall["summary"]
+
+
+def test_every_rank_s_own_work_between_steps_is_no_stall_and_a_resumed_job_s_first_step_neither():
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 12)
+        report = _report(rank, step=9, phase=None, duration=120.0)  # a checkpoint's save on every rank
+        report.attributes[semconv.HANG_BETWEEN_STEPS] = True
+        hangs.add(report)
+    assert hangs.stalls("job") == []
+    hangs = Hangs()  # resumed at step 5001: its first all-gather is warm-up
+    for rank in (0, 1):
+        for number in range(5001, 5013):
+            hangs.add(_span(semconv.SPAN_STEP, rank, number, number + 0.5, trace=f"t{number}",
+                            **{semconv.TRAINING_STEP: number}))
+    hangs.add(_report(1, step=5001, stack=STACK_RANK1, duration=400.0))
+    hangs.add(_report(0, step=5001, phase="backward", collective=("all_reduce", 3), duration=400.0))
+    assert hangs.stalls("job") == []
+    hangs.add(_report(1, step=5008, stack=STACK_RANK1, duration=40.0))
+    (stall,) = hangs.stalls("job")
+    assert stall["step"] == 5008
+
+
 def test_ranks_waiting_for_each_other_in_different_collectives_are_named_as_crossed():
     """Rank 1 alone all-reduces on the default group (a rank-dependent branch); rank 0 goes on to the next collective
     of DeepSpeed's group. Each waits in a collective the other has not reached: the verdict read "rank 0 stopped ...

@@ -91,10 +91,49 @@ def test_a_direct_backward_takes_the_loss_it_was_called_on_not_the_forwards_outp
     try:
         loss = (logits ** 2).mean() * 8  # 8 x (4 + 36) / 2
         loss.backward()
-        assert BackwardRoot.tensors is None, "the loss is not kept past its backward"
+        assert not BackwardRoot.by_thread, "the loss is not kept past its backward"
     finally:
         engine_instrumentor._leave_backward_roots()
     assert torch.autograd.backward is original
+    recorder.direct_backward_ended()
+    engine.step(recorder)
+    assert steps_of(exporter)[0].attributes["training.loss"] == 160.0
+
+
+def test_a_direct_backward_s_loss_is_its_own_thread_s_not_another_backward_s():
+    """Another thread's backward running meanwhile (a second model, a data pipeline's) is not the step's loss."""
+    import threading
+
+    from opentelemetry_instrumentation_deepspeed.instrumentors import engine as engine_instrumentor
+
+    recorder, engine, exporter = recorder_on(0)
+    weight = torch.tensor(2.0, requires_grad=True)
+    logits = weight * torch.tensor([1.0, 3.0])
+    recorder.forward_ended(recorder.forward_started(engine), logits)
+    inside, release = threading.Event(), threading.Event()
+
+    def elsewhere():
+        other = torch.tensor(1.0, requires_grad=True)
+        waiting = other * 1.0
+        waiting.register_hook(lambda grad: (inside.set(), release.wait(10)) and None)
+        (waiting * 1000.0).backward()
+
+    logits.register_hook(lambda _grad: recorder.backward_started(engine, direct=True) and None)
+    engine_instrumentor._follow_backward_roots()
+    thread = threading.Thread(target=elsewhere)
+
+    def start_the_other(_grad):  # the loss's own hook, before the engine's output's: the other backward begins
+        thread.start()
+        inside.wait(10)
+
+    try:
+        loss = (logits ** 2).mean() * 8
+        loss.register_hook(start_the_other)
+        loss.backward()
+    finally:
+        release.set()
+        thread.join(10)
+        engine_instrumentor._leave_backward_roots()
     recorder.direct_backward_ended()
     engine.step(recorder)
     assert steps_of(exporter)[0].attributes["training.loss"] == 160.0

@@ -88,11 +88,14 @@ class Hangs:
         self._reports: dict[tuple[str, int], list[Span]] = defaultdict(list)
         self._last_step: dict[tuple[str, int], int] = {}
         self._reached: dict[tuple[str, str, int], int] = {}  # (job, group, rank) -> last sequence seen
-        self._signatures: dict[tuple[str, str, int], tuple] = {}  # (job, group, sequence) -> (signature, rank)
+        # (job, group, sequence) -> (signature, rank, trace id, step) of its first call seen
+        self._signatures: dict[tuple[str, str, int], tuple] = {}
         self._mismatches: dict[str, list] = defaultdict(list)
         self._p2p: set = set()  # (job, group) that carried point-to-point calls
         self._trace_steps: dict[str, int] = {}
         self._step_seconds: dict[tuple[str, int], list[float]] = defaultdict(list)  # (job, step) -> each rank's
+        self._first_step: dict[str, int] = {}  # job -> its first step (a job resumed from a checkpoint: not 1)
+        self._extent: dict[str, list[int]] = {}  # job -> [first step's start, last step's end]: the run
         self.ranks: dict[str, set] = defaultdict(set)
 
     def add(self, span: Span) -> None:
@@ -103,6 +106,9 @@ class Hangs:
             self._last_step[key] = max(self._last_step.get(key, 0), number)
             self._trace_steps[span.trace_id] = number
             self._step_seconds[span.job, number].append(span.seconds)
+            self._first_step[span.job] = min(self._first_step.get(span.job, number), number)
+            extent = self._extent.setdefault(span.job, [span.start, span.end])
+            extent[0], extent[1] = min(extent[0], span.start), max(extent[1], span.end)
             self.ranks[span.job].add(span.rank)
         elif name == semconv.SPAN_HANG:
             # The exit's last report with no step open, made before the threshold: where a rank that went on
@@ -176,35 +182,43 @@ class Hangs:
     def stalls(self, job: str) -> list[dict]:
         """STALL: the costliest past hang, a step in which ranks reported no progress past the watchdog's threshold
         and which they went beyond; explained as a hang is, from each rank's longest report in that step."""
+        first = self._first_step.get(job)
         episodes: dict[int, dict[int, Span]] = defaultdict(dict)  # step -> rank -> its longest report in it
         for (report_job, rank), reports in self._reports.items():
-            if report_job != job:
+            if report_job != job or first is None:
                 continue
             for report in reports:
                 attributes = report.attributes
                 number = attributes.get(semconv.TRAINING_STEP, 0)
-                if (attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED or number <= 1
+                if (attributes.get(semconv.HANG_REASON) == semconv.HANG_REASON_RESUMED or number <= first
                         or self._last_step.get((job, rank), 0) <= number):
-                    # Made as its thread moved on; the first step, which pays for warm-up (a slow first all-gather
-                    # is no stall); or the rank never went beyond it (a hang, if any).
+                    # Made as its thread moved on; the job's first step, which pays for warm-up (a slow first
+                    # all-gather is no stall); or the rank never went beyond it (a hang, if any).
                     continue
                 kept = episodes[number].get(rank)
                 if kept is None or report.end - report.start > kept.end - kept.start:
                     episodes[number][rank] = report
+        for number, latest in list(episodes.items()):
+            if set(latest) >= self.ranks[job] and all(r.attributes.get(semconv.HANG_BETWEEN_STEPS)
+                                                      and r.attributes.get(semconv.COMM_SEQUENCE) is None
+                                                      for r in latest.values()):
+                del episodes[number]  # every rank in the loop's own code (a checkpoint): its choice, no one waits
         if not episodes:
             return []
         number, latest = max(episodes.items(), key=lambda item: max(
             r.attributes.get(semconv.HANG_DURATION) or 0 for r in item[1].values()))
-        # A rank with no report there while others waited was not running (frozen: its watchdog's thread too).
-        (found,) = self._explained(job, latest, sorted(self.ranks[job] - set(latest)), number)
+        # Where every rank that reported waits in a collective, those with no report there were not running (frozen,
+        # with their watchdog's thread); else they may have waited under their own threshold.
+        waiting_only = all(r.attributes.get(semconv.COMM_SEQUENCE) is not None for r in latest.values())
+        (found,) = self._explained(job, latest, sorted(self.ranks[job] - set(latest)) if waiting_only else [], number)
         # What it cost: the step's excess over the usual step, where its span says more than the last report (made
         # a threshold's multiple into the stall); a stall between steps is outside any step span.
         usual = statistics.median(max(seconds) for (step_job, _n), seconds in self._step_seconds.items()
                                   if step_job == job)
         lost = found["cost_seconds"] = max(found["cost_seconds"] or 0.0,
                                            max(self._step_seconds.get((job, number), [0.0])) - usual)
-        run = sum(max(seconds) for (step_job, _n), seconds in self._step_seconds.items() if step_job == job)
-        if lost < MIN_COST_SHARE * run:
+        start, end = self._extent[job]
+        if lost < MIN_COST_SHARE * (end - start) / 1e9:  # the run, the loop's time between steps included
             return []  # a watchdog set to a hair's breadth reports steps that cost the run nothing
         others = f" ({len(episodes) - 1} other such step(s): {sorted(set(episodes) - {number})[:5]})" \
             if len(episodes) > 1 else ""
@@ -325,6 +339,9 @@ class Hangs:
                 in_step += f" (where its peers wait for it; its own telemetry ends at step {last})"
             before = (f" before {'collective' if len(never) == 1 else 'collectives'} (group: sequence) {reached}"
                       if never else "")  # none: a peer a send or recv waits for
+            if stall is not None:
+                return (f"rank {rank} stopped{in_step}{before}, with no report of its own there: frozen (SIGSTOP, a "
+                        "debugger) or in native code its watchdog's thread could not report from")
             if rank not in self.ranks[job]:
                 return (f"rank {rank} stopped{in_step}{before}, with no telemetry at all in the input: frozen or hung "
                         "before its first export (SIGSTOP, a debugger, a hang in native code), dead with nothing "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Collection
+from threading import get_ident
 
 from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
@@ -71,14 +72,18 @@ def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
 
 
 def _autograd_backward(backward):
-    # A backward inside it (reentrant checkpointing's) replaces and clears the root: DeepSpeed's hook, the first of
-    # the pass, has read it by then.
+    # Per calling thread: the hook reads its training thread's (another thread's backward meanwhile is not its). A
+    # backward inside it (reentrant checkpointing's, on the same thread on CPU) replaces and clears the root:
+    # DeepSpeed's hook, the first of the pass, has read it by then.
+    roots = BackwardRoot.by_thread
+
     def wrapper(*args, **kwargs):
-        BackwardRoot.tensors = args[0] if args else kwargs.get("tensors")
+        thread = get_ident()
+        roots[thread] = args[0] if args else kwargs.get("tensors")
         try:
             return backward(*args, **kwargs)
         finally:
-            BackwardRoot.tensors = None
+            roots.pop(thread, None)
 
     return wrapper
 

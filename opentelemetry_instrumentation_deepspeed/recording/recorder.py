@@ -216,7 +216,7 @@ class StepRecorder(Component):
             return None
         if direct:
             output, self._forward_output = self._forward_output, None
-            root = BackwardRoot.tensors
+            root = BackwardRoot.by_thread.get(self.thread)
             # What loss.backward() was called on, when it is a scalar: the loss as the loop made it from the forward's
             # output (scaled, or a criterion of logits); else the forward's own scalar output.
             loss = root if getattr(root, "ndim", None) == 0 else None if output is None else output()
@@ -492,13 +492,14 @@ def _row(next_state: str | None, names: tuple[str, ...], actions: dict) -> tuple
 
 
 class BackwardRoot:
-    """What the running ``torch.autograd.backward`` was called on (``loss.backward()``'s loss), while it runs.
+    """What each thread's running ``torch.autograd.backward`` was called on (``loss.backward()``'s loss), while it
+    runs: thread id -> tensor.
 
     DeepSpeed starts a direct backward from a hook on the engine's outputs, on autograd's thread (a device's, on
-    CUDA): the hook sees the gradient, never the tensor the backward started from. Set by the training thread, read
-    there; None between backwards (no tensor kept)."""
+    CUDA): the hook sees the gradient, never the tensor the backward started from. Set by the calling thread, read
+    by the recorder for its training thread; no entry between backwards (no tensor kept)."""
 
-    tensors = None
+    by_thread: dict = {}  # noqa: RUF012 - one table for the process, shared on purpose
 
 
 def _loss_entry(output):

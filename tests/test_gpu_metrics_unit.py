@@ -355,6 +355,7 @@ def test_a_reading_this_nvidia_ml_py_lacks_is_said_with_its_name(caplog):
 
 @pytest.mark.parametrize(("name", "peak"), [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
                                             ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
+                                            ("NVIDIA H200 NVL", 835e12),
                                             ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)])
 def test_the_peak_is_the_device_s_own(monkeypatch, name, peak):
     import torch

@@ -273,7 +273,7 @@ def test_events_are_asked_about_on_the_engine_s_device_from_any_thread():
     assert cuda.current == 0, "the thread's own device after"
 
 
-def test_no_thread_of_ours_asks_the_device_anything_while_a_cuda_graph_is_captured():
+def test_no_thread_of_ours_asks_the_device_anything_while_a_cuda_graph_is_captured(monkeypatch):
     """torch's default capture mode refuses (and invalidates the graph on) any thread's query meanwhile."""
     import types
 
@@ -288,13 +288,14 @@ def test_no_thread_of_ours_asks_the_device_anything_while_a_cuda_graph_is_captur
             self.capturing = False
 
     graphs = types.SimpleNamespace(CUDAGraph=CUDAGraph)
+    monkeypatch.setattr(cuda_graphs, "_followers", set())  # other tests' engines follow torch's own
     cuda = FakeCuda()
     timeline = GpuTimeline(cuda)
     timeline.anchor_if_idle()
     cuda.idle = False
     start, end = timeline.event(), timeline.event()
     cuda.run(1.0)
-    cuda_graphs.follow(graphs)
+    cuda_graphs.follow("test", graphs)
     try:
         graph = CUDAGraph()
         graph.capture_begin()
@@ -310,5 +311,25 @@ def test_no_thread_of_ours_asks_the_device_anything_while_a_cuda_graph_is_captur
         graph.capture_end()
         assert Captures.running == 0
     finally:
-        cuda_graphs.leave(graphs)
+        cuda_graphs.leave("test", graphs)
     assert "_opentelemetry_original" not in vars(CUDAGraph.capture_begin), "left as it was"
+    # Two followers: the first to leave leaves the count on; the last, in the middle of a capture, resets it.
+    cuda_graphs.follow("engine", graphs)
+    cuda_graphs.follow("comm", graphs)
+    graph.capture_begin()
+    cuda_graphs.leave("engine", graphs)
+    assert Captures.running == 1 and "_opentelemetry_original" in vars(CUDAGraph.capture_begin)
+    cuda_graphs.leave("comm", graphs)
+    graph.capture_end()
+    assert Captures.running == 0 and "_opentelemetry_original" not in vars(CUDAGraph.capture_begin)
+
+
+def test_a_runtime_that_cannot_name_the_device_leaves_gpu_times_on():
+    from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
+
+    cuda = FakeCuda()
+    cuda.current_device = lambda: (_ for _ in ()).throw(RuntimeError("CUDA driver error"))
+    timeline = GpuTimeline(cuda)
+    timeline.anchor_if_idle()
+    start, end = timeline.event(), timeline.event()
+    assert timeline.device is None and timeline.times(start, end) is not None

@@ -1137,10 +1137,11 @@ def test_a_fault_in_the_watchdog_s_own_loop_is_said_once_and_the_watching_stops(
         caplog.text
 
 
-@pytest.mark.parametrize("in_collective", [True, False])
-def test_a_sigterm_in_a_collective_is_taken_over_after_the_short_grace(monkeypatch, in_collective):
+@pytest.mark.parametrize(("collective", "in_collective"), [("sync", True), (None, False), ("async", False)])
+def test_a_sigterm_in_a_collective_is_taken_over_after_the_short_grace(monkeypatch, collective, in_collective):
     """The launcher stops ranks one after another, each once the one before exited: a rank waiting in a collective
-    for a peer it stops too would hold every later one for the whole grace."""
+    for a peer it stops too would hold every later one for the whole grace. An async collective not waited for is
+    no wait (the thread computes meanwhile)."""
     from types import SimpleNamespace
 
     from opentelemetry_instrumentation_deepspeed.recording.record import Collective
@@ -1150,9 +1151,9 @@ def test_a_sigterm_in_a_collective_is_taken_over_after_the_short_grace(monkeypat
     def train(recorder, engine):
         train_step(recorder, engine)
         recorder.forward_started(engine)
-        if in_collective:
-            recorder.comm_issued(Collective(SimpleNamespace(span_name="comm.all_reduce"), 5, 64, "float32", False,
-                                            time.time_ns()))
+        if collective:
+            recorder.comm_issued(Collective(SimpleNamespace(span_name="comm.all_reduce"), 5, 64, "float32",
+                                            collective == "async", time.time_ns()))
         blocked.set()
         release.wait()
 

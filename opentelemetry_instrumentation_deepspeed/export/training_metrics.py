@@ -29,10 +29,10 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 # Tokens, for padded sequence lengths: powers of two from 16 to 128k.
 SEQUENCE_LENGTH_BUCKETS = tuple(float(2**power) for power in range(4, 18))
 
-# Dense peak FLOP/s of one device for bf16/fp16 matmuls, by a substring of the NVML/torch name.
-# Dense bf16 (V100: fp16), by the device name's first match: the PCIe and NVL H100s before the SXM one.
-_PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12),
-               ("L40S", 362e12), ("A10G", 125e12), ("V100", 125e12), ("B200", 2250e12))
+# Dense peak FLOP/s of one device for bf16 matmuls (V100: fp16), by the first substring of the torch device name
+# that matches: the PCIe and NVL parts before the SXM ones of their names.
+_PEAK_FLOPS = (("H200 NVL", 835e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+               ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12), ("V100", 125e12), ("B200", 2250e12))
 
 
 def _host_number(value) -> float | None:

@@ -367,7 +367,7 @@ class CommObserver(Component):
         from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
 
         if self._gpu is None:
-            cuda_graphs.follow()
+            cuda_graphs.follow("comm")
             self._gpu = GpuTimeline(self._cuda or sys.modules["torch"].cuda)
         step = None if recorder is None else recorder.step_number()
         if step != self._gpu_step:  # the first CUDA collective of a step renews the origin if it can
@@ -697,7 +697,7 @@ class CommInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs):
         self._patches.restore(_loaded("torch.distributed") + _loaded("deepspeed"))
-        cuda_graphs.leave()
+        cuda_graphs.leave("comm")
         observer = getattr(self, "_observer", None)
         if observer is not None:  # copies of the ops bound after patching, which restore() cannot see, pass calls on
             observer.broken = True

@@ -45,13 +45,24 @@ def _ended() -> None:
         Captures.running = max(0, Captures.running - 1)
 
 
-def follow(module=None) -> None:
-    """Count the captures of ``module``'s ``CUDAGraph`` (torch's, once a GPU timeline starts); idempotent."""
+_followers: set[str] = set()  # the instrumentors whose GPU timelines need the count
+
+
+def follow(follower: str, module=None) -> None:
+    """Count the captures of ``module``'s ``CUDAGraph`` (torch's) for ``follower``, once its GPU timeline starts."""
     graphs = module or sys.modules.get(_MODULE)
     graph = getattr(graphs, "CUDAGraph", None)
     if graph is not None:
+        _followers.add(follower)
         wrap_methods(graph, {"capture_begin": _capture_begin, "capture_end": _capture_end})
 
 
-def leave(module=None) -> None:
+def leave(follower: str, module=None) -> None:
+    """``follower`` no longer needs the count; the last to leave puts the originals back (the count at 0: a capture
+    under way then would otherwise hold it above for good)."""
+    _followers.discard(follower)
+    if _followers:
+        return
     unwrap_methods(getattr(module or sys.modules.get(_MODULE), "CUDAGraph", None), _METHODS)
+    with Captures.lock:
+        Captures.running = 0

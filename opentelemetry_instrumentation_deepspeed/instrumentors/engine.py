@@ -154,7 +154,7 @@ def _gpu_timeline(cuda):
         return None
     from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import GpuTimeline
 
-    cuda_graphs.follow()
+    cuda_graphs.follow("engine")
     return GpuTimeline(cuda)
 
 
@@ -371,5 +371,5 @@ class DeepSpeedInstrumentor(BaseInstrumentor):
         unwrap_methods(getattr(sys.modules.get(pipeline.MODULE), "PipelineEngine", None), ["__init__", "train_batch"])
         pipeline.restore_schedule()
         _leave_backward_roots()
-        cuda_graphs.leave()
+        cuda_graphs.leave("engine")
         registry.forget_all()

@@ -15,6 +15,7 @@ becomes the origin (its error: half a float32 step of a second, 30 ns, unbiased)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -37,7 +38,7 @@ class GpuTimeline:
     def __init__(self, cuda):
         self._cuda = cuda  # torch.cuda, or a fake at that boundary in tests
         self._origin: tuple[object, int] | None = None  # replaced whole: readable from another thread
-        self.device = cuda.current_device()  # built on the training thread, whose device DeepSpeed set
+        self.device = current_device(cuda)  # built on the training thread, whose device DeepSpeed set
 
     def event(self):
         """A timing event recorded now on the current stream; None while a CUDA graph is captured."""
@@ -48,11 +49,15 @@ class GpuTimeline:
         return event
 
     def anchor_if_idle(self) -> None:
-        # Before any idle moment, a first origin that may lag by the queue's depth beats none.
+        # Before any idle moment, a first origin that may lag by the queue's depth beats none. The stream's query
+        # under the captures' lock: a capture begun on another thread meanwhile would refuse it.
         if Captures.running:
             return
-        if self._origin is None or self._cuda.current_stream().query():
-            self._origin = (self.event(), time.time_ns())
+        with Captures.lock:
+            if not Captures.running and (self._origin is None or self._cuda.current_stream().query()):
+                event = self._cuda.Event(enable_timing=True)
+                event.record()
+                self._origin = (event, time.time_ns())
 
     def times(self, start, end) -> tuple[int, int] | None:
         """(start, end) of the interval between two events on the epoch clock; None while either
@@ -71,10 +76,18 @@ class GpuTimeline:
         return start_ns, end_ns
 
 
-def on_device(cuda, index: int):
+def current_device(cuda) -> int | None:
+    """The calling thread's current CUDA device; None where torch cannot say (the queries then run where they are)."""
+    try:
+        return cuda.current_device()
+    except Exception:  # noqa: BLE001 - a broken runtime: GPU times may still come, from any device
+        return None
+
+
+def on_device(cuda, index: int | None):
     """A block run with ``index`` the thread's current CUDA device, as it was then after it.
 
     The emitter's thread (or a metrics collection's) asks events about their progress. Its current device is 0:
     CUDA would create a context there on its first call, half a GiB on GPU 0 for every rank that trains on another.
     torch's ``device`` guard restores the thread's device after the block only where that device has a context."""
-    return cuda.device(index)
+    return contextlib.nullcontext() if index is None else cuda.device(index)

@@ -14,7 +14,7 @@ stream until it ran, as any ``non_blocking`` copy does.
 
 from __future__ import annotations
 
-from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import Captures, on_device
+from opentelemetry_instrumentation_deepspeed.recording.gpu_timing import Captures, current_device, on_device
 
 SLOTS = 1024  # at one loss per micro-batch, steps of 32 micro-batches stay readable for 30 steps
 
@@ -33,7 +33,7 @@ class DeviceScalars:
 
     def __init__(self, torch, cuda=None, pin_memory: bool = True):
         self._cuda = cuda or torch.cuda
-        self._device = self._cuda.current_device()
+        self._device = current_device(self._cuda)
         self._buffer = torch.empty(SLOTS, dtype=torch.float64, pin_memory=pin_memory)
         self._slots = list(self._buffer.unbind())  # views made once: indexing would cost a call per copy
         self._issued = 0

@@ -397,15 +397,15 @@ class Watchdog(Component):
         return any(watched.next_report > 0 for watched in list(self._watched))
 
     def _in_collectives(self) -> bool:
-        """Whether every watched thread waits in a collective now (in its open step, or between steps)."""
+        """Whether every watched thread waits in a synchronous collective now (in its open step, or between steps).
+        An async one not waited for yet (ZeRO's overlapped reduce-scatters, prefetched all-gathers) is no wait: the
+        thread computes meanwhile, and may be in a long native call whose end the handler waits for."""
         between = _comm("in_flight_between_steps", None)
         for watched in list(self._watched):
             record = watched.recorder.open
-            if record is None:
-                if between is None:
-                    return False
-            elif not any(c.end is None for c in list(record.collectives)) and (
-                    record.latest_dropped is None or record.latest_dropped.end is not None):
+            calls = ([between] if between is not None else []) if record is None else [
+                *list(record.collectives), *([record.latest_dropped] if record.latest_dropped is not None else [])]
+            if not any(call.end is None and not call.is_async for call in calls):
                 return False
         return bool(self._watched)
 

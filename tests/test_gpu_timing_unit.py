@@ -15,7 +15,24 @@ from opentelemetry_instrumentation_deepspeed.recording import registry
 from tests.test_steps_unit import recorder_on
 
 
-class FakeCuda:
+class FakeDevices:
+    """torch.cuda's current device and its guard, for a fake with one thread."""
+
+    current = 0  # the calling thread's current device, as the fake's only thread sees it
+
+    def current_device(self):
+        return self.current
+
+    @contextlib.contextmanager
+    def device(self, index):
+        previous, self.current = self.current, index
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+class FakeCuda(FakeDevices):
     """torch.cuda as the observer uses it; the test plays the GPU. Blocking calls fail the test."""
 
     def __init__(self):
@@ -66,19 +83,6 @@ class FakeCuda:
 
     def synchronize(self):
         raise AssertionError("torch.cuda.synchronize blocks")
-
-    current = 0  # the calling thread's current device, as the fake's only thread sees it
-
-    def current_device(self):
-        return self.current
-
-    @contextlib.contextmanager
-    def device(self, index):
-        previous, self.current = self.current, index
-        try:
-            yield
-        finally:
-            self.current = previous
 
     def run(self, milliseconds: float):
         """The GPU executes everything queued, each event `milliseconds` after the previous."""

@@ -3,7 +3,6 @@ one: scripts/gpu-check.sh), the numerics watch, and the MODEL / MEMORY findings 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 
@@ -18,6 +17,7 @@ from opentelemetry_instrumentation_deepspeed.recording import scalars
 from opentelemetry_instrumentation_deepspeed.recording.allocator import AllocatorMemory
 from opentelemetry_instrumentation_deepspeed.recording.scalars import DeviceScalars
 from opentelemetry_instrumentation_deepspeed.runtime import watchdog
+from tests.test_gpu_timing_unit import FakeDevices
 from tests.test_steps_unit import recorder_on
 
 
@@ -161,7 +161,7 @@ class FakeCudaEvent:
         raise AssertionError("Event.synchronize blocks")
 
 
-class FakeCuda:
+class FakeCuda(FakeDevices):
     """torch.cuda at the boundary: events complete when the test says the GPU ran; the allocator's
     counters are what the test sets."""
 
@@ -191,19 +191,6 @@ class FakeCuda:
 
     def synchronize(self):
         raise AssertionError("torch.cuda.synchronize blocks")
-
-    current = 0  # the calling thread's current device, as the fake's only thread sees it
-
-    def current_device(self):
-        return self.current
-
-    @contextlib.contextmanager
-    def device(self, index):
-        previous, self.current = self.current, index
-        try:
-            yield
-        finally:
-            self.current = previous
 
     def reset_peak_memory_stats(self, device=None):
         self.resets += 1

@@ -461,6 +461,32 @@ def test_every_rank_s_own_work_between_steps_is_no_stall_and_a_resumed_job_s_fir
     assert stall["step"] == 5008
 
 
+def test_a_checkpoint_before_a_step_does_not_hide_a_stall_in_it():
+    """Every rank saves for 120 s before step 9 (a report between steps, numbered 9); in step 9 rank 1 stalls 40 s."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 12)
+        report = _report(rank, step=9, phase=None, duration=120.0)
+        report.attributes[semconv.HANG_BETWEEN_STEPS] = True
+        hangs.add(report)
+    hangs.add(_report(1, step=9, stack=STACK_RANK1, duration=40.0))
+    hangs.add(_report(0, step=9, phase="backward", collective=("all_reduce", 30), duration=40.0))
+    (stall,) = hangs.stalls("job")
+    assert (stall["rank"], stall["step"]) == (1, 9) and "between steps" not in stall["summary"]
+
+
+def test_a_stall_is_weighed_against_the_run_with_its_time_between_steps():
+    """Steps of 0.5 s every 10 s: a 3 s stall is 6% of the steps' time, not 5% of the run's."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        for number in range(1, 21):
+            hangs.add(_span(semconv.SPAN_STEP, rank, 10 * number, 10 * number + 0.5, trace=f"t{number}",
+                            **{semconv.TRAINING_STEP: number}))
+    hangs.add(_report(1, step=8, stack=STACK_RANK1, duration=3.0))
+    hangs.add(_report(0, step=8, phase="backward", collective=("all_reduce", 30), duration=3.0))
+    assert hangs.stalls("job") == []
+
+
 def test_ranks_waiting_for_each_other_in_different_collectives_are_named_as_crossed():
     """Rank 1 alone all-reduces on the default group (a rank-dependent branch); rank 0 goes on to the next collective
     of DeepSpeed's group. Each waits in a collective the other has not reached: the verdict read "rank 0 stopped ...

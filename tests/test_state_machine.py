@@ -734,3 +734,33 @@ def test_an_evaluation_forward_inside_a_step_drops_its_own_fetch_not_the_step_s(
             rec.phase_ended(rec.backward_started(engine))
             engine.step(rec)
     assert [r.waits for r in records] == [[(0, 1, 0), (10, 11, 1)], [(100, 101, 0), (110, 111, 1)]]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_an_evaluation_forward_inside_a_step_drops_only_the_latest_fetch(grad_accum):
+    """A loop that fetches its next micro-batch right after each forward, then an auxiliary batch for an evaluation
+    forward (eval mode, no_grad) before the backward: only the auxiliary batch fed the evaluation. With one
+    micro-batch per step the next batch is kept ahead, and the auxiliary one, kept ahead after it, must not push it
+    out for good."""
+    rec, engine, records = recorder(grad_accum=grad_accum)
+    fetch = iter(range(0, 10_000, 10))
+
+    def main():
+        at = next(fetch)
+        rec.data_waited(at, at + 1)
+        return at
+
+    expected, first = [], main()
+    taken = [first]
+    for _step in range(2):
+        for _micro in range(grad_accum):
+            rec.phase_ended(rec.forward_started(engine, (Input(),), {}))
+            taken.append(main())  # the next micro-batch, fetched ahead
+            aux = next(fetch)
+            rec.data_waited(aux + 5, aux + 6)
+            rec.not_training()
+            rec.phase_ended(rec.backward_started(engine))
+            engine.step(rec)
+        expected.append([(at, at + 1, micro) for micro, at in enumerate(taken[:grad_accum])])
+        taken = taken[grad_accum:]
+    assert [r.waits for r in records] == expected

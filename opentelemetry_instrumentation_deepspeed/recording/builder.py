@@ -42,6 +42,7 @@ COLLECTIVE = "collective"  # not an event of the table: a collective issued in t
 # without bound: past these, its phases and collectives are counted, not kept (a step of 4,096 micro-batches, or of
 # 16,384 collectives, keeps all of its own).
 MAX_PHASES = 8192
+_IN_STEP = "in the step"  # the open step's latest fetch went to its own waits (StepBuilder._latest)
 MAX_COLLECTIVES = 16384
 
 
@@ -64,7 +65,9 @@ class StepBuilder(Component):
         # Waits for the next step's micro-batches, fetched before it opens: (start, end, ahead), the
         # most recent G at most; ahead: fetched while the previous step was open (a loader's look-ahead).
         self._waits: list[tuple[int, int, bool]] = []
-        self._fetched = 0  # waits the open step took (or kept ahead) since its latest phase started
+        # Where the open step's latest fetch since its latest phase started went, for an evaluation forward in the step
+        # to undo: None (none made), _IN_STEP, or kept ahead: a 1-tuple of the (index, wait) it put out (or None).
+        self._latest: object = None
         self._lock = threading.RLock()  # the emitter's thread and the watchdog's may both replay
         self.actions = {name: getattr(self, "_" + name) for name in (
             state.KEEP_WAIT, state.ADD_WAIT, state.DROP_WAITS, state.OPEN_STEP, state.START_PHASE, state.END_PHASE,
@@ -144,39 +147,40 @@ class StepBuilder(Component):
     def _keep_wait(self, entry) -> None:
         self._keep(entry[3], False)
 
-    def _keep(self, wait, ahead: bool) -> None:
-        waits = self._waits
+    def _keep(self, wait, ahead: bool) -> tuple[int, tuple] | None:
+        """Keep ``wait`` for the next step; (index, wait) of the one it put out, if any."""
+        waits, out = self._waits, None
         if len(waits) >= self._max_waits:
             # More fetches than a step has micro-batches: the oldest made since the last step goes (a
             # skipped batch, an evaluation's), before a look-ahead, which is the next step's first.
-            for index, kept in enumerate(waits):
-                if not kept[2]:
-                    del waits[index]
-                    break
-            else:
-                del waits[0]
+            index = next((index for index, kept in enumerate(waits) if not kept[2]), 0)
+            out = (index, waits.pop(index))
         waits.append((wait[0], wait[1], ahead))
+        return out
 
     def _add_wait(self, entry) -> None:
         wait, waits = entry[3], self.open.waits
-        self._fetched += 1
         if len(waits) < self._max_waits:
             waits.append((wait[0], wait[1], len(waits)))
+            self._latest = _IN_STEP
         else:
-            self._keep(wait, True)
+            self._latest = (self._keep(wait, True),)
 
     def _drop_waits(self, _entry) -> None:
         # An evaluation forward: what was fetched since the last step fed it; a look-ahead is the next step's. Inside
-        # a step (an auxiliary batch through the model in eval mode, between a training forward and its backward),
-        # what was fetched since the step's latest phase started fed it: the fetches before fed that phase.
+        # a step (an auxiliary batch through the model in eval mode, between a training forward and its backward), the
+        # latest fetch since the step's latest phase started fed it, and only that one: a loop may fetch its next
+        # micro-batch first (its next forward's), which stays the step's.
         if self.open is None:
             self._waits = [wait for wait in self._waits if wait[2]]
         else:
-            dropping, self._fetched = self._fetched, 0
-            while dropping and self._waits and self._waits[-1][2]:  # the latest went ahead, once the step was full
+            latest, self._latest = self._latest, None
+            if latest is _IN_STEP:
+                self.open.waits.pop()
+            elif latest is not None:  # kept ahead: undone, with the wait it put out back in its place
                 self._waits.pop()
-                dropping -= 1
-            del self.open.waits[max(len(self.open.waits) - dropping, 0):]
+                if latest[0] is not None:
+                    self._waits.insert(*latest[0])
         self._release_early()
 
     def _keep_collective(self, entry) -> None:
@@ -198,6 +202,7 @@ class StepBuilder(Component):
 
     def _open_step(self, entry) -> None:
         number, profiled, fetched_or_opened, between = entry[6]
+        self._latest = None
         waits = self._waits
         # The step starts where the loop began fetching for it, not at a look-ahead made in the step before; with no
         # fetch, where it opened (before a profiler started, which its first phase starts after).
@@ -215,7 +220,7 @@ class StepBuilder(Component):
 
     def _start_phase(self, entry) -> None:
         event, record = entry[0], self.open
-        self._fetched = 0
+        self._latest = None
         payload, gpu_start, schedstat = entry[5]
         if event == Event.FORWARD:
             micro_step = record.micro_batches

@@ -398,8 +398,9 @@ class Watchdog(Component):
 
     def _in_collectives(self) -> bool:
         """Whether every watched thread waits in a synchronous collective now (in its open step, or between steps).
-        An async one not waited for yet (ZeRO's overlapped reduce-scatters, prefetched all-gathers) is no wait: the
-        thread computes meanwhile, and may be in a long native call whose end the handler waits for."""
+        An async one in flight does not count: not waited for yet (ZeRO's overlapped reduce-scatters, prefetched
+        all-gathers), the thread computes meanwhile, maybe in a long native call whose end the handler waits for; one
+        the thread waits on gets the usual grace too (that its wait() runs is not recorded)."""
         between = _comm("in_flight_between_steps", None)
         for watched in list(self._watched):
             record = watched.recorder.open

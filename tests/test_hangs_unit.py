@@ -475,6 +475,20 @@ def test_a_checkpoint_before_a_step_does_not_hide_a_stall_in_it():
     assert (stall["rank"], stall["step"]) == (1, 9) and "between steps" not in stall["summary"]
 
 
+def test_a_rank_s_stall_between_steps_is_named_with_the_step_its_peer_waits_in():
+    """Rank 1 pauses in its loop after step 8 (its report: between steps, before step 9); rank 0 waits in step 9."""
+    hangs = Hangs()
+    for rank in (0, 1):
+        _steps(hangs, rank, 12)
+    paused = _report(1, step=9, phase=None, stack=STACK_RANK1, duration=40.0)
+    paused.attributes[semconv.HANG_BETWEEN_STEPS] = True
+    hangs.add(paused)
+    hangs.add(_report(0, step=9, phase="backward", collective=("all_reduce", 30), duration=40.0))
+    (stall,) = hangs.stalls("job")
+    assert (stall["rank"], stall["step"]) == (1, 9)
+    assert "rank 1 stopped between steps (no step open, before step 9)" in stall["summary"]
+
+
 def test_a_stall_is_weighed_against_the_run_with_its_time_between_steps():
     """Steps of 0.5 s every 10 s: a 3 s stall is 6% of the steps' time, not 5% of the run's."""
     hangs = Hangs()

@@ -183,9 +183,7 @@ class Hangs:
         """STALL: the costliest past hang, a step in which ranks reported no progress past the watchdog's threshold
         and which they went beyond; explained as a hang is, from each rank's longest report in that step."""
         first = self._first_step.get(job)
-        # (step, between steps) -> rank -> its longest report there. A report between steps carries the next step's
-        # number: a checkpoint before step N is not a stall in it.
-        episodes: dict[tuple[int, bool], dict[int, Span]] = defaultdict(dict)
+        episodes: dict[int, dict[int, list[Span]]] = defaultdict(lambda: defaultdict(list))  # step -> rank -> reports
         for (report_job, rank), reports in self._reports.items():
             if report_job != job or first is None:
                 continue
@@ -197,17 +195,21 @@ class Hangs:
                     # Made as its thread moved on; the job's first step, which pays for warm-up (a slow first
                     # all-gather is no stall); or the rank never went beyond it (a hang, if any).
                     continue
-                episode = episodes[number, bool(attributes.get(semconv.HANG_BETWEEN_STEPS))]
-                kept = episode.get(rank)
-                if kept is None or report.end - report.start > kept.end - kept.start:
-                    episode[rank] = report
-        for key, latest in list(episodes.items()):
-            if key[1] and set(latest) >= self.ranks[job] and all(r.attributes.get(semconv.COMM_SEQUENCE) is None
-                                                                 for r in latest.values()):
-                del episodes[key]  # every rank in the loop's own code (a checkpoint): its choice, no one waits
-        if not episodes:
+                episodes[number][rank].append(report)
+        chosen = {}
+        for number, reported in episodes.items():
+            # Every rank in the loop's own code before the step (a checkpoint's save; its reports carry the step's
+            # number): its choice, no one waits. What follows in the step (a rank's stall there) stands on its own.
+            own = {rank: [r for r in reports if r.attributes.get(semconv.HANG_BETWEEN_STEPS)
+                          and r.attributes.get(semconv.COMM_SEQUENCE) is None] for rank, reports in reported.items()}
+            everyone = {rank for rank, reports in own.items() if reports} >= self.ranks[job]
+            latest = {rank: max(kept, key=lambda r: r.end - r.start) for rank, reports in reported.items()
+                      if (kept := [r for r in reports if not (everyone and r in own[rank])])}
+            if latest:
+                chosen[number] = latest
+        if not chosen:
             return []
-        (number, _between), latest = max(episodes.items(), key=lambda item: max(
+        number, latest = max(chosen.items(), key=lambda item: max(
             r.attributes.get(semconv.HANG_DURATION) or 0 for r in item[1].values()))
         # Where every rank that reported waits in a collective, those with no report there were not running (frozen,
         # with their watchdog's thread); else they may have waited under their own threshold.
@@ -222,7 +224,7 @@ class Hangs:
         start, end = self._extent[job]
         if lost < MIN_COST_SHARE * (end - start) / 1e9:  # the run, the loop's time between steps included
             return []  # a watchdog set to a hair's breadth reports steps that cost the run nothing
-        steps = sorted({step for step, _between in episodes} - {number})
+        steps = sorted(set(chosen) - {number})
         others = f" ({len(steps)} other such step(s): {steps[:5]})" if steps else ""
         found.update(layer="STALL", summary=f"step {number} stalled {lost:.1f} s, past the watchdog's "
                      f"threshold, then went on{others}: {found['summary']}", remedies=REMEDIES["STALL"])

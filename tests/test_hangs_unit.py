@@ -483,7 +483,7 @@ def test_a_rank_s_stall_between_steps_is_named_with_the_step_its_peer_waits_in()
     paused = _report(1, step=9, phase=None, stack=STACK_RANK1, duration=40.0)
     paused.attributes[semconv.HANG_BETWEEN_STEPS] = True
     hangs.add(paused)
-    hangs.add(_report(0, step=9, phase="backward", collective=("all_reduce", 30), duration=40.0))
+    hangs.add(_report(0, step=9, phase="backward", collective=("all_reduce", 30), duration=41.0))  # reported later
     (stall,) = hangs.stalls("job")
     assert (stall["rank"], stall["step"]) == (1, 9)
     assert "rank 1 stopped between steps (no step open, before step 9)" in stall["summary"]

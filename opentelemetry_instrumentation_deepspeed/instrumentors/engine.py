@@ -21,9 +21,8 @@ from opentelemetry.metrics import get_meter
 from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.instrumentors import cuda_graphs, pipeline
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
+    Patches,
     keep_out_of_compiled_graphs,
-    original_of,
-    replacement,
     unwrap_methods,
     when_imported,
     wrap_methods,
@@ -60,8 +59,6 @@ def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
                     recorder.facts.peer_stages = pipeline.peer_stages(self)
                     recorder.pipelined = True
                 registry.track(self, recorder)
-                if getattr(self, "_support_torch_style_backward", False):  # a direct loss.backward() can train it
-                    _follow_backward_roots()
             except Exception:
                 _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                                   "training is not affected")
@@ -88,26 +85,28 @@ def _autograd_backward(backward):
     return wrapper
 
 
-_backward_roots = None  # our replacement of torch.autograd.backward, once an engine can be trained by a direct one
+_backward_roots: Patches | None = None  # torch.autograd.backward's replacement, from the first direct backward on
 
 
 def _follow_backward_roots() -> None:
     """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) so that a direct backward's loss is the
-    tensor it started from. Not where another replacement of ours is there already (a plain loop's): replacements do
-    not stack, and the loss is then the forward's output, as before."""
+    tensor it started from. Done at the first direct backward, whose loss is the forward's output: a loop that only
+    calls ``engine.backward(loss)`` (which knows its loss) never pays for the wrapper. Not where another replacement of
+    ours is there already (a plain loop's): replacements do not stack, and the loss is the forward's output."""
     global _backward_roots  # noqa: PLW0603 - one replacement per process
-    autograd = sys.modules["torch"].autograd
-    if _backward_roots is None and original_of(autograd.backward) is None:
-        _backward_roots = replacement(autograd.backward, _autograd_backward)
-        autograd.backward = _backward_roots
+    if _backward_roots is None:
+        _backward_roots = patches = Patches()  # set first: a wrap that fails is not tried again
+        try:
+            patches.wrap(sys.modules["torch"].autograd, "backward", _autograd_backward)
+        except Exception:  # ours: direct backwards' losses stay the forward's output, training goes on
+            _logger.debug("cannot wrap torch.autograd.backward", exc_info=True)
 
 
 def _leave_backward_roots() -> None:
     global _backward_roots  # noqa: PLW0603
-    autograd = getattr(sys.modules.get("torch"), "autograd", None)
-    if _backward_roots is not None and autograd is not None and autograd.backward is _backward_roots:
-        autograd.backward = original_of(_backward_roots)
-    _backward_roots = None
+    if _backward_roots is not None:
+        _backward_roots.restore()
+        _backward_roots = None
 
 
 def build_recorder(engine, identity, tracer_provider, meter, cuda=None):
@@ -267,6 +266,8 @@ def _backward_prologue(prologue):
             recorder = registry._by_id.get(id(self))
             if recorder is not None:
                 recorder.backward_started(self, direct=True)
+                if _backward_roots is None:
+                    _follow_backward_roots()
         try:
             return prologue(self, *args, **kwargs)
         except BaseException as error:

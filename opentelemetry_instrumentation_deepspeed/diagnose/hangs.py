@@ -94,7 +94,6 @@ class Hangs:
         self._p2p: set = set()  # (job, group) that carried point-to-point calls
         self._trace_steps: dict[str, int] = {}
         self._step_seconds: dict[tuple[str, int], list[float]] = defaultdict(list)  # (job, step) -> each rank's
-        self._first_step: dict[str, int] = {}  # job -> its first step (a job resumed from a checkpoint: not 1)
         self._extent: dict[str, list[int]] = {}  # job -> [first step's start, last step's end]: the run
         self.ranks: dict[str, set] = defaultdict(set)
 
@@ -106,7 +105,6 @@ class Hangs:
             self._last_step[key] = max(self._last_step.get(key, 0), number)
             self._trace_steps[span.trace_id] = number
             self._step_seconds[span.job, number].append(span.seconds)
-            self._first_step[span.job] = min(self._first_step.get(span.job, number), number)
             extent = self._extent.setdefault(span.job, [span.start, span.end])
             extent[0], extent[1] = min(extent[0], span.start), max(extent[1], span.end)
             self.ranks[span.job].add(span.rank)
@@ -182,7 +180,8 @@ class Hangs:
     def stalls(self, job: str) -> list[dict]:
         """STALL: the costliest past hang, a step in which ranks reported no progress past the watchdog's threshold
         and which they went beyond; explained as a hang is, from each rank's longest report in that step."""
-        first = self._first_step.get(job)
+        # The job's first step (a job resumed from a checkpoint: not 1).
+        first = min((number for step_job, number in self._step_seconds if step_job == job), default=None)
         episodes: dict[int, dict[int, list[Span]]] = defaultdict(lambda: defaultdict(list))  # step -> rank -> reports
         for (report_job, rank), reports in self._reports.items():
             if report_job != job or first is None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from opentelemetry_instrumentation_deepspeed import TorchTrainingInstrumentor, trace_training
 from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+from opentelemetry_instrumentation_deepspeed.instrumentors.patching import original_of
 from opentelemetry_instrumentation_deepspeed.recording import registry
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from tests.conftest import free_port
@@ -297,7 +298,7 @@ def test_a_pass_without_gradients_in_training_mode_keeps_the_wait_an_evaluation_
     assert sorted(steps[span.parent.span_id] for span in spans if span.name == "training.data.wait") == [1, 2, 3, 4, 4]
 
 
-def test_no_loop_beside_a_deepspeed_engine(traced):
+def test_no_loop_beside_a_deepspeed_engine(traced, caplog):
     class Engine:
         pass
 
@@ -310,6 +311,36 @@ def test_no_loop_beside_a_deepspeed_engine(traced):
     optimizer.step()
     registry.forget_all()
     assert traced() == ()
+    assert not _untraced_warnings(caplog)
+
+
+def _untraced_warnings(caplog):
+    return [r for r in caplog.records if "this training is not traced" in r.getMessage()]
+
+
+def test_training_that_nothing_traces_is_said_once_at_its_first_step(traced, caplog):
+    assert original_of(vars(torch.optim.Optimizer)["_optimizer_step_code"]) is not None  # looking
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):  # one process, no DDP, no fully_shard, no trace_training(): what Accelerate on CPU runs
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    (warning,) = _untraced_warnings(caplog)
+    assert "trace_training(model, optimizer)" in warning.getMessage()
+    # Once looked, the original is back: the later steps run nothing of ours.
+    assert original_of(vars(torch.optim.Optimizer)["_optimizer_step_code"]) is None
+    assert traced() == ()
+
+
+def test_training_a_loop_traces_is_not_said_to_be_untraced(traced, caplog):
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    assert original_of(vars(torch.optim.Optimizer)["_optimizer_step_code"]) is None
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    assert not _untraced_warnings(caplog)
+    assert [span.name for span in traced() if span.name == "training.step"] == ["training.step"]
 
 
 @pytest.mark.parametrize("name_the_optimizer", [True, False])

@@ -19,7 +19,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 
 from opentelemetry_instrumentation_deepspeed import semconv
-from opentelemetry_instrumentation_deepspeed.instrumentors import cuda_graphs, pipeline
+from opentelemetry_instrumentation_deepspeed.instrumentors import cuda_graphs, pipeline, torch_loop
 from opentelemetry_instrumentation_deepspeed.instrumentors.patching import (
     Patches,
     keep_out_of_compiled_graphs,
@@ -59,6 +59,7 @@ def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
                     recorder.facts.peer_stages = pipeline.peer_stages(self)
                     recorder.pipelined = True
                 registry.track(self, recorder)
+                torch_loop.unwatch()
             except Exception:
                 _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                                   "training is not affected")

@@ -125,6 +125,7 @@ class _State:
         self.patches: Patches | None = None
         self.hooks: list = []  # torch.optim's global hook handles, and module hook handles
         self.optimizer = None  # named by trace_training() before the loop started
+        self.watch = None  # the hook that looks at the process's first optimizer step for training we do not trace
         # torch's test for a graph being traced by torch.compile: looked up at run time (the loop starting, a module
         # hooked), not while torch imports, nor by code of ours that dynamo would meet in a graph.
         self.compiling = _never
@@ -165,6 +166,7 @@ def start(parallelism: str, module=None, optimizer=None) -> bool:
         facts.root_attributes = {semconv.TRAINING_WORLD_SIZE: identity.world_size}
         loop.recorder = recorder
         registry.track(loop, recorder)
+        unwatch()
         _state.loop = loop
         if optimizer is not None or _state.optimizer is not None:
             loop.optimizer = weakref.ref(optimizer if optimizer is not None else _state.optimizer)
@@ -506,6 +508,49 @@ def _observe_steps_and_backwards() -> None:
     when_imported("torch.distributed.fsdp.sharded_grad_scaler", patch_sharded_scaler)
 
 
+def _watch_the_first_step(module) -> None:
+    """Training that nothing here traces (one process; ``accelerate launch`` on CPU without its CPU flag, which
+    builds no DDP; a framework's own parallelism) would otherwise leave no telemetry and no word why. Every
+    optimizer's ``step()`` calls ``_optimizer_step_code()`` (empty: the profiler's entry point) once it stepped; its
+    replacement looks once and puts the original back. Not a global step hook: removed from inside, it would fail
+    the ``step()`` that iterates the hooks."""
+    if _state.patches is not None and _state.patches.active and _state.watch is None:
+        _state.watch = Patches()
+        _state.watch.wrap(module.Optimizer, "_optimizer_step_code", _first_step)
+
+
+def unwatch() -> None:
+    """Training is traced (or the instrumentation leaves): no optimizer step looks."""
+    if _state.watch is not None:
+        _state.watch.restore()
+
+
+def _first_step(original):
+    def wrapper(self):
+        original(self)
+        try:
+            import torch
+
+            if torch.compiler.is_compiling():  # traced by torch.compile: looked at where it runs
+                return
+            unwatch()
+            if _state.loop is not None or registry.all_recorders():
+                return
+            if not session.would_record(_state.tracer_provider, _state.meter_provider):
+                return  # nothing would be traced anyway
+        except Exception:  # ours, inside the user's step(): it goes on, unwatched
+            _logger.debug("opentelemetry-instrumentation-deepspeed: the first optimizer step was not looked at",
+                          exc_info=True)
+            return
+        _logger.warning(
+            "opentelemetry-instrumentation-deepspeed: an optimizer steps in this process, but no DeepSpeed engine "
+            "was built, no model was wrapped in DistributedDataParallel and fully_shard was not applied: this "
+            "training is not traced. A loop of one process, or with a parallelism of its own, opts in with "
+            "opentelemetry_instrumentation_deepspeed.trace_training(model, optimizer) before its first step.")
+
+    return wrapper
+
+
 class TorchTrainingInstrumentor(BaseInstrumentor):
     """Steps of a plain PyTorch loop (DDP, FSDP2, or ``trace_training``) where no DeepSpeed engine trains."""
 
@@ -531,8 +576,10 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         when_imported(_DDP_MODULE, patch_ddp)
         when_imported(_FSDP_MODULES[0], patch_fsdp)
         when_imported(_FSDP_MODULES[-1], lambda _module: patch_fsdp(sys.modules[_FSDP_MODULES[0]]))
+        when_imported("torch.optim.optimizer", _watch_the_first_step)
 
     def _uninstrument(self, **kwargs):
+        unwatch()
         for handle in _state.hooks:
             handle.remove()
         if _state.patches is not None:

@@ -56,6 +56,14 @@ def leave_if_silent(instrumentor, kwargs: dict) -> None:
     on_start(leave)
 
 
+def would_record(tracer_provider=None, meter_provider=None) -> bool:
+    """Whether training that started now would record: an SDK is behind the API, or the distro set one aside for
+    the start of training."""
+    from opentelemetry_instrumentation_deepspeed.export import sdk
+
+    return _deferred_sdk_arguments is not None or not sdk.api_only(tracer_provider, meter_provider)
+
+
 def _notify(listener, identity: JobIdentity) -> None:
     try:
         listener(identity)

@@ -835,6 +835,46 @@ def test_a_rank_stopped_by_a_signal_or_an_exception_keeps_where_it_stopped(monke
         thread.join(10)
 
 
+def test_a_sigterm_s_last_report_between_steps_runs_from_where_the_thread_stopped(monkeypatch):
+    """The audit of the emitted files: a rank stuck between steps for 2 s read "terminated by SIGTERM ... for 0 s"
+    at the signal, the handler's frames on its stack having counted as a new place to stand."""
+    release, handling, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def on_sigterm():  # SIGTERM's handler, run on the thread over where it stood
+        handling.set()
+        stop.wait()
+
+    def train(recorder, engine):
+        train_step(recorder, engine)
+        release.wait()
+        on_sigterm()
+
+    def in_handler(frame):
+        while frame is not None and frame.f_code is not on_sigterm.__code__:
+            frame = frame.f_back
+        return frame is not None
+
+    monkeypatch.setattr(lifecycle, "in_sigterm_handler", in_handler)
+    thread, made = _training_thread(train)
+    dog = made["dog"]
+    try:
+        (report,) = _looks(dog, [0, 25])
+        release.set()
+        assert handling.wait(10)
+        assert _looks(dog, [30]) == []
+        monkeypatch.setattr(lifecycle, "finishing", lambda: True)  # the exit stages have started
+        dog._at_exit(lifecycle.TERMINATED)
+        emitter().drain()
+        (last,) = [s for s in made["emitted"].get_finished_spans()
+                   if s.name == semconv.SPAN_HANG and s.attributes[semconv.HANG_REASON] == lifecycle.TERMINATED]
+        assert last.start_time == report.step_start
+        assert (last.end_time - last.start_time) / 1e9 > 0.1
+    finally:
+        release.set()
+        stop.set()
+        thread.join(10)
+
+
 def test_an_exception_with_no_step_open_leaves_a_last_report_with_its_traceback(monkeypatch):
     """A review: a Trainer callback that raised after step 3 left no trace at all (no step was open), and the
     crashed job read NONE."""

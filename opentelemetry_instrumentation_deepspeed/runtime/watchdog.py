@@ -255,9 +255,12 @@ class Watchdog(Component):
             return resumed + _resumed(watched, now)  # another engine of the thread stepping: progress
         where = _frame_key(frame)
         if where != watched.where:
-            # Not progress by itself: a signal's handler, or an exception unwinding the stack, moves it too.
-            # idle_since first: the metric reader's thread reads the two without a lock.
-            watched.idle_since, watched.where, watched.next_report = now, where, 0.0
+            # Not progress by itself: a signal's handler, or an exception unwinding the stack, moves it too. SIGTERM's
+            # handler, run over where the thread stood, is no place of its own: the last report at the signal runs
+            # from when the thread stopped there. idle_since first: the metric reader's thread reads the two without
+            # a lock.
+            if watched.where is None or not lifecycle.in_sigterm_handler(frame):
+                watched.idle_since, watched.where, watched.next_report = now, where, 0.0
             return resumed
         limit = self._threshold(watched)
         if (now - watched.idle_since) / 1e9 <= max(limit, watched.next_report):

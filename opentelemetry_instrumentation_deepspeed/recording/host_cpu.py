@@ -71,10 +71,11 @@ class HostCpu:
     """Cumulative CPU times of the host and of this process, sampled by the emitter's thread."""
 
     __slots__ = ("__weakref__", "_ended", "_last_read", "_native", "_on", "_phase_reads_left", "_samples", "_thread",
-                 "covering", "phase_reads", "thread_stat")
+                 "covering", "cpus", "phase_reads", "thread_stat")
 
     def __init__(self):
         self._on = True
+        self.cpus = os.cpu_count() or 1  # /proc/stat's "cpu" line sums them all
         # Whether the recorder reads the schedstat at each phase too: from the start, until the steps show a quiet host.
         self.phase_reads = True
         self._phase_reads_left = PHASE_READS_HOLD
@@ -195,9 +196,13 @@ class HostCpu:
         seconds = end - start
         waiting = (waited_end - waited) / seconds
         natives = (native_end - native) / seconds
-        return (max(busy_end - busy, 0.0) / seconds, max(idle_end - idle, 0.0) / seconds,
-                max(process_end - process, 0.0) / seconds, None if math.isnan(waiting) else max(waiting, 0.0),
-                None if math.isnan(natives) else max(natives, 0.0))
+        busy, idle = max(busy_end - busy, 0.0) / seconds, max(idle_end - idle, 0.0) / seconds
+        # /proc/stat counts in clock ticks, which a short interval's ends cut unevenly: 2.09 CPUs busy of 2 in the
+        # emitted files. Kept within the CPUs the host has, in the same proportion.
+        if busy + idle > self.cpus:
+            busy, idle = busy * self.cpus / (busy + idle), idle * self.cpus / (busy + idle)
+        return (busy, idle, max(process_end - process, 0.0) / seconds,
+                None if math.isnan(waiting) else max(waiting, 0.0), None if math.isnan(natives) else max(natives, 0.0))
 
 
 def wait_share(first: bytes | None, last: bytes | None, nanoseconds: int) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 
 import pytest
 
@@ -55,6 +56,37 @@ def test_distro_defaults_to_otlp_with_an_endpoint_and_keeps_user_choices(environ
     assert os.environ["OTEL_TRACES_EXPORTER"] == "otlp"
     assert os.environ["OTEL_METRICS_EXPORTER"] == "prometheus"
     assert os.environ["OTEL_LOGS_EXPORTER"] == "otlp"
+
+
+def test_the_first_cpu_utilization_is_of_the_time_since_the_start_not_zero(environ, monkeypatch):
+    """The audit of the emitted files: every process.cpu.utilization and system.cpu.utilization point of jobs shorter
+    than the export interval read 0.0, psutil's first reading."""
+    from opentelemetry.instrumentation.system_metrics import SystemMetricsInstrumentor
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    reader = InMemoryMetricReader()
+
+    class EntryPoint:
+        name = "system_metrics"
+
+        @staticmethod
+        def load():
+            return SystemMetricsInstrumentor
+
+    DeepSpeedDistro().load_instrumentor(EntryPoint(), meter_provider=MeterProvider(metric_readers=[reader]))
+    try:
+        deadline = time.process_time() + 0.3
+        while time.process_time() < deadline:  # this process busy
+            pass
+        points = {metric.name: [point.value for point in metric.data.data_points]
+                  for resource in reader.get_metrics_data().resource_metrics
+                  for scope in resource.scope_metrics for metric in scope.metrics}
+    finally:
+        SystemMetricsInstrumentor().uninstrument()
+    assert max(points["process.cpu.utilization"]) > 0
+    assert max(points["system.cpu.utilization"]) > 0
 
 
 def test_signal_endpoint_only_affects_its_signal(environ):

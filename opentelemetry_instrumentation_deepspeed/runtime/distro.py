@@ -7,6 +7,7 @@ OTLP. Nothing here imports the SDK: every process of the job runs it, launchers 
 
 from __future__ import annotations
 
+import logging
 import os
 
 from opentelemetry.instrumentation.distro import BaseDistro
@@ -18,6 +19,8 @@ from opentelemetry_instrumentation_deepspeed.runtime.environment_variables impor
     EMBEDDED_EXPORTER,
     ISOLATED_ID_GENERATOR,
 )
+
+_logger = logging.getLogger(__name__)
 
 _SIGNALS = (
     ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", EMBEDDED_EXPORTER),
@@ -49,6 +52,20 @@ def system_metrics_config() -> dict:
     return {**_PROCESS_METRICS, **(_HOST_METRICS if local_rank in ("", "0") else {})}
 
 
+def _start_cpu_utilization(instrumentor) -> None:
+    """psutil's CPU percentages are over the time since the call before, and 0.0 at the first: every point of a job
+    shorter than the export interval read 0. Called once now, the first export has the time since the start."""
+    try:
+        import psutil
+
+        psutil.cpu_times_percent(percpu=True)
+        process = getattr(instrumentor, "_proc", None)  # the instrumentation's own psutil.Process
+        if process is not None:
+            process.cpu_percent()
+    except Exception:  # a psutil that cannot read the host: those metrics say so themselves
+        _logger.debug("CPU utilization not started", exc_info=True)
+
+
 class DeepSpeedDistro(BaseDistro):
     """Only sets defaults, in the environment, so child processes inherit the same choice."""
 
@@ -70,7 +87,9 @@ class DeepSpeedDistro(BaseDistro):
     def load_instrumentor(self, entry_point, **kwargs):
         # The system-metrics instrumentation reports ~30 metrics by default; a training host needs these.
         if entry_point.name == "system_metrics":
-            entry_point.load()(config=system_metrics_config()).instrument(**kwargs)
+            instrumentor = entry_point.load()(config=system_metrics_config())
+            instrumentor.instrument(**kwargs)
+            _start_cpu_utilization(instrumentor)
         else:
             super().load_instrumentor(entry_point, **kwargs)
 

@@ -220,8 +220,7 @@ ECC_CORRECTED = "corrected"
 ECC_UNCORRECTED = "uncorrected"
 PCIE_REPLAY = "pcie_replay"
 XID = "xid"
-# On nvidia.gpu.throttle: NVML's clock event (throttle) reasons
-HW_GPU_THROTTLE_REASON = "hw.gpu.throttle.reason"
+# HW_GPU_THROTTLE_REASON's values on nvidia.gpu.throttle: NVML's clock event (throttle) reasons
 THROTTLE_GPU_IDLE = "gpu_idle"
 THROTTLE_APPLICATIONS_CLOCKS_SETTING = "applications_clocks_setting"
 THROTTLE_SW_POWER_CAP = "sw_power_cap"

@@ -556,3 +556,18 @@ def add_span_processor_first(provider, processor) -> None:
             active._span_processors = (processor, *active._span_processors)
         return
     provider.add_span_processor(processor)
+
+
+def start_cpu_utilization(instrumentor) -> None:
+    """The system-metrics instrumentation's CPU utilizations (its ``_proc``, a psutil.Process): psutil's percentages
+    are over the time since the call before, and 0.0 at the first: every point of a job shorter than the export
+    interval read 0. Called once now, the first export has the time since the start."""
+    try:
+        import psutil
+
+        psutil.cpu_times_percent(percpu=True)
+        process = getattr(instrumentor, "_proc", None)  # the instrumentation's own psutil.Process
+        if process is not None:
+            process.cpu_percent()
+    except Exception:  # a psutil that cannot read the host: those metrics say so themselves
+        _logger.debug("CPU utilization not started", exc_info=True)

@@ -7,20 +7,18 @@ OTLP. Nothing here imports the SDK: every process of the job runs it, launchers 
 
 from __future__ import annotations
 
-import logging
 import os
 
 from opentelemetry.instrumentation.distro import BaseDistro
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.export import sdk
 from opentelemetry_instrumentation_deepspeed.runtime import session
 from opentelemetry_instrumentation_deepspeed.runtime.environment_variables import (
     DEFAULT_BSP_SCHEDULE_DELAY,
     EMBEDDED_EXPORTER,
     ISOLATED_ID_GENERATOR,
 )
-
-_logger = logging.getLogger(__name__)
 
 _SIGNALS = (
     ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", EMBEDDED_EXPORTER),
@@ -52,20 +50,6 @@ def system_metrics_config() -> dict:
     return {**_PROCESS_METRICS, **(_HOST_METRICS if local_rank in ("", "0") else {})}
 
 
-def _start_cpu_utilization(instrumentor) -> None:
-    """psutil's CPU percentages are over the time since the call before, and 0.0 at the first: every point of a job
-    shorter than the export interval read 0. Called once now, the first export has the time since the start."""
-    try:
-        import psutil
-
-        psutil.cpu_times_percent(percpu=True)
-        process = getattr(instrumentor, "_proc", None)  # the instrumentation's own psutil.Process
-        if process is not None:
-            process.cpu_percent()
-    except Exception:  # a psutil that cannot read the host: those metrics say so themselves
-        _logger.debug("CPU utilization not started", exc_info=True)
-
-
 class DeepSpeedDistro(BaseDistro):
     """Only sets defaults, in the environment, so child processes inherit the same choice."""
 
@@ -89,7 +73,7 @@ class DeepSpeedDistro(BaseDistro):
         if entry_point.name == "system_metrics":
             instrumentor = entry_point.load()(config=system_metrics_config())
             instrumentor.instrument(**kwargs)
-            _start_cpu_utilization(instrumentor)
+            sdk.start_cpu_utilization(instrumentor)
         else:
             super().load_instrumentor(entry_point, **kwargs)
 

@@ -340,3 +340,18 @@ def test_a_step_s_samples_are_those_its_batches_held():
         engine.step(recorder)
     (step,) = [span for span in exporter.get_finished_spans() if span.name == "training.step"]
     assert (step.attributes["training.step.samples"], step.attributes["training.step.micro_batches"]) == (8, 3)
+
+
+def test_a_batch_passed_whole_counts_the_samples_of_its_first_element():
+    """The Lightning review: its forward gets the loader's batch whole, ``model([x, y], batch_idx)``; no step said its
+    samples, and training.samples stayed 0."""
+    import torch
+
+    recorder, engine, exporter = recorder_on(1, grad_accum=3)
+    for batch in ([torch.randn(6, 4), torch.randn(6)], (torch.zeros(3, 5, dtype=torch.long),),
+                  [{"input_ids": torch.zeros(2, 7, dtype=torch.long)}]):
+        recorder.phase_ended(recorder.forward_started(engine, (batch, 0)))
+        recorder.phase_ended(recorder.backward_started(engine))
+        engine.step(recorder)
+    (step,) = [span for span in exporter.get_finished_spans() if span.name == "training.step"]
+    assert step.attributes["training.step.samples"] == 11

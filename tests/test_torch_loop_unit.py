@@ -298,6 +298,72 @@ def test_a_pass_without_gradients_in_training_mode_keeps_the_wait_an_evaluation_
     assert sorted(steps[span.parent.span_id] for span in spans if span.name == "training.data.wait") == [1, 2, 3, 4, 4]
 
 
+def test_a_wrapper_left_in_eval_mode_around_a_model_in_training_mode_trains(traced):
+    """The Lightning review: its validation puts the whole wrapped model in eval mode and afterwards back only the
+    LightningModule: the DistributedDataParallel around it stayed in eval mode, and every later forward (and the waits
+    before it) was dropped as an evaluation's."""
+
+    class Wrapper(nn.Module):  # Lightning's wrapper of the LightningModule, under DDP
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 1)
+
+        def forward(self, batch):
+            return self.inner(batch)
+
+    model = Wrapper()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    model.eval()  # the whole model: an evaluation
+    with torch.no_grad():
+        model(torch.randn(8, 4))
+    model.inner.train()  # what Lightning restores
+    for _ in range(2):
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    model.eval()  # evaluated whole again: no phase, even with gradients on
+    model(torch.randn(8, 4))
+    spans = traced()
+    steps = {span.context.span_id: span.attributes["training.step"] for span in spans if span.name == "training.step"}
+    assert sorted(steps[span.parent.span_id] for span in spans if span.name == "training.forward") == [1, 2]
+
+
+def test_a_closure_after_a_fetch_runs_the_step_s_last_micro_batch(traced):
+    """The Lightning review: its accumulation calls the closure itself for all micro-batches but the last, and hands
+    the last one's to step(closure); taken as optimizer work after the step's own backward, the last micro-batch's
+    forward and backward went into the optimizer phase and its loss was lost."""
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace_training(model, optimizer)
+    recorder = registry.active()
+    printed = []
+
+    def fetch():  # as the loader's wrapper reports one
+        now = time.time_ns()
+        recorder.data_waited(now - 1_000_000, now)
+        return torch.randn(8, 4)
+
+    def closure(batch):
+        def run():
+            loss = model(batch).square().mean() / 2
+            loss.backward()
+            printed.append(loss.item())
+            return loss
+        return run
+
+    for _ in range(3):
+        closure(fetch())()  # the first micro-batch: Lightning calls its closure itself
+        optimizer.step(closure=closure(fetch()))
+        optimizer.zero_grad()
+    spans = traced()
+    steps = sorted((s for s in spans if s.name == "training.step"), key=lambda s: s.attributes["training.step"])
+    assert [s.attributes["training.step.micro_batches"] for s in steps] == [2, 2, 2]
+    assert [s.attributes["training.loss"] for s in steps] == [printed[0] + printed[1], printed[2] + printed[3],
+                                                              printed[4] + printed[5]]
+    phases = {s.context.span_id: s.name for s in spans}
+    assert not [s for s in spans if s.name == "training.forward" and phases.get(s.parent.span_id) != "training.step"]
+
+
 def test_no_loop_beside_a_deepspeed_engine(traced, caplog):
     class Engine:
         pass

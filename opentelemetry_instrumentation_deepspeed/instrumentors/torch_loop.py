@@ -217,11 +217,12 @@ def _ddp_forward(forward):
         loop, recorder = _recorder()
         if recorder is None or getattr(_depth, "value", 0):
             return forward(self, *args, **kwargs)
-        if not (self.training and sys.modules["torch"].is_grad_enabled()):
+        training = self.training or _in_training(self)
+        if not (training and sys.modules["torch"].is_grad_enabled()):
             # No phase. An evaluation (eval mode) was fed by the waits since the last step; passes without
             # gradients in training mode are an evaluation loop's where a fetch comes between two of them, else a
             # pseudo-labelling pass (or a probe) on what the step trains on next.
-            if self.training:
+            if training:
                 recorder.without_gradients()
             else:
                 recorder.not_training()
@@ -239,6 +240,14 @@ def _ddp_forward(forward):
         return result
 
     return wrapper
+
+
+def _in_training(module) -> bool:
+    """Whether any module inside ``module`` is in training mode, where ``module`` itself is not: Lightning's evaluation
+    puts the whole wrapped model in eval mode, and afterwards back only the LightningModule, leaving the
+    DistributedDataParallel around it in eval mode for the rest of the run (every later forward then read as an
+    evaluation's). A model that ``eval()`` put in eval mode whole is evaluated; only such forwards pay this walk."""
+    return any(inner.training for inner in module.modules())
 
 
 def _fully_shard(fully_shard):
@@ -271,8 +280,9 @@ def _hook_forward(module) -> None:
         loop, recorder = _recorder()
         if recorder is None:
             return
-        if not (hooked.training and sys.modules["torch"].is_grad_enabled()):
-            if hooked.training:  # as in _ddp_forward
+        training = hooked.training or _in_training(hooked)
+        if not (training and sys.modules["torch"].is_grad_enabled()):
+            if training:  # as in _ddp_forward
                 recorder.without_gradients()
             else:
                 recorder.not_training()
@@ -370,8 +380,9 @@ def _optimizer_started(loop: TorchLoop, recorder, args, kwargs):
         recorder.interrupted("the optimizer step did not complete")
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
     # No closure (an argument of another kind: a subclass's step(factor)); or one called after the step's own forward
-    # and backward (SAM's, at a perturbed point): optimizer work.
-    if not callable(closure) or recorder.state != State.IDLE:
+    # and backward (SAM's, at a perturbed point): optimizer work. Unless a batch was fetched since: the closure then
+    # runs the step's last micro-batch (Lightning's accumulation calls the closure itself for the others).
+    if not callable(closure) or (recorder.state != State.IDLE and not recorder.fetched_since_phase()):
         loop.phase = recorder.optimizer_step_started(loop)
         return None
     # step(closure): the closure's first call is the step's forward and backward (its micro-batch and its loss); the

@@ -13,9 +13,11 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
     """(samples, tokens) of a forward's batch, from its token ids if it has any.
 
     Token ids: the ``input_ids`` keyword, an ``input_ids`` entry of a dict argument, or else the
-    first positional tensor of an integer dtype. Tokens are its element count, padding included
-    (counting a mask would need the device); samples its first dimension. A nested tensor is not counted; an
-    argument of a kind not foreseen (an object whose attributes raise) turns this reading off, not the step's.
+    first positional tensor of an integer dtype. A list or tuple first argument is a batch passed whole
+    (Lightning's ``(inputs, targets)``): its first element is read as the first argument. Tokens are its element
+    count, padding included (counting a mask would need the device); samples its first dimension. A nested tensor
+    is not counted; an argument of a kind not foreseen (an object whose attributes raise) turns this reading off,
+    not the step's.
     """
     if _reading.broken:
         return None, None
@@ -24,6 +26,8 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
         ids = kwargs.get("input_ids")
         if ids is None and args:
             first = args[0]
+            if type(first) in _SEQUENCES and first:
+                first = first[0]
             ids = first.get("input_ids") if isinstance(first, dict) else first
         shape = getattr(ids, "shape", None)
         if not shape or not hasattr(ids, "is_floating_point"):  # a torch tensor, not an array or a list
@@ -41,6 +45,7 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
         return None, None
 
 
+_SEQUENCES = (list, tuple)
 _INTEGER_DTYPES: dict = {}  # torch dtype -> whether it holds integers: two tensor calls fewer per forward
 
 

@@ -102,6 +102,7 @@ class StepRecorder(Component):
         self.state = State.IDLE
         self._phase: int | None = None  # the running phase's number, which its start returned; None between phases
         self._phases = 0  # phases started: their numbers
+        self._fetched_after = -1  # the number of the latest phase started before the latest fetch
         self._number: int | None = None  # the open step's
         # The profiler's measure of a step: from the first data wait made with no step open (the record's start,
         # unless the loop fetched more than a step's micro-batches before it), else from its opening.
@@ -144,6 +145,7 @@ class StepRecorder(Component):
             self._ran_out = None
         if self._no_grad == 1:
             self._no_grad = 2
+        self._fetched_after = self._phases
         if self.state == State.IDLE:
             if self._fetch_start is None:
                 self._fetch_start = start
@@ -151,6 +153,10 @@ class StepRecorder(Component):
                 self._hand_over()
         self._append((Event.DATA_WAIT, self._rows[self.state, Event.DATA_WAIT][1], end, (start, end), None, None,
                       None))
+
+    def fetched_since_phase(self) -> bool:
+        """Whether a batch was fetched after the latest phase started: the next micro-batch's, in a step still open."""
+        return self._fetched_after == self._phases
 
     @fail_open
     def data_failed(self, start: int, end: int, error: BaseException) -> None:

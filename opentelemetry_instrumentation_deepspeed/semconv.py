@@ -50,6 +50,8 @@ TRAINING_MICRO_STEP = "training.micro_step"
 TRAINING_STEP_SAMPLES = "training.step.samples"
 TRAINING_STEP_MICRO_BATCHES = "training.step.micro_batches"
 TRAINING_STEP_SKIPPED = "training.step.skipped"
+# A step the program left open as it ended normally (micro-batches of an epoch's end that no optimizer step took).
+TRAINING_STEP_UNFINISHED = "training.step.unfinished"
 TRAINING_STEP_PHASES_DROPPED = "training.step.phases_dropped"  # past the phases a step keeps: no span, no point
 TRAINING_GRADIENT_ACCUMULATION_STEPS = "training.gradient_accumulation_steps"
 TRAINING_MICRO_BATCH_SIZE = "training.micro_batch_size"
@@ -275,6 +277,7 @@ TRAINING_WORLD_SIZE = "training.world_size"
 # The status description of a step that no exception of its own ended: the process's exit during it (an exception in
 # the loop's own code), or a signal (also a training.hang span's reason).
 STATUS_EXITED = "the process exited during this step"
+STATUS_UNFINISHED = "the program ended before this step's optimizer step"
 STATUS_TERMINATED = "terminated by SIGTERM"
 STATUS_INTERRUPTED = "interrupted by SIGINT"
 # A training.hang report's reason where an uncaught exception ended the process with no step open.

@@ -79,6 +79,23 @@ def test_a_step_per_optimizer_step_with_micro_batches_and_collectives(tmp_path, 
         assert [p.value for p in points if p.metric == "training.samples"] == [8 * GRAD_ACCUM * STEPS]
 
 
+def test_micro_batches_after_the_last_step_of_a_run_that_ends_normally_are_no_crash(workdir):
+    """A review: an epoch's leftover micro-batches, which no optimizer step took, left a step open at exit: it ended
+    as an error ("the process exited during this step") and diagnose read the healthy run as a CRASH."""
+    run = launch(workdir, "torchrun", "--steps", str(STEPS), "--leftover", "2", script=SCRIPT).check()
+    for spans in run.by_rank().values():
+        steps = {span.attributes["training.step"]: span for span in spans if span.name == "training.step"}
+        assert sorted(steps) == list(range(1, STEPS + 2))
+        assert not any(span.status == 2 for span in spans)
+        unfinished = steps[STEPS + 1]
+        assert unfinished.attributes["training.step.unfinished"] is True
+        assert len([s for s in spans if s.name == "training.forward" and s.parent_id == unfinished.span_id]) == 2
+        assert not any("training.step.unfinished" in steps[number].attributes for number in range(1, STEPS + 1))
+    report = diagnose(workdir)
+    assert report["verdict"]["layer"] == "none", report["verdict"]
+    assert all(rank["steps"] == STEPS for rank in report["ranks"].values())
+
+
 def test_a_slow_fsdp_rank_is_named(workdir):
     launch(workdir, "torchrun", "--mode", "fsdp", "--steps", "12", "--slow-rank", "1", "--slow-ms", "40",
            script=SCRIPT).check()

@@ -165,6 +165,8 @@ class Analysis:
                 continue
             seen.add(key)
             self.jobs[span.job] += 1
+            if span.name == semconv.SPAN_STEP and span.attributes.get(semconv.TRAINING_STEP_UNFINISHED):
+                continue  # work after the last optimizer step of a run that ended normally: neither a step nor a crash
             self.hangs.add(span)  # HANG and DESYNC (hangs.py)
             self.crashes.add(span)  # CRASH (crashes.py)
             self.clocks.add(span)  # clocks.py

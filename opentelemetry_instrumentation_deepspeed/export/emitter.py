@@ -184,7 +184,9 @@ def _counts(record: StepRecord, kept: int, comm: dict) -> dict:
 
 
 def _status(failure) -> Status | None:
-    return None if failure is None else Status(StatusCode.ERROR, failure.description)
+    if failure is None or getattr(failure, "unfinished", False):  # an unfinished step is no error
+        return None
+    return Status(StatusCode.ERROR, failure.description)
 
 
 def _exception(failure) -> dict | None:
@@ -495,6 +497,8 @@ class Emitter(Component):
             if cpus[4] is not None:
                 more[semconv.TRAINING_STEP_NATIVE_THREADS_CPU_WAIT] = round(cpus[4], 3)
         more.update(_counts(record, len(collectives), comm))
+        if getattr(record.failure, "unfinished", False):
+            more[semconv.TRAINING_STEP_UNFINISHED] = True
         if intervals is not None and not self._kernels.broken:
             more.update(self._operators(record, intervals, step.context))
         record.profile = None  # the profiler's events are large: not kept any longer than this

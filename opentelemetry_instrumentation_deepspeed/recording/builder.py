@@ -261,7 +261,7 @@ class StepBuilder(Component):
 
     def _interrupt_phase(self, entry) -> None:
         if self.open.phase is not None:
-            self.open.phase.failure = Interrupted(entry[3] if entry[0] == Event.INTERRUPT else BACKWARD_NOT_COMPLETED)
+            self.open.phase.failure = entry[3] if entry[0] == Event.INTERRUPT else Interrupted(BACKWARD_NOT_COMPLETED)
             self._end_phase(entry)
 
     def _close_step(self, entry) -> None:
@@ -272,7 +272,7 @@ class StepBuilder(Component):
 
     def _fail_step(self, entry) -> None:
         record, self.open = self.open, None
-        record.failure = Interrupted(entry[3]) if entry[0] == Event.INTERRUPT else entry[3]
+        record.failure = entry[3]  # a Failure, or an Interrupted
         record.wait_failed = entry[0] == Event.DATA_FAILED
         record.end = entry[2]
         self._submit(record)

@@ -52,9 +52,12 @@ def _cut(text: str, limit: int, *, keep_end: bool) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Interrupted:
-    """The step or phase stopped without an exception: the process exits, or a direct backward never finished."""
+    """The step or phase stopped without an exception: the process exits, or a direct backward never finished.
+    ``unfinished``: the program ended normally with the step open (no error: a loop that ran micro-batches after its
+    last optimizer step)."""
 
     description: str
+    unfinished: bool = False
 
 
 class Phase:

@@ -26,7 +26,7 @@ from opentelemetry_instrumentation_deepspeed.recording import scalars, state
 from opentelemetry_instrumentation_deepspeed.recording.batches import batch_shape
 from opentelemetry_instrumentation_deepspeed.recording.builder import COLLECTIVE, TRACING_FAILED, StepBuilder
 from opentelemetry_instrumentation_deepspeed.recording.host_cpu import QUIET_READS_EVERY
-from opentelemetry_instrumentation_deepspeed.recording.record import Failure, StepRecord
+from opentelemetry_instrumentation_deepspeed.recording.record import Failure, Interrupted, StepRecord
 from opentelemetry_instrumentation_deepspeed.recording.state import Event, State
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime.safety import Component, fail_open
@@ -292,9 +292,10 @@ class StepRecorder(Component):
             self._fire(Event.PHASE_FAILED, Failure.of(error))
 
     @fail_open
-    def interrupted(self, description: str) -> None:
-        """The process is going away with a step open (a signal, an error outside DeepSpeed's calls)."""
-        self._fire(Event.INTERRUPT, description)
+    def interrupted(self, description: str, unfinished: bool = False) -> None:
+        """The process is going away with a step open (a signal, an error outside DeepSpeed's calls; ``unfinished``:
+        it ends normally)."""
+        self._fire(Event.INTERRUPT, Interrupted(description, unfinished))
 
     def step_number(self) -> int | None:
         return self._number

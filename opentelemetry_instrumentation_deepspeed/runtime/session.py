@@ -14,6 +14,7 @@ import sys
 
 from opentelemetry import metrics, trace
 
+from opentelemetry_instrumentation_deepspeed import semconv
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime import job
 from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
@@ -206,6 +207,12 @@ def _close_open_steps(reason: str) -> None:
     # An uncaught exception from the loop's own code (outside DeepSpeed's calls, which end their step themselves):
     # the interpreter has set it aside for the exit, and the step it left open says what it was.
     error = getattr(sys, "last_value", None) if reason == lifecycle.EXITED else None
+    if reason == lifecycle.EXITED and error is None:
+        # Ended normally: what the step holds ran after the last optimizer step (an epoch's leftover micro-batches, a
+        # GAN's last generator update), not a crash.
+        for recorder in registry.all_recorders():
+            recorder.interrupted(semconv.STATUS_UNFINISHED, unfinished=True)
+        return
     description = reason if error is None else f"{reason}: {Failure.of(error).description}"
     for recorder in registry.all_recorders():
         recorder.interrupted(description)

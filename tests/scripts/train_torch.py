@@ -5,7 +5,8 @@
 Gradient accumulation as such loops do it: DDP's ``no_sync()``, FSDP2's
 ``set_requires_gradient_sync(False)``, on every micro-batch but the last of a step. Each step's loss is
 averaged across ranks with ``torch.distributed.all_reduce`` for logging, before the optimizer step.
-``--slow-rank R`` makes rank R sleep ``--slow-ms`` in each forward (a straggler).
+``--slow-rank R`` makes rank R sleep ``--slow-ms`` in each forward (a straggler). ``--leftover N``: after the
+last step, N more micro-batches, forward and backward, that no optimizer step takes (an epoch's leftovers).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-ms", type=float, default=30.0)
+    parser.add_argument("--leftover", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -63,7 +65,7 @@ def main(argv=None):
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    samples = args.steps * args.grad_accum * args.micro_batch_size * world_size
+    samples = (args.steps * args.grad_accum + args.leftover) * args.micro_batch_size * world_size
     inputs = torch.randn(samples, args.width, generator=torch.Generator().manual_seed(5))
     dataset = TensorDataset(inputs, inputs.flip(1))
     loader = DataLoader(dataset, batch_size=args.micro_batch_size,
@@ -89,6 +91,10 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(total) / world_size)
+    for _ in range(args.leftover):
+        x, y = next(batches)
+        with model.no_sync() if args.mode == "ddp" else contextlib.nullcontext():
+            (nn.functional.mse_loss(model(x), y) / args.grad_accum).backward()
     if rank == 0:
         print(f"losses {' '.join(f'{loss:.6f}' for loss in losses)}", flush=True)
         print(f"trained {args.steps} steps (0 skipped)", flush=True)

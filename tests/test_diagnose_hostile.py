@@ -284,6 +284,18 @@ def test_ranks_the_world_size_counts_that_have_no_telemetry_are_named(tmp_path):
     assert "CRASH" not in completed.stdout, "no rank failed: files left out, not a crash"
 
 
+def test_the_ranks_read_are_counted_where_no_step_closed(tmp_path):
+    """A review: a job whose ranks all failed in their first step read "Job ...: 0 rank(s)"."""
+    lines = []
+    for rank in (0, 1):
+        failed = span("training.step", "1000", "2000", 1)
+        failed["status"] = {"code": 2, "message": "RuntimeError: boom"}
+        lines.append(request(failed, resource=(JOB, {"key": "training.rank", "value": {"intValue": str(rank)}})))
+    (tmp_path / "traces.jsonl").write_text("\n".join(lines))
+    completed = console(str(tmp_path / "traces.jsonl"))
+    assert "Job job: 2 rank(s)" in completed.stdout, completed.stdout
+
+
 TRACE = json.loads(request(span("training.step", "1000", "2000", 1)))
 HOSTILE_TRACES = {
     "t-not-an-object": [1, 2],

@@ -253,6 +253,7 @@ class Analysis:
             "other_jobs": sorted(j for j in self.jobs if j != job),
             # Ranks the world size counts with no telemetry in the input: left out, or dead before they wrote any.
             "missing_ranks": self.crashes.missing(job),
+            "ranks_read": len(self.crashes.ranks[job]),  # with telemetry in the input, whether or not a step closed
             "ranks": ranks,
             "job": job_summary,
             "straggler": straggler,

@@ -121,8 +121,8 @@ def _slowest(summary: dict) -> str:
     if not slowest:
         return ""
     # The first step pays for warm-up and is left out of the slowest (max above counts it).
-    after = " after the first" if slowest["seconds"] < summary["step_seconds"]["max"] else ""
-    return f"; slowest step{after} {slowest['step']} (trace {slowest['trace_id']})"
+    first = ", the first left out" if slowest["seconds"] < summary["step_seconds"]["max"] else ""
+    return f"; slowest step {slowest['step']}{first} (trace {slowest['trace_id']})"
 
 
 def render_text(report: dict) -> str:
@@ -134,7 +134,7 @@ def _text_lines(report: dict) -> list[str]:
     lines = []
     verdict = report["verdict"]
     missing = report.get("missing_ranks") or []
-    lines.append(f"Job {report['job_id'] or '-'}: {report['job'].get('ranks', 0) if report.get('job') else 0} rank(s)"
+    lines.append(f"Job {report['job_id'] or '-'}: {report.get('ranks_read', 0)} rank(s)"
                  + (f"; no telemetry of rank {', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}"
                     " in the input (training.world_size counts it)" if missing else ""))
     lines.append(f"Verdict: {verdict['layer'].upper()}: {verdict['summary']}")

@@ -199,7 +199,7 @@ def render_html(report: dict) -> str:
     # The steps the chart marks: a periodic stall's (a late rank's are most steps, which would mark them all).
     marked = next((f for f in (verdict, *found) if f.get("period") and f.get("steps")), None)
     sections = [
-        f"<h1>Training diagnosis</h1><p class=job>job {_e(report['job_id'])} · {job.get('ranks', 0)} rank(s)"
+        f"<h1>Training diagnosis</h1><p class=job>job {_e(report['job_id'])} · {report.get('ranks_read', 0)} rank(s)"
         + (f" · no telemetry of rank{'s' if len(missing) > 1 else ''} {_e(', '.join(map(str, missing)))} in the input"
            if missing else "")
         + f" · median step {job.get('step_seconds_p50', 0) * 1e3:.1f} ms</p>",

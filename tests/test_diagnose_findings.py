@@ -494,6 +494,17 @@ def test_exposed_communication_over_its_share_is_communication():
     assert (verdict["layer"], verdict["rank"], verdict["test"]) == ("communication", None, "bootstrap"), verdict
     assert verdict["share_of_run"] > 0.5 and report["job"]["shares"]["exposed_comm"] > 0.5
     assert analyse(synthetic_job(8, transfer=2.0))["verdict"]["layer"] == "none"
+    assert "ZeRO" in verdict["remedies"][0], "a DeepSpeed engine's"
+
+
+@pytest.mark.parametrize(("parallelism", "named"), [("ddp", "bucket_cap_mb"), ("fsdp", "fully_shard")])
+def test_a_plain_loop_s_communication_remedies_are_its_own(parallelism, named):
+    """A review: an FSDP2 job's communication finding advised ZeRO buckets and stages."""
+    report = analyse(synthetic_job(8, transfer=8.0, attributes=lambda rank, step: {
+        semconv.TRAINING_PARALLELISM: parallelism}))
+    remedies = report["verdict"]["remedies"]
+    assert report["verdict"]["layer"] == "communication" and named in remedies[0]
+    assert not any("ZeRO" in remedy for remedy in remedies), remedies
 
 
 def test_a_send_is_not_joined_with_the_collective_that_shares_its_number():

@@ -106,3 +106,6 @@ def test_a_slow_fsdp_rank_is_named(workdir):
     verdict = report["verdict"]
     assert (verdict["layer"] == "straggler" and verdict["rank"] == 1) or (
         verdict["layer"] == "communication" and any("rank 1 computes" in item for item in verdict["evidence"])), verdict
+    # FSDP2's own remedies, read from the files' training.parallelism, not ZeRO's.
+    assert all("ZeRO" not in remedy for f in report["findings"] if f["layer"] == "communication"
+               for remedy in f["remedies"])

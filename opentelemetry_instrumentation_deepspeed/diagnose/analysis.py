@@ -139,6 +139,7 @@ class Analysis:
         self._steps: dict[tuple[str, int, str], _Step] = {}
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
+        self._parallelism: dict[str, str] = {}  # job -> a plain PyTorch loop's training.parallelism
         self._samples: list = []
         self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
         self.crashes = crashes.Crashes()  # CRASH (crashes.py)
@@ -176,6 +177,9 @@ class Analysis:
             if span.name == semconv.SPAN_STEP:
                 if span.error is not None:
                     continue  # cut short (an exception, the exit, a signal): crashes.py's, not a step to time
+                parallelism = span.attributes.get(semconv.TRAINING_PARALLELISM)
+                if parallelism is not None:
+                    self._parallelism[span.job] = parallelism
                 step = self._steps.setdefault(key, _Step())
                 if not step.seen or span.end > step.end:  # a retried step keeps its last attempt
                     step.number, step.trace_id, step.start, step.end = (span.attributes.get(semconv.TRAINING_STEP, 0),
@@ -287,6 +291,7 @@ class Analysis:
         # The schema's field on every finding, whichever layer made it; a stopped job's cost (the time it has been
         # stuck) is no share of its steps.
         for finding in result["findings"]:
+            findings_module.remedies_for(finding, self._parallelism.get(job))
             if "share_of_run" not in finding:
                 cost = None if finding["layer"] in _STOPPED_LAYERS else finding.get("cost_seconds")
                 finding["share_of_run"] = cost / steps.run_seconds if cost is not None and steps.run_seconds else None

@@ -72,6 +72,21 @@ REMEDIES = {
     "GPU/hardware": ["check cooling, power capping and clocks of the named GPU (nvidia-smi -q -d PERFORMANCE)",
                      "drain the node if ECC errors or hardware slowdown persist"],
 }
+# A plain PyTorch loop's (training.parallelism): ZeRO's settings are no remedy there.
+COMMUNICATION_REMEDIES = {
+    "ddp": ["larger gradient buckets (DistributedDataParallel's bucket_cap_mb) and gradient_as_bucket_view=True",
+            "no_sync() on the micro-batches before the last under gradient accumulation; static_graph=True",
+            REMEDIES["communication"][-1]],
+    "fsdp": ["fewer, larger fully_shard units (fewer all-gathers), reshard_after_forward=False where memory allows",
+             "set_requires_gradient_sync(False) on the micro-batches before the last under gradient accumulation",
+             REMEDIES["communication"][-1]],
+}
+
+
+def remedies_for(found: dict, parallelism: str | None) -> None:
+    """A communication finding's remedies for the job's parallelism (a DeepSpeed engine's unless named)."""
+    if found.get("layer") == "communication" and parallelism in COMMUNICATION_REMEDIES:
+        found["remedies"] = COMMUNICATION_REMEDIES[parallelism]
 
 
 def finding(layer: str, summary: str, *, evidence: list[str], rank: int | None = None, step: int | None = None,

@@ -20,7 +20,7 @@ from opentelemetry_instrumentation_deepspeed import semconv
 
 _KEPT = (semconv.TRAINING_STEP, semconv.TRAINING_MICRO_STEP, semconv.COMM_OP, semconv.COMM_BYTES, semconv.COMM_ASYNC,
          semconv.COMM_SEQUENCE, semconv.COMM_GROUP_NAME, semconv.COMM_BUSBW, semconv.TRAINING_STEP_SKIPPED,
-         semconv.TRAINING_STEP_UNFINISHED,
+         semconv.TRAINING_STEP_UNFINISHED, semconv.TRAINING_PARALLELISM,
          # hangs and desyncs (diagnose/hangs.py)
          semconv.COMM_DTYPE, semconv.TRAINING_PHASE, semconv.HANG_REASON, semconv.HANG_DURATION,
          semconv.HANG_THRESHOLD, semconv.HANG_COMM_DURATION, semconv.HANG_COMM_SEQUENCES, semconv.HANG_BETWEEN_STEPS,
@@ -188,6 +188,7 @@ def _attributes(items, keep) -> dict:
 _TYPES = {semconv.TRAINING_STEP: int, semconv.TRAINING_MICRO_STEP: int, semconv.COMM_OP: str, semconv.COMM_BYTES: int,
           semconv.COMM_ASYNC: bool, semconv.COMM_SEQUENCE: int, semconv.COMM_GROUP_NAME: str,
           semconv.COMM_BUSBW: (int, float), semconv.TRAINING_STEP_SKIPPED: bool, semconv.TRAINING_STEP_UNFINISHED: bool,
+          semconv.TRAINING_PARALLELISM: str,
           semconv.COMM_DTYPE: str, semconv.TRAINING_PHASE: str, semconv.HANG_REASON: str,
           semconv.HANG_DURATION: (int, float), semconv.HANG_THRESHOLD: (int, float),
           semconv.HANG_COMM_DURATION: (int, float), semconv.HANG_COMM_SEQUENCES: tuple,

@@ -89,6 +89,28 @@ def test_a_custom_loop_opts_in_and_names_its_step_optimizer(traced):
     assert micro_steps(spans, "training.forward") == [0, 0]
 
 
+def test_a_gan_names_its_generator_s_optimizer_after_the_loop_started(traced):
+    """A review: a GAN under DDP (the loop starts with the first DistributedDataParallel) stepped its discriminator's
+    optimizer first, which then ended each step in the middle of an iteration; trace_training(optimizer=...) named
+    another only before the loop had started."""
+    generator, discriminator = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.1)
+    trace_training(discriminator)  # the loop starts (as with the first DDP built)
+    trace_training(optimizer=opt_g)
+    printed = []
+    for _ in range(3):
+        loss_d = discriminator(generator(torch.randn(8, 4)).detach()).mean()
+        loss_d.backward()
+        opt_d.step()
+        loss_g = -discriminator(generator(torch.randn(8, 4))).mean()
+        loss_g.backward()
+        opt_g.step()
+        printed.append(loss_d.item() + loss_g.item())
+    steps = sorted((s for s in traced() if s.name == "training.step"), key=lambda s: s.attributes["training.step"])
+    assert [s.attributes["training.loss"] for s in steps] == pytest.approx(printed, rel=1e-6)
+
+
 class _IgnoresItsClosure(torch.optim.Optimizer):
     def __init__(self, params, lr):
         super().__init__(params, {"lr": lr})

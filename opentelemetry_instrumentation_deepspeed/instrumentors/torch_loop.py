@@ -185,10 +185,14 @@ def trace_training(module=None, optimizer=None) -> None:
     (one process, model parallelism of its own). ``module``: the model whose forward is one
     micro-batch's forward (else only backwards and optimizer steps are seen); ``optimizer``: the
     one whose ``step()`` ends a step (else the first to step). Call it before the first step, on
-    every rank. In a process with a DeepSpeed engine it does nothing: the engine is traced.
+    every rank. In a process with a DeepSpeed engine it does nothing: the engine is traced. Also after
+    ``DistributedDataParallel`` or ``fully_shard`` started the tracing, to name the step optimizer of a loop whose
+    optimizers step in turn (a GAN's discriminator, then its generator: the last one ends the iteration).
     """
     if optimizer is not None:
         _state.optimizer = optimizer
+        if _state.loop is not None:
+            _state.loop.optimizer = weakref.ref(optimizer)
     if module is not None:
         try:
             _hook_forward(module)

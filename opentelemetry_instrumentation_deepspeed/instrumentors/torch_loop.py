@@ -125,7 +125,7 @@ class _State:
         self.patches: Patches | None = None
         self.hooks: list = []  # torch.optim's global hook handles, and module hook handles
         self.optimizer = None  # named by trace_training() before the loop started
-        self.watch = None  # the hook that looks at the process's first optimizer step for training we do not trace
+        self.watch: Patches | None = None  # looks at the first optimizer step for training nothing traces
         # torch's test for a graph being traced by torch.compile: looked up at run time (the loop starting, a module
         # hooked), not while torch imports, nor by code of ours that dynamo would meet in a graph.
         self.compiling = _never

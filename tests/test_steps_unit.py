@@ -125,6 +125,29 @@ def test_ranks_join_one_trace_under_rank_0s_root():
     assert all(root.parent is None for root in roots.values())
 
 
+def test_steps_run_again_after_a_rollback_take_traces_of_their_own_on_every_rank():
+    """A review: engine.load_checkpoint() at step 20 of a checkpoint of step 10 ran steps 11-20 again in the traces
+    of the first ones, and rank 0 wrote each of those roots twice (one span id, two spans)."""
+    job = uuid.uuid4().hex
+    ranks = [recorder_on(rank, job=job) for rank in (0, 1)]
+    for recorder, engine, _spans in ranks:
+        for _ in range(4):
+            train_step(recorder, engine)
+        engine.global_steps = 2  # the checkpoint of step 2, loaded on every rank
+        for _ in range(3):
+            train_step(recorder, engine)
+    roots = [s for s in ranks[0][2].get_finished_spans() if s.name == "training.global_step"]
+    assert [s.attributes["training.step"] for s in roots] == [1, 2, 3, 4, 3, 4, 5]
+    assert len({(s.context.trace_id, s.context.span_id) for s in roots}) == 7
+    first, again = roots[2], roots[4]  # step 3, run twice
+    assert first.context.trace_id != again.context.trace_id
+    steps = [s for s in ranks[1][2].get_finished_spans() if s.name == "training.step"]
+    assert [(s.context.trace_id, s.parent.span_id) for s in steps] == [
+        (root.context.trace_id, root.context.span_id) for root in roots]
+    # Before the rollback, the ids are those every rank derives from (job id, step number) alone.
+    assert (roots[0].context.trace_id, roots[0].context.span_id) == trace_ids.step_ids(job, 1)
+
+
 def test_sampling_decision_is_the_same_on_every_rank():
     sampler = ParentBased(TraceIdRatioBased(0.5))
     job = uuid.uuid4().hex  # as above

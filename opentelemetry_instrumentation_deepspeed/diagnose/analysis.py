@@ -231,7 +231,7 @@ class Analysis:
             if step_job == job and step.seen:
                 by_rank[rank].append(self._breakdown(step, job))
         for steps in by_rank.values():
-            steps.sort(key=lambda s: s["step"])
+            steps.sort(key=lambda s: (s["start"], s["step"]))  # in time: a rollback runs step numbers again
             _between_steps(steps)
         ranks = {rank: self._rank_summary(steps) for rank, steps in sorted(by_rank.items())}
         gpu = self._gpu(job, by_rank)

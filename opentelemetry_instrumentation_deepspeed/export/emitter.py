@@ -72,6 +72,8 @@ class StepFacts:
         self._job_id, self._engine_ordinal = identity.job_id, trace_ids.engine_ordinal(identity.job_id, identity.rank)
         self._decide = trace_ids.root_decision(writer.sampler)
         self.step_ids = trace_ids.StepIds(self._job_id, self._decide, self._engine_ordinal)
+        # Times the engine's step count went back (a checkpoint loaded mid-run), and the highest step closed since.
+        self.rollbacks, self._highest_closed = 0, 0
         self.root_attributes = {semconv.TRAINING_STEP_SAMPLES: engine.train_batch_size(),
                                 semconv.TRAINING_WORLD_SIZE: identity.world_size}
         self.static = {
@@ -103,7 +105,17 @@ class StepFacts:
         it once for that root, and a second question would cost a rate-limiting sampler a token."""
         if self._decide is None:
             return True
-        return self._decide(trace_ids.step_ids(self._job_id, number, self._engine_ordinal)[0])
+        return self._decide(trace_ids.step_ids(self._job_id, number, self._engine_ordinal, self.rollbacks)[0])
+
+    def numbered(self, number: int, closed: bool) -> None:
+        """A step written: one numbered at or below a step closed before it follows a rollback (DeepSpeed's
+        ``load_checkpoint()`` set its count back, on every rank alike), and its steps take other traces than the
+        ones they run again. A step that failed and is retried keeps its number and its trace."""
+        if number <= self._highest_closed:
+            self.rollbacks, self._highest_closed = self.rollbacks + 1, 0
+            self.step_ids = trace_ids.StepIds(self._job_id, self._decide, self._engine_ordinal, self.rollbacks)
+        if closed:
+            self._highest_closed = max(self._highest_closed, number)
 
 
 class _HeldRoot:
@@ -509,6 +521,7 @@ class Emitter(Component):
     def _root(self, record: StepRecord, writers: set):
         """(root started here or held from a failed try of this step, the held one, the step's parent context)."""
         facts, writer, number = record.facts, record.facts.writer, record.number
+        facts.numbered(number, record.failure is None)
         trace_id, root_span_id, sampled = facts.step_ids(number)
         held = facts.held_root
         if held is not None and held.number != number:

@@ -19,10 +19,14 @@ SAMPLED = TraceFlags(TraceFlags.SAMPLED | _RANDOM)
 NOT_SAMPLED = TraceFlags(_RANDOM)
 
 
-def step_ids(job_id: str, step: int, engine: int = 0) -> tuple[int, int]:
+def step_ids(job_id: str, step: int, engine: int = 0, rollbacks: int = 0) -> tuple[int, int]:
     """(trace id, root span id) of global step ``step`` of job ``job_id``; of the rank's ``engine``-th engine after
-    its first (a second engine's step 1, or a rebuilt one's, is another step than the first's)."""
-    key = f"{job_id}\0{step}" if not engine else f"{job_id}\0{step}\0{engine}"
+    its first (a second engine's step 1, or a rebuilt one's, is another step than the first's); after the engine's
+    step count went back ``rollbacks`` times (a checkpoint loaded: the steps it runs again are other steps)."""
+    if rollbacks:
+        key = f"{job_id}\0{step}\0{engine}\0{rollbacks}"
+    else:
+        key = f"{job_id}\0{step}" if not engine else f"{job_id}\0{step}\0{engine}"
     digest = hashlib.blake2b(key.encode(), digest_size=24, person=b"otel-ds-step").digest()
     trace_id = int.from_bytes(digest[:16], "big") or 1
     span_id = int.from_bytes(digest[16:], "big") or 1
@@ -48,9 +52,9 @@ class StepIds:
 
     _BLOCK = 64
 
-    def __init__(self, job_id: str, decide=None, engine: int = 0):
+    def __init__(self, job_id: str, decide=None, engine: int = 0, rollbacks: int = 0):
         self._job_id = job_id
-        self._engine = engine
+        self._engine, self._rollbacks = engine, rollbacks
         self._decide = decide  # from root_decision(); None: the sampler is asked at each step
         self._first = 0
         self._block: list[tuple[int, int, bool | None]] = []
@@ -61,9 +65,10 @@ class StepIds:
         if not 0 <= index < len(self._block):
             self._first, index = step, 0
             decide = self._decide
+            ids = (step_ids(self._job_id, number, self._engine, self._rollbacks)
+                   for number in range(step, step + self._BLOCK))
             self._block = [(trace_id, span_id, None if decide is None else decide(trace_id))
-                           for trace_id, span_id in (step_ids(self._job_id, number, self._engine)
-                                                     for number in range(step, step + self._BLOCK))]
+                           for trace_id, span_id in ids]
         return self._block[index]
 
 

@@ -104,6 +104,43 @@ def test_nothing_lost_nothing_said(ledger):
     assert delivery.summary() is None
 
 
+def test_an_exit_that_left_the_drain_behind_says_so(ledger, monkeypatch):
+    """A fault-injection review: a drain stuck at exit lost every step's spans and metrics, and nothing was said: no
+    span had reached an exporter, so none was counted as lost."""
+    from opentelemetry_instrumentation_deepspeed.runtime import lifecycle
+
+    monkeypatch.setattr(lifecycle, "cut_short", ["drain"])
+    line = delivery.summary()
+    assert line is not None and "the exit did not wait for: drain" in line
+
+
+def test_a_collection_does_not_wait_for_a_stuck_drain():
+    """The same review: the last metrics collection waited for the stuck drain's lock, and the metrics were lost."""
+    import threading
+    import time
+
+    from opentelemetry_instrumentation_deepspeed.export import emitter as emitter_module
+
+    emitter = emitter_module.Emitter()
+    held, release = threading.Event(), threading.Event()
+
+    def stuck_drain():
+        with emitter._lock:
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=stuck_drain, daemon=True)
+    thread.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        assert emitter._drain_at_collection(None) == []
+        assert time.monotonic() - started < emitter_module.COLLECTION_WAIT_SECONDS + 1
+    finally:
+        release.set()
+        thread.join(10)
+
+
 _BLACK_HOLE_EXIT = """
 import json, os, sys, time
 sys.path.insert(0, {repo!r})

@@ -166,6 +166,37 @@ def test_a_bug_in_collective_tracing_is_logged_once_and_only_collectives_stop(co
     assert step_duration.value == STEPS
 
 
+# A bug of ours past the guards the parts keep for themselves (a fault-injection review): each part turns off alone.
+PART_FAULTS = {
+    # The batch's counting, called by the DataLoader's wrapper: it reached the loop, and both ranks died at step 3.
+    "input counting": (f"{PACKAGE}.recording.inputs:left_loader:3", "input batch counting",
+                       "inputs.left_loader", list(range(1, STEPS + 1))),
+    # One step's spans: a run whose only drain came at exit had lost the spans made before it too.
+    "a step's spans": (f"{PACKAGE}.export.emitter:Emitter._step:3", "telemetry emission", "Emitter.drain", [1, 2]),
+    # The step's loss: it turned the whole emission off, every span with it.
+    "the step loss": (f"{PACKAGE}.recording.scalars:step_loss:3", "step loss and gradient norm", "Emitter._model",
+                      list(range(1, STEPS + 1))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", sorted(PART_FAULTS))
+def test_a_bug_in_one_part_leaves_training_bit_identical_and_the_rest_traced(runs_dir, baseline, part):
+    spec, component, where, traced = PART_FAULTS[part]
+    workdir = runs_dir / part.replace(" ", "-").replace("'", "")
+    workdir.mkdir()
+    run = launch_script(workdir, "faulty_train.py", "python", "--steps", str(STEPS),
+                        "--loss-file", str(workdir / "losses.json"), env={"RELIABILITY_FAULT": spec}).check()
+    assert run.trained() == (STEPS, 0)
+    assert losses(workdir / "losses.json") == baseline
+    assert failure_reports(run.stderr, component) == [where], run.stderr[-3000:]
+    assert run.stderr.count("Traceback (most recent call last)") == 1
+    steps = {span.attributes["training.step"]: span for span in run.spans if span.name == "training.step"}
+    assert sorted(steps) == traced
+    if part == "the step loss":
+        assert [number for number, span in sorted(steps.items()) if "training.loss" in span.attributes] == [1, 2]
+
+
 # -- (7) every variable of ours, with garbage, empty and extreme values -------------------------------
 
 LONG_DIGITS = "9" * 10_000  # beyond Python's 4300-digit int() limit

@@ -316,7 +316,7 @@ def quiet_repeated_warnings() -> None:
 def summary() -> str | None:
     spans = LEDGER.lost(LEDGER.spans) + LEDGER.lost(LEDGER.processed)
     points = LEDGER.lost(LEDGER.points)
-    if not spans and not points:
+    if not spans and not points and not lifecycle.cut_short:  # a stage left behind (the drain) lost what it held
         return None
     suppressed = sum(log_filter.suppressed for log_filter in _filters)
     why = lifecycle.cut_by or f"{env.OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT}={env.exit_timeout():g} s"

@@ -55,6 +55,7 @@ MAX_QUEUED = 4 * LIMIT  # items waiting past which steps and collectives are dro
 MAX_PENDING = 4096  # incomplete intervals kept at most: a GPU that never completes must not grow memory
 _YIELD_EVERY = 8  # records emitted between two releases of the GIL
 SCALARS_WAIT_SECONDS = 30.0  # a step whose loss copies have not completed by then is emitted without them
+COLLECTION_WAIT_SECONDS = 0.25  # a collection waits this long at most for a drain running elsewhere
 _COLLECTION_INSTRUMENT = "opentelemetry_instrumentation_deepspeed.emitter"
 
 _PHASE_SPANS = {semconv.PHASE_FORWARD: semconv.SPAN_FORWARD, semconv.PHASE_BACKWARD: semconv.SPAN_BACKWARD,
@@ -225,6 +226,7 @@ class Emitter(Component):
         self._kernels = Component("kernel profiling")
         self._gpu = Component("GPU timing")
         self._scalars = Component("loss and gradient norm copies")
+        self._model_values = Component("step loss and gradient norm")
         self._starting = threading.Lock()
         self.dropped = 0  # incomplete intervals given up beyond MAX_PENDING
         self.dropped_records = 0  # steps and collectives let go past MAX_QUEUED
@@ -312,6 +314,13 @@ class Emitter(Component):
 
     def _drain(self, final: bool, read_waits: bool) -> None:
         writers: set = set()
+        try:
+            self._emit_queued(writers, final, read_waits)
+        finally:  # what was made before a failure is kept: a run whose only drain is at exit had lost all of it
+            for writer in writers:
+                writer.flush()
+
+    def _emit_queued(self, writers: set, final: bool, read_waits: bool) -> None:
         queue, yielding, done = self._queue, threading.current_thread() is self._thread, 0
         while queue:
             try:
@@ -341,8 +350,6 @@ class Emitter(Component):
         if final:
             for facts in list(self._held):
                 self._end_root(facts, writers)
-        for writer in writers:
-            writer.flush()
 
     @staticmethod
     def _reports_behind(queue: deque, writers: set) -> None:
@@ -416,12 +423,18 @@ class Emitter(Component):
 
     def _model(self, record: StepRecord, more: dict) -> None:
         """The step's loss, gradient norm and what the numerics watch finds in them."""
-        readable = self._scalars_readable(record)
-        # A step past MAX_PHASES kept the losses of its first phases only: its mean is not the step's.
-        loss = scalars.step_loss(record.losses, record.facts.summed_losses) \
-            if (readable or record.scalars_copied is None) and not record.phases_dropped else None
-        grad_norm = record.grad_norm
-        grad_norm = scalars.value(grad_norm) if readable or type(grad_norm) is not scalars.Pending else None
+        loss = grad_norm = None
+        if not self._model_values.broken:
+            try:
+                readable = self._scalars_readable(record)
+                # A step past MAX_PHASES kept the losses of its first phases only: its mean is not the step's.
+                if (readable or record.scalars_copied is None) and not record.phases_dropped:
+                    loss = scalars.step_loss(record.losses, record.facts.summed_losses)
+                grad_norm = record.grad_norm
+                grad_norm = scalars.value(grad_norm) if readable or type(grad_norm) is not scalars.Pending else None
+            except Exception:  # noqa: BLE001 - ours (a value of a kind not foreseen): the losses go, not the steps
+                self._model_values.fail("Emitter._model")
+                loss = grad_norm = None
         if loss is not None:
             more[semconv.TRAINING_LOSS] = loss
         if grad_norm is not None:
@@ -454,7 +467,9 @@ class Emitter(Component):
         more[semconv.TRAINING_MEMORY_ALLOC_RETRIES] = last.retries - first.retries
 
     def _drain_at_collection(self, _options):
-        self.drain(read_waits=False)
+        # Not for as long as a drain elsewhere takes: the metrics (the last ones at exit among them) would wait for
+        # a stuck one, and be lost with it.
+        self.drain(read_waits=False, timeout=COLLECTION_WAIT_SECONDS)
         return []
 
     # -- a step ---------------------------------------------------------------------------------

@@ -82,7 +82,10 @@ def _next(original):
                 _data_waited(recorder, start, time.time_ns())
             except Exception:  # noqa: BLE001 - ours only: the batch was fetched above
                 recorder.fail(_data_waited.__qualname__)
-        inputs.left_loader(recorder, batch)
+        try:
+            inputs.left_loader(recorder, batch)
+        except Exception:  # noqa: BLE001 - ours only: the batch was fetched above
+            inputs.failed("inputs.left_loader")
         return batch
 
     return __next__

@@ -85,6 +85,11 @@ def _attended(mask) -> int:
     return attended
 
 
+def failed(where: str) -> None:
+    """From an ``except`` block around ``left_loader``: what raised past its own guard turns the counting off."""
+    _reading.fail(where)
+
+
 def _unreadable(recorder, ids) -> None:
     if nested(ids):  # a strided nested tensor has no shape to read: a placeholder, as for any batch not counted
         recorder.inputs.append(None)

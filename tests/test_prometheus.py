@@ -107,3 +107,20 @@ def test_histograms_and_counters_read_back_with_promql(workdir, prometheus):
         labels = [sample["metric"] for sample in json.load(response)["data"]["result"]]
     assert {label["training_rank"] for label in labels} == {"0", "1"}
     assert {label["training_job_id"] for label in labels} == {run.spans[0].resource["training.job.id"]}
+
+
+def test_a_taken_port_turns_the_metrics_off_not_the_traces(workdir):
+    """A review: with the Prometheus port taken, the reader's OSError aborted the SDK's whole set-up: that rank wrote
+    no traces at all, and said "no DeepSpeed engine was built"."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        run = launch(workdir, "python", "--steps", "4", env={
+            "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(taken.getsockname()[1])}).check()
+    finally:
+        taken.close()
+    assert len([s for s in run.spans if s.name == "training.step"]) == 4
+    assert "the OpenTelemetry SDK's set-up failed (OSError:" in run.stderr and "(traces on, metrics off)" in run.stderr
+    assert "not traced" not in run.stderr

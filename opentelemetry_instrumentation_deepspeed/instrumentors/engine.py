@@ -46,6 +46,7 @@ def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
                 # A PipelineEngine's DeepSpeedEngine.__init__ returns before its stage is known: its own
                 # __init__'s wrapper starts it.
                 return
+            torch_loop.unwatch()  # an engine trains here, traced or not (its tracing may fail to start: said so)
             try:
                 coordinates = pipeline.coordinates(self) if pipeline_init else None
                 identity = session.start(coordinates)
@@ -59,7 +60,6 @@ def _init_wrapper(tracer_provider, meter_provider, pipeline_init: bool = False):
                     recorder.facts.peer_stages = pipeline.peer_stages(self)
                     recorder.pipelined = True
                 registry.track(self, recorder)
-                torch_loop.unwatch()
             except Exception:
                 _logger.exception("opentelemetry-instrumentation-deepspeed could not start tracing this engine; "
                                   "training is not affected")

@@ -149,6 +149,7 @@ def start(parallelism: str, module=None, optimizer=None) -> bool:
         return _state.loop is not None
     if registry.all_recorders():
         return False
+    unwatch()  # this loop's training is traced, or its start failed and says so
     try:
         _state.compiling = _is_compiling()
         loop = TorchLoop(parallelism)
@@ -166,7 +167,6 @@ def start(parallelism: str, module=None, optimizer=None) -> bool:
         facts.root_attributes = {semconv.TRAINING_WORLD_SIZE: identity.world_size}
         loop.recorder = recorder
         registry.track(loop, recorder)
-        unwatch()
         _state.loop = loop
         if optimizer is not None or _state.optimizer is not None:
             loop.optimizer = weakref.ref(optimizer if optimizer is not None else _state.optimizer)

@@ -120,7 +120,14 @@ def _configure_sdk(identity: JobIdentity, resource: dict | None = None) -> None:
     env.settle_sdk_variables()
     _leave_unusable_endpoints()
     delivery.install()
-    sdk.initialize(arguments, identity.resource_attributes(resource))
+    try:
+        sdk.initialize(arguments, identity.resource_attributes(resource))
+    except Exception as error:  # noqa: BLE001 - a Prometheus port taken, an exporter that cannot be built
+        traced = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        measured = type(metrics.get_meter_provider()).__module__.startswith("opentelemetry.sdk")
+        _logger.warning("opentelemetry-instrumentation-deepspeed: the OpenTelemetry SDK's set-up failed (%s: %s); "
+                        "what it set up before that is used (traces %s, metrics %s); training is not affected",
+                        type(error).__name__, error, "on" if traced else "off", "on" if measured else "off")
     tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
     try:
         delivery.watch(tracer_provider, meter_provider)

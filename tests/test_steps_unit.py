@@ -365,16 +365,26 @@ def test_a_step_s_samples_are_those_its_batches_held():
     assert (step.attributes["training.step.samples"], step.attributes["training.step.micro_batches"]) == (8, 3)
 
 
-def test_a_batch_passed_whole_counts_the_samples_of_its_first_element():
+def test_a_batch_passed_whole_counts_its_inputs_and_a_list_of_samples_is_not_read():
     """The Lightning review: its forward gets the loader's batch whole, ``model([x, y], batch_idx)``; no step said its
-    samples, and training.samples stayed 0."""
+    samples, and training.samples stayed 0. The code review of the fix: a list of samples (torchvision's detection
+    images, sequences of their own lengths) read by its first element counted an image's channels as samples."""
     import torch
 
-    recorder, engine, exporter = recorder_on(1, grad_accum=3)
-    for batch in ([torch.randn(6, 4), torch.randn(6)], (torch.zeros(3, 5, dtype=torch.long),),
-                  [{"input_ids": torch.zeros(2, 7, dtype=torch.long)}]):
+    from opentelemetry_instrumentation_deepspeed.recording.batches import batch_shape
+
+    assert batch_shape(([torch.randn(6, 4), torch.randint(0, 9, (6,))], 0), {}) == (6, None)  # features, labels
+    assert batch_shape(((torch.randn(5, 3, 8, 8), torch.zeros(5, 8, 8, dtype=torch.long)),), {})[0] == 5  # masks
+    images = [torch.randn(3, 64, 80), torch.randn(3, 50, 70)]
+    sequences = [torch.zeros(17, dtype=torch.long), torch.zeros(9, dtype=torch.long), torch.zeros(30, dtype=torch.long)]
+    alike = [torch.randn(6, 4), torch.randn(6, 1)]  # a regression's: as a list of two samples would look
+    for unknown in (images, sequences, alike, [torch.randn(6, 4)], [], [torch.randn(6, 4), "labels"]):
+        assert batch_shape((unknown,), {}) == (None, None), unknown
+
+    recorder, engine, exporter = recorder_on(1, grad_accum=2)
+    for batch in ([torch.randn(6, 4), torch.randint(0, 9, (6,))], images):
         recorder.phase_ended(recorder.forward_started(engine, (batch, 0)))
         recorder.phase_ended(recorder.backward_started(engine))
         engine.step(recorder)
     (step,) = [span for span in exporter.get_finished_spans() if span.name == "training.step"]
-    assert step.attributes["training.step.samples"] == 11
+    assert step.attributes["training.step.samples"] == 6 + 2  # the images' micro-batch: the configured size

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-WIDTH, BATCH = 32, 8
+WIDTH, BATCH, CLASSES = 32, 8, 4
 
 
 def parse_args(argv=None):
@@ -35,7 +35,8 @@ def parse_args(argv=None):
 class Pairs(Dataset):
     def __init__(self, size: int, stall: tuple[int, float] | None = None):
         generator = torch.Generator().manual_seed(3)
-        self.x, self.y = torch.randn(size, WIDTH, generator=generator), torch.randn(size, 1, generator=generator)
+        self.x = torch.randn(size, WIDTH, generator=generator)
+        self.y = torch.randint(0, CLASSES, (size,), generator=generator)
         self.stall, self.calls = stall, 0
 
     def __len__(self):
@@ -49,10 +50,10 @@ class Pairs(Dataset):
         return self.x[index], self.y[index]
 
 
-class Regression(L.LightningModule):
+class Classifier(L.LightningModule):
     def __init__(self, accumulate: int):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, CLASSES))
         self.accumulate, self.step_loss = accumulate, 0.0
 
     def forward(self, x):
@@ -60,7 +61,7 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch, _index):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
+        loss = nn.functional.cross_entropy(self(x), y)
         # Lightning divides the loss by the accumulation before its backward, as the telemetry sums it.
         self.step_loss += (loss / self.accumulate).item()
         return loss
@@ -72,7 +73,7 @@ class Regression(L.LightningModule):
 
     def validation_step(self, batch, _index):
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -91,7 +92,7 @@ def main(argv=None):
                         val_check_interval=args.validate_every or None,
                         limit_val_batches=3 if args.validate_every else 0,
                         num_sanity_val_steps=2 if args.validate_every else 0)
-    trainer.fit(Regression(args.accumulate), train, validation)
+    trainer.fit(Classifier(args.accumulate), train, validation)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ its own; its exposed part is inside the last micro-batch's backward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -544,9 +545,7 @@ def _first_step(original):
     def wrapper(self):
         original(self)
         try:
-            import torch
-
-            if torch.compiler.is_compiling():  # traced by torch.compile: looked at where it runs
+            if _is_compiling()():  # traced by torch.compile: looked at where it runs
                 return
             unwatch()
             if _state.loop is not None or registry.all_recorders():
@@ -556,6 +555,8 @@ def _first_step(original):
         except Exception:  # ours, inside the user's step(): it goes on, unwatched
             _logger.debug("opentelemetry-instrumentation-deepspeed: the first optimizer step was not looked at",
                           exc_info=True)
+            with contextlib.suppress(Exception):
+                unwatch()
             return
         _logger.warning(
             "opentelemetry-instrumentation-deepspeed: an optimizer steps in this process, but no DeepSpeed engine "

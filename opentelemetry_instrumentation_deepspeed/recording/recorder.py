@@ -155,7 +155,9 @@ class StepRecorder(Component):
                       None))
 
     def fetched_since_phase(self) -> bool:
-        """Whether a batch was fetched after the latest phase started: the next micro-batch's, in a step still open."""
+        """Whether a batch was fetched (or a loader ran out) after the latest phase started: the next micro-batch's,
+        in a step still open. A loop's own fetch ahead (the next step's batch, before this step's optimizer) reads
+        the same: no more than a sign."""
         return self._fetched_after == self._phases
 
     @fail_open
@@ -172,6 +174,7 @@ class StepRecorder(Component):
         next fetch (another iterator's) comes before any forward: an evaluation loop that our wrappers do not see
         ran over them. A forward first takes them (an epoch's last, partial step: the Trainer fetches a step's
         micro-batches before its forwards)."""
+        self._fetched_after = self._phases  # a prefetching loader's refill that ran out: a fetch, for the step's rule
         if self.state == State.IDLE and self._fetch_start is not None:
             self._ran_out = self._phases
 

@@ -263,3 +263,14 @@ def test_importing_the_package_hooks_no_exit():
              "print(lifecycle._pid)")
     said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
     assert said.stdout.split() == ["None"]
+
+
+
+def test_the_status_a_program_hands_to_sys_exit_is_noted_and_the_exit_goes_on(monkeypatch):
+    monkeypatch.setattr(sys, "exit", sys.exit)  # put back after the test
+    monkeypatch.setattr(lifecycle, "_exit_status", [])
+    assert lifecycle.exit_status() is None
+    lifecycle._watch_sys_exit()
+    with pytest.raises(SystemExit) as raised:
+        sys.exit(3)
+    assert raised.value.code == 3 and lifecycle.exit_status() == 3

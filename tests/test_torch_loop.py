@@ -96,6 +96,19 @@ def test_micro_batches_after_the_last_step_of_a_run_that_ends_normally_are_no_cr
     assert all(rank["steps"] == STEPS for rank in report["ranks"].values())
 
 
+def test_micro_batches_after_the_last_step_of_a_program_that_exits_with_an_error_are_its_failure(workdir):
+    """The code review of the rule above: Hydra's @hydra.main reports an exception it caught, then calls sys.exit(1);
+    no exception reaches the exit handlers, and the failed step read as unfinished, out of diagnose's sight."""
+    run = launch(workdir, "torchrun", "--steps", str(STEPS), "--leftover", "1", "--exit-status", "3", script=SCRIPT)
+    assert run.returncode != 0
+    for spans in run.by_rank().values():
+        (failed,) = [span for span in spans if span.name == "training.step" and span.status == 2]
+        assert failed.attributes["training.step"] == STEPS + 1 and "training.step.unfinished" not in failed.attributes
+        assert failed.status_message == "the process exited during this step: sys.exit(3)"
+    verdict = diagnose(workdir)["verdict"]
+    assert (verdict["layer"], verdict["step"]) == ("CRASH", STEPS + 1), verdict
+
+
 def test_a_slow_fsdp_rank_is_named(workdir):
     launch(workdir, "torchrun", "--mode", "fsdp", "--steps", "12", "--slow-rank", "1", "--slow-ms", "40",
            script=SCRIPT).check()

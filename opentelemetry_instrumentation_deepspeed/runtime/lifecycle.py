@@ -188,6 +188,29 @@ def _wire() -> None:
     at_exit(FLUSH_LOGS, _shut_down_logger_provider)
     in_forked_child(SILENCE, _default_sigterm)
     in_forked_child(STOP_SDK, _stop_sdk)
+    _watch_sys_exit()
+
+
+_exit_status: list = []  # what the program handed to sys.exit(), once it called it
+
+
+def exit_status():
+    """The argument of the program's ``sys.exit()``: None where it did not call it (or called it with None)."""
+    return _exit_status[0] if _exit_status else None
+
+
+def _watch_sys_exit() -> None:
+    """``sys.exit(1)`` (Hydra's after an error it caught and reported, argparse's, click's) ends the process as a
+    return from ``main()`` does: the exit handlers see no exception, and only its argument tells an error from the
+    end of the program. It is noted on its way, and the exit goes on as it would."""
+    original = sys.exit
+
+    def exit(status=None):  # sys.exit's own name, as tracebacks show it
+        _exit_status[:] = [status]
+        original(status)
+
+    exit.__wrapped__ = original
+    sys.exit = exit
 
 
 def unanswered_when(stage: str, collector_silent: Callable[[], bool]) -> None:

@@ -123,7 +123,7 @@ def _configure_sdk(identity: JobIdentity, resource: dict | None = None) -> None:
     try:
         sdk.initialize(arguments, identity.resource_attributes(resource))
     except Exception as error:  # noqa: BLE001 - a Prometheus port taken, an exporter that cannot be built
-        traced = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        traced = not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
         measured = type(metrics.get_meter_provider()).__module__.startswith("opentelemetry.sdk")
         _logger.warning("opentelemetry-instrumentation-deepspeed: the OpenTelemetry SDK's set-up failed (%s: %s); "
                         "what it set up before that is used (traces %s, metrics %s); training is not affected",
@@ -214,13 +214,17 @@ def _close_open_steps(reason: str) -> None:
     # An uncaught exception from the loop's own code (outside DeepSpeed's calls, which end their step themselves):
     # the interpreter has set it aside for the exit, and the step it left open says what it was.
     error = getattr(sys, "last_value", None) if reason == lifecycle.EXITED else None
-    if reason == lifecycle.EXITED and error is None:
+    status = lifecycle.exit_status()
+    if reason == lifecycle.EXITED and error is None and status in (None, 0):
         # Ended normally: what the step holds ran after the last optimizer step (an epoch's leftover micro-batches, a
         # GAN's last generator update), not a crash.
         for recorder in registry.all_recorders():
             recorder.interrupted(semconv.STATUS_UNFINISHED, unfinished=True)
         return
-    description = reason if error is None else f"{reason}: {Failure.of(error).description}"
+    if error is not None:
+        description = f"{reason}: {Failure.of(error).description}"
+    else:  # a signal's; or sys.exit() with an error status, the program's own word for a failure
+        description = reason if reason != lifecycle.EXITED else f"{reason}: sys.exit({status!r})"
     for recorder in registry.all_recorders():
         recorder.interrupted(description)
 

@@ -7,6 +7,7 @@ Gradient accumulation as such loops do it: DDP's ``no_sync()``, FSDP2's
 averaged across ranks with ``torch.distributed.all_reduce`` for logging, before the optimizer step.
 ``--slow-rank R`` makes rank R sleep ``--slow-ms`` in each forward (a straggler). ``--leftover N``: after the
 last step, N more micro-batches, forward and backward, that no optimizer step takes (an epoch's leftovers).
+``--exit-status S``: then ``sys.exit(S)``, as a program that reports an error it caught does (Hydra's ``@hydra.main``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -32,6 +34,7 @@ def parse_args(argv=None):
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-ms", type=float, default=30.0)
     parser.add_argument("--leftover", type=int, default=0)
+    parser.add_argument("--exit-status", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -95,6 +98,8 @@ def main(argv=None):
         x, y = next(batches)
         with model.no_sync() if args.mode == "ddp" else contextlib.nullcontext():
             (nn.functional.mse_loss(model(x), y) / args.grad_accum).backward()
+    if args.exit_status:
+        sys.exit(args.exit_status)
     if rank == 0:
         print(f"losses {' '.join(f'{loss:.6f}' for loss in losses)}", flush=True)
         print(f"trained {args.steps} steps (0 skipped)", flush=True)

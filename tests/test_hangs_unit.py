@@ -82,6 +82,28 @@ def test_the_watchdog_reports_a_step_that_does_not_close_and_learns_from_those_t
     assert dog.check() == []
 
 
+def test_a_hang_in_a_step_run_again_after_a_rollback_is_in_that_step_s_trace():
+    """The code review of the rollback rule: the first news of a rollback may be the re-run step's hang report, which
+    went into the trace of the step's first run."""
+    recorder, engine, emitted = recorder_on(1, job=f"rollback-{time.monotonic_ns()}")
+    dog = watchdog.Watchdog(floor=2.0)
+    dog.watch(recorder, start=False)
+    for _ in range(4):
+        train_step(recorder, engine)
+    emitter().drain()
+    engine.global_steps = 2  # a checkpoint of step 2 loaded
+    phase = recorder.forward_started(engine)  # step 3 again, and its forward does not return yet
+    (report,) = _check_from_another_thread(dog, recorder.open.start + int(2.5e9))
+    recorder.phase_ended(phase)
+    recorder.phase_ended(recorder.backward_started(engine))
+    engine.step(recorder)
+    emitter().drain()
+    spans = emitted.get_finished_spans()
+    threes = [s.context.trace_id for s in spans if s.name == semconv.SPAN_STEP and s.attributes["training.step"] == 3]
+    (hang,) = [s for s in spans if s.name == semconv.SPAN_HANG]
+    assert len(set(threes)) == 2 and hang.context.trace_id == threes[1]
+
+
 def test_an_engine_dropped_leaves_the_watch_and_its_recorder_goes(monkeypatch):
     """A sweep or an evaluation harness builds engine after engine in one process: the watchdog must not keep each
     one's recorder (its facts, an open file among them) and replay it at every look."""

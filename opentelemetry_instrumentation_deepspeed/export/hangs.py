@@ -52,6 +52,8 @@ def emit(report: HangReport, writers: set) -> None:
     facts = report.facts
     writer = facts.writer
     writers.add(writer)
+    if not report.between_steps:  # an open step's: the first news of a rollback may be its hang, not its record
+        facts.numbered(report.number, False)
     trace_id, root_span_id, _sampled = facts.step_ids(report.number)
     started = writer.child(semconv.SPAN_HANG, remote_parent(trace_id, root_span_id, True), attributes(report),
                            report.step_start)

@@ -497,7 +497,7 @@ def test_exposed_communication_over_its_share_is_communication():
     assert "ZeRO" in verdict["remedies"][0], "a DeepSpeed engine's"
 
 
-@pytest.mark.parametrize(("parallelism", "named"), [("ddp", "bucket_cap_mb"), ("fsdp", "fully_shard")])
+@pytest.mark.parametrize(("parallelism", "named"), [("ddp", "bucket_cap_mb"), ("fsdp", "auto_wrap_policy")])
 def test_a_plain_loop_s_communication_remedies_are_its_own(parallelism, named):
     """A review: an FSDP2 job's communication finding advised ZeRO buckets and stages."""
     report = analyse(synthetic_job(8, transfer=8.0, attributes=lambda rank, step: {

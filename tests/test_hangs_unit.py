@@ -93,7 +93,7 @@ def test_a_hang_in_a_step_run_again_after_a_rollback_is_in_that_step_s_trace():
     emitter().drain()
     engine.global_steps = 2  # a checkpoint of step 2 loaded
     phase = recorder.forward_started(engine)  # step 3 again, and its forward does not return yet
-    (report,) = _check_from_another_thread(dog, recorder.open.start + int(2.5e9))
+    (_report,) = _check_from_another_thread(dog, recorder.open.start + int(2.5e9))
     recorder.phase_ended(phase)
     recorder.phase_ended(recorder.backward_started(engine))
     engine.step(recorder)

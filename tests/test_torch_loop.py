@@ -30,14 +30,16 @@ def diagnose(workdir) -> dict:
     return json.loads(completed.stdout)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp1"])
 def test_a_step_per_optimizer_step_with_micro_batches_and_collectives(tmp_path, mode):
     args = ("--mode", mode, "--steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM))
     (tmp_path / "traced").mkdir()
     run = launch(tmp_path / "traced", "torchrun", *args, script=SCRIPT).check()
-    if mode == "fsdp":  # the module hooks, the backward wrapper and the optimizer hooks DDP's run has too
+    if mode != "ddp":  # the module hooks, the backward wrapper and the optimizer hooks DDP's run has too
         (tmp_path / "bare").mkdir()
-        bare = launch(tmp_path / "bare", "torchrun", *args, script=SCRIPT, instrument=False).check()
+        bare = launch(tmp_path / "bare", "torchrun", *args, script=SCRIPT, instrument=False)
+        if bare.returncode != 0:  # gloo's teardown, after the steps, aborts now and then without us too
+            assert "terminate called without an active exception" in bare.output, bare.output[-3000:]
         assert losses(run) == losses(bare), "the instrumentation changed the numbers"
     # Only the ranks train: the launcher wrote nothing.
     assert sorted(path.name for path in run.trace_files) == ["traces-rank0.jsonl", "traces-rank1.jsonl"]
@@ -52,7 +54,7 @@ def test_a_step_per_optimizer_step_with_micro_batches_and_collectives(tmp_path, 
         by_id = {span.span_id: span for span in spans}
         for step in steps:
             assert step.parent_id == roots[step.trace_id].span_id
-            assert step.attributes["training.parallelism"] == mode
+            assert step.attributes["training.parallelism"] == mode.removesuffix("1")
             assert step.attributes["training.step.micro_batches"] == GRAD_ACCUM
             assert step.attributes["training.step.samples"] == 8 * GRAD_ACCUM
             inside = [span for span in spans if span.trace_id == step.trace_id and span is not step
@@ -65,11 +67,12 @@ def test_a_step_per_optimizer_step_with_micro_batches_and_collectives(tmp_path, 
             # The loop's own torch.distributed.all_reduce of the loss, between phases.
             logged = [s for s in inside if s.name == "comm.all_reduce"]
             assert len(logged) == 1 and logged[0].parent_id == step.span_id
-            if mode == "fsdp":
-                # FSDP2's parameter all-gathers in forward and backward, its gradient reduce-scatters in the
-                # backward of the micro-batch that syncs gradients (the last).
+            if mode != "ddp":
+                # FSDP's parameter all-gathers in forward and backward (FSDP1's, of a list, on CPU), its gradient
+                # reduce-scatters in the backward of the micro-batch that syncs gradients (the last).
                 parents = {s.name: {by_id[p.parent_id].name for p in inside if p.name == s.name} for s in inside}
-                assert parents["comm.all_gather_single"] == {"training.forward", "training.backward"}
+                gather = "comm.all_gather" if mode == "fsdp1" else "comm.all_gather_single"
+                assert parents[gather] == {"training.forward", "training.backward"}
                 assert parents["comm.reduce_scatter_single"] == {"training.backward"}
                 scatters = [s for s in inside if s.name == "comm.reduce_scatter_single"]
                 assert {by_id[s.parent_id].attributes["training.micro_step"] for s in scatters} == {1}

@@ -77,8 +77,10 @@ COMMUNICATION_REMEDIES = {
     "ddp": ["larger gradient buckets (DistributedDataParallel's bucket_cap_mb) and gradient_as_bucket_view=True",
             "no_sync() on the micro-batches before the last under gradient accumulation; static_graph=True",
             REMEDIES["communication"][-1]],
-    "fsdp": ["fewer, larger fully_shard units (fewer all-gathers), reshard_after_forward=False where memory allows",
-             "set_requires_gradient_sync(False) on the micro-batches before the last under gradient accumulation",
+    "fsdp": ["fewer, larger FSDP units (fully_shard calls, or an auto_wrap_policy's), and no resharding after the "
+             "forward where memory allows (reshard_after_forward=False; FSDP1: ShardingStrategy.SHARD_GRAD_OP)",
+             "no gradient sync on the micro-batches before the last under gradient accumulation "
+             "(set_requires_gradient_sync(False); FSDP1: no_sync())",
              REMEDIES["communication"][-1]],
 }
 

@@ -1,10 +1,11 @@
-"""Training with plain PyTorch, no DeepSpeed engine: DDP, FSDP2 (``fully_shard``), or a loop that opts in.
+"""Training with plain PyTorch, no DeepSpeed engine: DDP, FSDP (``FullyShardedDataParallel``, and FSDP2's
+``fully_shard``), or a loop that opts in.
 
 What a step is: everything from the first data wait, forward or backward after the previous step
 to the return of the step optimizer's ``step()``. The step optimizer is the first optimizer whose
 ``step()`` runs once training was detected (or the one handed to ``trace_training``). Forwards are
-those of the model wrapped by ``DistributedDataParallel`` or the outermost ``fully_shard`` module
-(or the module handed to ``trace_training``), in training mode with gradients enabled; backwards
+those of the model wrapped by ``DistributedDataParallel``, of the outermost ``FullyShardedDataParallel`` unit or
+``fully_shard`` module (or the module handed to ``trace_training``), in training mode with gradients enabled; backwards
 are ``torch.autograd.backward`` calls (``loss.backward()``) made while training. Under mixed
 precision, ``GradScaler.step(optimizer)`` is the optimizer phase (unscaling, the overflow check and
 the optimizer's ``step()``), and a step whose overflow made the scaler skip the optimizer still
@@ -12,10 +13,10 @@ ends there, as a skipped step (``training.step.skipped``), as DeepSpeed's fp16 s
 ``step(closure)`` the closure's first call is the step's forward and backward, and the optimizer
 phase starts as it returns (LBFGS calls it again from there: optimizer work).
 
-Training is detected when a ``DistributedDataParallel`` is built or ``fully_shard`` is applied:
-only then does the process start its telemetry and observe backwards and optimizer steps (through
-``torch.optim``'s global step hooks), so a process that does not train (``torchrun`` itself) only
-holds two untouched wrappers. A process with a DeepSpeed engine is traced by the engine's
+Training is detected when a ``DistributedDataParallel`` or a ``FullyShardedDataParallel`` is built or
+``fully_shard`` is applied: only then does the process start its telemetry and observe backwards and optimizer
+steps (through ``torch.optim``'s global step hooks), so a process that does not train (``torchrun`` itself) only
+holds untouched wrappers. A process with a DeepSpeed engine is traced by the engine's
 instrumentor alone: no loop starts there, and one started before an engine stops recording.
 
 DDP's gradient all-reduce runs in its C++ reducer: no Python wrapper sees it, so it has no span of
@@ -50,6 +51,7 @@ from opentelemetry_instrumentation_deepspeed.version import __version__
 _logger = logging.getLogger(__name__)
 
 _DDP_MODULE = "torch.nn.parallel.distributed"
+_FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 _FSDP_MODULES = ("torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed.fsdp._fully_shard",
                  "torch.distributed.fsdp")
 _MAX_MICRO_BATCHES = 1024
@@ -211,6 +213,24 @@ def _ddp_init(init):
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
         start("ddp", getattr(self, "module", None))
+
+    return wrapper
+
+
+def _fsdp1_init(init):
+    """``FullyShardedDataParallel`` (FSDP1, what Accelerate, the Trainer and Lightning's FSDP strategy build): an
+    ``auto_wrap_policy`` builds the inner units inside the outermost one's ``__init__``, which starts the loop with
+    the whole model."""
+
+    def wrapper(self, *args, **kwargs):
+        depth = getattr(_depth, "fsdp1_init", 0)
+        _depth.fsdp1_init = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            _depth.fsdp1_init = depth
+        if not depth:
+            start("fsdp", getattr(self, "module", None))
 
     return wrapper
 
@@ -590,6 +610,13 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
                 patches.rebind([sys.modules[name] for name in _FSDP_MODULES if name in sys.modules])
 
         when_imported(_DDP_MODULE, patch_ddp)
+        def patch_fsdp1(module):
+            if patches.active:
+                patches.wrap(module.FullyShardedDataParallel, "__init__", _fsdp1_init)
+                # Its forward is a micro-batch's as DDP's is: the outermost unit's, the inner ones' inside it.
+                patches.wrap(module.FullyShardedDataParallel, "forward", _ddp_forward)
+
+        when_imported(_FSDP1_MODULE, patch_fsdp1)
         when_imported(_FSDP_MODULES[0], patch_fsdp)
         when_imported(_FSDP_MODULES[-1], lambda _module: patch_fsdp(sys.modules[_FSDP_MODULES[0]]))
         when_imported("torch.optim.optimizer", _watch_the_first_step)

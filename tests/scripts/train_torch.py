@@ -1,8 +1,9 @@
-"""Plain PyTorch data-parallel training, no DeepSpeed: DDP or FSDP2 (``fully_shard``) over gloo.
+"""Plain PyTorch data-parallel training, no DeepSpeed: DDP, FSDP (``FullyShardedDataParallel``) or FSDP2
+(``fully_shard``) over gloo.
 
     opentelemetry-instrument torchrun --nproc_per_node 2 tests/scripts/train_torch.py --mode fsdp
 
-Gradient accumulation as such loops do it: DDP's ``no_sync()``, FSDP2's
+Gradient accumulation as such loops do it: DDP's and FSDP's ``no_sync()``, FSDP2's
 ``set_requires_gradient_sync(False)``, on every micro-batch but the last of a step. Each step's loss is
 averaged across ranks with ``torch.distributed.all_reduce`` for logging, before the optimizer step.
 ``--slow-rank R`` makes rank R sleep ``--slow-ms`` in each forward (a straggler). ``--leftover N``: after the
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--mode", choices=("ddp", "fsdp", "fsdp1"), default="ddp")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=8)
@@ -60,6 +61,12 @@ def main(argv=None):
     model = Model(args.width, args.slow_ms if rank == args.slow_rank else 0.0)
     if args.mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    elif args.mode == "fsdp1":  # FullyShardedDataParallel, a unit per layer through an auto-wrap policy
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                                         device_id=torch.device("cpu"))
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -81,7 +88,7 @@ def main(argv=None):
         for micro in range(args.grad_accum):
             last = micro == args.grad_accum - 1
             x, y = next(batches)
-            if args.mode == "ddp":
+            if args.mode in ("ddp", "fsdp1"):
                 context = contextlib.nullcontext() if last else model.no_sync()
             else:
                 model.set_requires_gradient_sync(last)
@@ -96,7 +103,7 @@ def main(argv=None):
         losses.append(float(total) / world_size)
     for _ in range(args.leftover):
         x, y = next(batches)
-        with model.no_sync() if args.mode == "ddp" else contextlib.nullcontext():
+        with model.no_sync() if args.mode in ("ddp", "fsdp1") else contextlib.nullcontext():
             (nn.functional.mse_loss(model(x), y) / args.grad_accum).backward()
     if args.exit_status:
         sys.exit(args.exit_status)

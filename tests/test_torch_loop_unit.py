@@ -661,3 +661,38 @@ def test_a_compiled_ddp_meets_none_of_our_code_in_its_graph(traced, request):
     assert reasons == [], "graph breaks of ours (torch's own DDP makes some)"
     steps = [span for span in traced() if span.name == "training.step"]
     assert len(steps) == 3 and all("training.step.samples" not in step.attributes for step in steps)
+
+
+@pytest.mark.slow  # FullyShardedDataParallel's imports take seconds
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_fsdp_units_checkpointed_and_run_again_in_the_backward_fail_no_step(traced, request, reentrant):
+    """A code review: with non-reentrant activation checkpointing (the Trainer's gradient_checkpointing), FSDP's
+    units run their forward again in the backward, and the recomputation's early stop is raised through it: each
+    optimizer step read as three failed steps and one whole."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        request.addfinalizer(torch.distributed.destroy_process_group)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer.__call__, x, use_reentrant=reentrant)
+            return x
+
+    model = FullyShardedDataParallel(Checkpointed(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                                     device_id=torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(5, 4, requires_grad=True)).sum().backward()
+        optimizer.step()
+    steps = [span for span in traced() if span.name == "training.step"]
+    assert [(s.attributes["training.step"], s.status.is_ok) for s in steps] == [(1, True), (2, True)]
+    assert all(s.attributes["training.step.micro_batches"] == 1 for s in steps)

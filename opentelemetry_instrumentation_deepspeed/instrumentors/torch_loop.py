@@ -254,6 +254,13 @@ def _ddp_forward(forward):
             return forward(self, *args, **kwargs)
         _depth.value = 1
         phase = recorder.forward_started(loop, args, kwargs)
+        if phase is None:
+            # No phase of its own (an FSDP unit that non-reentrant checkpointing runs again in the backward): what it
+            # raises is not the step's failure (the recomputation's early stop is raised through it, and caught).
+            try:
+                return forward(self, *args, **kwargs)
+            finally:
+                _depth.value = 0
         try:
             result = forward(self, *args, **kwargs)
         except BaseException as error:
@@ -580,9 +587,10 @@ def _first_step(original):
             return
         _logger.warning(
             "opentelemetry-instrumentation-deepspeed: an optimizer steps in this process, but no DeepSpeed engine "
-            "was built, no model was wrapped in DistributedDataParallel and fully_shard was not applied: this "
-            "training is not traced. A loop of one process, or with a parallelism of its own, opts in with "
-            "opentelemetry_instrumentation_deepspeed.trace_training(model, optimizer) before its first step.")
+            "was built, no model was wrapped in DistributedDataParallel or FullyShardedDataParallel and fully_shard "
+            "was not applied: this training is not traced. A loop of one process, or with a parallelism of its own, "
+            "opts in with opentelemetry_instrumentation_deepspeed.trace_training(model, optimizer) before its first "
+            "step.")
 
     return wrapper
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import signal
 import subprocess
@@ -266,11 +267,32 @@ def test_importing_the_package_hooks_no_exit():
 
 
 
-def test_the_status_a_program_hands_to_sys_exit_is_noted_and_the_exit_goes_on(monkeypatch):
+def test_the_status_a_program_hands_to_sys_exit_is_noted_with_its_cause_and_the_exit_goes_on(monkeypatch):
+    import threading
+
     monkeypatch.setattr(sys, "exit", sys.exit)  # put back after the test
-    monkeypatch.setattr(lifecycle, "_exit_status", [])
-    assert lifecycle.exit_status() is None
-    lifecycle._watch_sys_exit()
-    with pytest.raises(SystemExit) as raised:
-        sys.exit(3)
-    assert raised.value.code == 3 and lifecycle.exit_status() == 3
+    monkeypatch.setattr(lifecycle, "_exit_calls", [])
+    assert lifecycle.exit_call() is None
+    lifecycle.watch_sys_exit()
+    lifecycle.watch_sys_exit()  # once
+    assert sys.exit.__wrapped__.__name__ == "exit" and getattr(sys.exit.__wrapped__, "__wrapped__", None) is None
+    try:
+        raise RuntimeError("out of memory")
+    except RuntimeError:
+        with pytest.raises(SystemExit) as raised:
+            sys.exit(3)  # Hydra's, after it reported the error it caught
+    call = lifecycle.exit_call()
+    assert raised.value.code == 3 and (call.status, call.failed, repr(call.cause)) == (
+        3, True, "RuntimeError('out of memory')")
+    for status, failed in ((0, False), (None, False), (False, False), (0.0, True), ("bad config", True)):
+        with pytest.raises(SystemExit):
+            sys.exit(status)
+        assert lifecycle.exit_call().failed is failed, status
+    def end_the_thread():
+        with contextlib.suppress(SystemExit):
+            sys.exit(5)
+
+    thread = threading.Thread(target=end_the_thread)  # it ends a thread, not the process: not noted
+    thread.start()
+    thread.join()
+    assert lifecycle.exit_call().status == "bad config"

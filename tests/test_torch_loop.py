@@ -107,7 +107,7 @@ def test_micro_batches_after_the_last_step_of_a_program_that_exits_with_an_error
     for spans in run.by_rank().values():
         (failed,) = [span for span in spans if span.name == "training.step" and span.status == 2]
         assert failed.attributes["training.step"] == STEPS + 1 and "training.step.unfinished" not in failed.attributes
-        assert failed.status_message == "the process exited during this step: sys.exit(3)"
+        assert failed.status_message == "the process exited during this step: SystemExit: 3"
     verdict = diagnose(workdir)["verdict"]
     assert (verdict["layer"], verdict["step"]) == ("CRASH", STEPS + 1), verdict
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -188,28 +189,46 @@ def _wire() -> None:
     at_exit(FLUSH_LOGS, _shut_down_logger_provider)
     in_forked_child(SILENCE, _default_sigterm)
     in_forked_child(STOP_SDK, _stop_sdk)
-    _watch_sys_exit()
 
 
-_exit_status: list = []  # what the program handed to sys.exit(), once it called it
+@dataclasses.dataclass(frozen=True)
+class ExitCall:
+    """The main thread's last ``sys.exit()``: its argument, the exception being handled where it was called (Hydra,
+    ``torch.multiprocessing.spawn`` and Lightning call it in an ``except`` block: the cause), and when."""
+
+    status: object
+    cause: BaseException | None
+    at: int  # time.time_ns()
+
+    @property
+    def failed(self) -> bool:
+        """An exit status of failure: any but None and 0 (a string is printed, and the process exits with 1)."""
+        return not (self.status is None or (isinstance(self.status, int) and self.status == 0))
 
 
-def exit_status():
-    """The argument of the program's ``sys.exit()``: None where it did not call it (or called it with None)."""
-    return _exit_status[0] if _exit_status else None
+_exit_calls: list[ExitCall] = []
 
 
-def _watch_sys_exit() -> None:
+def exit_call() -> ExitCall | None:
+    return _exit_calls[-1] if _exit_calls else None
+
+
+def watch_sys_exit() -> None:
     """``sys.exit(1)`` (Hydra's after an error it caught and reported, argparse's, click's) ends the process as a
     return from ``main()`` does: the exit handlers see no exception, and only its argument tells an error from the
-    end of the program. It is noted on its way, and the exit goes on as it would."""
+    end of the program. It is noted on its way (on the main thread: elsewhere it ends a thread, not the process),
+    and the exit goes on as it would. Once per process; ``from sys import exit`` made before it, ``exit()`` and
+    ``raise SystemExit`` are not seen."""
     original = sys.exit
+    if getattr(original, "_notes_exit_calls", False):
+        return
 
     def exit(status=None):  # sys.exit's own name, as tracebacks show it
-        _exit_status[:] = [status]
+        if threading.current_thread() is threading.main_thread():
+            _exit_calls[:] = [ExitCall(status, sys.exc_info()[1], time.time_ns())]
         original(status)
 
-    exit.__wrapped__ = original
+    exit.__wrapped__, exit._notes_exit_calls = original, True
     sys.exit = exit
 
 

@@ -183,6 +183,7 @@ def end_with_the_process() -> None:
 
     lifecycle.at_exit(lifecycle.STOP_PROFILER, _stop_profilers)
     lifecycle.at_exit(lifecycle.CLOSE_OPEN_STEPS, _close_open_steps)
+    lifecycle.watch_sys_exit()  # what tells an unfinished step from a failed one at a normal exit
     lifecycle.at_exit(lifecycle.DRAIN, lambda _reason: emitter().drain(final=True))
     lifecycle.before_fork(lifecycle.END_PROFILE, _end_profiles)
     lifecycle.in_forked_child(lifecycle.FORGET, registry.forget_all)
@@ -214,19 +215,21 @@ def _close_open_steps(reason: str) -> None:
     # An uncaught exception from the loop's own code (outside DeepSpeed's calls, which end their step themselves):
     # the interpreter has set it aside for the exit, and the step it left open says what it was.
     error = getattr(sys, "last_value", None) if reason == lifecycle.EXITED else None
-    status = lifecycle.exit_status()
-    if reason == lifecycle.EXITED and error is None and status in (None, 0):
-        # Ended normally: what the step holds ran after the last optimizer step (an epoch's leftover micro-batches, a
-        # GAN's last generator update), not a crash.
-        for recorder in registry.all_recorders():
-            recorder.interrupted(semconv.STATUS_UNFINISHED, unfinished=True)
-        return
-    if error is not None:
-        description = f"{reason}: {Failure.of(error).description}"
-    else:  # a signal's; or sys.exit() with an error status, the program's own word for a failure
-        description = reason if reason != lifecycle.EXITED else f"{reason}: sys.exit({status!r})"
+    exit_call = lifecycle.exit_call() if reason == lifecycle.EXITED and error is None else None
     for recorder in registry.all_recorders():
-        recorder.interrupted(description)
+        if reason != lifecycle.EXITED or error is not None:
+            description = reason if error is None else f"{reason}: {Failure.of(error).description}"
+            recorder.interrupted(description)
+            continue
+        record = recorder.open
+        if exit_call is None or not exit_call.failed or (record is not None and exit_call.at < record.start):
+            # Ended normally (a sys.exit(1) the program caught before this step, then went on, is no word on it):
+            # what the step holds ran after the last optimizer step (an epoch's leftover micro-batches, a GAN's last
+            # generator update), not a crash.
+            recorder.interrupted(semconv.STATUS_UNFINISHED, unfinished=True)
+        else:  # sys.exit() with a failure status: the program's own word for a failure, and its cause if it had one
+            cause = exit_call.cause if exit_call.cause is not None else SystemExit(exit_call.status)
+            recorder.interrupted(f"{reason}: {Failure.of(cause).description}")
 
 
 def _go_silent() -> None:

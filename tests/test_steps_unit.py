@@ -375,10 +375,16 @@ def test_a_batch_passed_whole_counts_its_inputs_and_a_list_of_samples_is_not_rea
 
     assert batch_shape(([torch.randn(6, 4), torch.randint(0, 9, (6,))], 0), {}) == (6, None)  # features, labels
     assert batch_shape(((torch.randn(5, 3, 8, 8), torch.zeros(5, 8, 8, dtype=torch.long)),), {})[0] == 5  # masks
+    ids = torch.zeros(4, 7, dtype=torch.long)
+    assert batch_shape(([ids, ids.clone()],), {}) == (4, 28)  # a language model's token ids and labels
+    assert batch_shape(((ids, torch.ones(4, 7, dtype=torch.long), ids.clone()),), {}) == (4, 28)  # ids, mask, labels
+    assert batch_shape((({"input_ids": ids}, torch.zeros(4)),), {}) == (4, 28)
+    assert batch_shape(([ids],), {}) == (4, 28)  # a TensorDataset of token ids
     images = [torch.randn(3, 64, 80), torch.randn(3, 50, 70)]
     sequences = [torch.zeros(17, dtype=torch.long), torch.zeros(9, dtype=torch.long), torch.zeros(30, dtype=torch.long)]
     alike = [torch.randn(6, 4), torch.randn(6, 1)]  # a regression's: as a list of two samples would look
-    for unknown in (images, sequences, alike, [torch.randn(6, 4)], [], [torch.randn(6, 4), "labels"]):
+    for unknown in (images, sequences, alike, [torch.randn(6, 4)], [], [torch.randn(6, 4), "labels"],
+                    [torch.randn(3, 64, 80)]):
         assert batch_shape((unknown,), {}) == (None, None), unknown
 
     recorder, engine, exporter = recorder_on(1, grad_accum=2)

@@ -46,19 +46,27 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
 
 
 def _inputs_of(batch):
-    """The inputs of an ``(inputs, targets, ...)`` batch passed whole; None for anything else. A list of samples
-    (torchvision's detection images, sequences of their own lengths) is no batch whose first element is the
-    inputs: its first element is one sample. Told apart by the first two elements: tensors with the same first
-    dimension that differ in dtype or rank (features and their labels). Inputs and targets alike in both (a
-    regression's, an autoencoder's) are left uncounted: a list of samples looks the same."""
-    if len(batch) < 2:
+    """The inputs of a batch passed whole, ``(inputs, targets, ...)``; None for anything else. A list of samples
+    (torchvision's detection images, token sequences of their own lengths) is no such batch: its first element is
+    one sample. Read as inputs: a dict first element (``({"input_ids": ...}, labels)``); a lone matrix of token ids
+    (a ``TensorDataset`` of them); the first of two tensors of the same first dimension that differ in dtype or rank
+    (features and labels), or that are both matrices of integers of one shape (a language model's token ids and
+    labels: a list of token samples holds vectors). Inputs and targets alike otherwise (a regression's, an
+    autoencoder's) are left uncounted: a list of samples looks the same."""
+    first = batch[0] if batch else None
+    if isinstance(first, dict):
+        return first
+    if not hasattr(first, "is_floating_point") or not first.ndim:
         return None
-    inputs, targets = batch[0], batch[1]
-    if not (hasattr(inputs, "is_floating_point") and hasattr(targets, "is_floating_point")):
+    tokens = first.ndim >= 2 and not first.is_floating_point() and not first.is_complex()
+    if len(batch) == 1:
+        return first if tokens and first.ndim == 2 else None
+    second = batch[1]
+    if not hasattr(second, "is_floating_point") or not second.ndim or first.shape[0] != second.shape[0]:
         return None
-    if not inputs.ndim or not targets.ndim or inputs.shape[0] != targets.shape[0]:
-        return None
-    return inputs if inputs.dtype != targets.dtype or inputs.ndim != targets.ndim else None
+    if first.dtype != second.dtype or first.ndim != second.ndim:
+        return first
+    return first if tokens and first.shape == second.shape else None
 
 
 _SEQUENCES = (list, tuple)

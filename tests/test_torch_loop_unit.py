@@ -415,9 +415,23 @@ def test_training_that_nothing_traces_is_said_once_at_its_first_step(traced, cap
         optimizer.step()
     (warning,) = _untraced_warnings(caplog)
     assert "trace_training(model, optimizer)" in warning.getMessage()
+    assert "trains alone" not in warning.getMessage(), "the fixture's WORLD_SIZE is 1"
     # Once looked, the original is back: the later steps run nothing of ours.
     assert original_of(vars(torch.optim.Optimizer)["_optimizer_step_code"]) is None
     assert traced() == ()
+
+
+def test_ranks_that_made_no_process_group_are_told_they_train_alone(traced, caplog, monkeypatch):
+    """The review of Accelerate without DeepSpeed: on a machine without GPUs, without cpu=True, Accelerate counts one
+    process on each of the launcher's ranks, which each trained the whole dataset alone; the warning named only
+    trace_training()."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    (warning,) = _untraced_warnings(caplog)
+    assert "WORLD_SIZE is 2, but this rank made no process group: it trains alone" in warning.getMessage()
 
 
 def test_training_a_loop_traces_is_not_said_to_be_untraced(traced, caplog):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -552,8 +553,8 @@ def _observe_steps_and_backwards() -> None:
 
 
 def _watch_the_first_step(module) -> None:
-    """Training that nothing here traces (one process; ``accelerate launch`` on CPU without its CPU flag, which
-    builds no DDP; a framework's own parallelism) would otherwise leave no telemetry and no word why. Every
+    """Training that nothing here traces (one process; Accelerate on a machine without GPUs and without its CPU flag,
+    which builds no DDP; a framework's own parallelism) would otherwise leave no telemetry and no word why. Every
     optimizer's ``step()`` calls ``_optimizer_step_code()`` (empty: the profiler's entry point) once it stepped; its
     replacement looks once and puts the original back. Not a global step hook: removed from inside, it would fail
     the ``step()`` that iterates the hooks."""
@@ -588,11 +589,21 @@ def _first_step(original):
         _logger.warning(
             "opentelemetry-instrumentation-deepspeed: an optimizer steps in this process, but no DeepSpeed engine "
             "was built, no model was wrapped in DistributedDataParallel or FullyShardedDataParallel and fully_shard "
-            "was not applied: this training is not traced. A loop of one process, or with a parallelism of its own, "
-            "opts in with opentelemetry_instrumentation_deepspeed.trace_training(model, optimizer) before its first "
-            "step.")
+            "was not applied: this training is not traced.%s A loop of one process, or with a parallelism of its "
+            "own, opts in with opentelemetry_instrumentation_deepspeed.trace_training(model, optimizer) before its "
+            "first step.", _alone())
 
     return wrapper
+
+
+def _alone() -> str:
+    """What the warning adds where the launcher started several ranks that made no process group."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    distributed = sys.modules.get("torch.distributed")
+    if not world.isdigit() or int(world) < 2 or (distributed is not None and distributed.is_initialized()):
+        return ""
+    return (f" WORLD_SIZE is {world}, but this rank made no process group: it trains alone, as each other rank does "
+            "(Accelerate on a machine without GPUs does so unless Accelerator(cpu=True) or ACCELERATE_USE_CPU=true).")
 
 
 class TorchTrainingInstrumentor(BaseInstrumentor):

@@ -282,8 +282,8 @@ def test_the_status_a_program_hands_to_sys_exit_is_noted_with_its_cause_and_the_
         with pytest.raises(SystemExit) as raised:
             sys.exit(3)  # Hydra's, after it reported the error it caught
     call = lifecycle.exit_call()
-    assert raised.value.code == 3 and (call.status, call.failed, repr(call.cause)) == (
-        3, True, "RuntimeError('out of memory')")
+    assert raised.value.code == 3 and (call.status, call.failed, call.cause.description) == (
+        3, True, "RuntimeError: out of memory")
     for status, failed in ((0, False), (None, False), (False, False), (0.0, True), ("bad config", True)):
         with pytest.raises(SystemExit):
             sys.exit(status)

@@ -194,10 +194,11 @@ def _wire() -> None:
 @dataclasses.dataclass(frozen=True)
 class ExitCall:
     """The main thread's last ``sys.exit()``: its argument, the exception being handled where it was called (Hydra,
-    ``torch.multiprocessing.spawn`` and Lightning call it in an ``except`` block: the cause), and when."""
+    ``torch.multiprocessing.spawn`` and Lightning call it in an ``except`` block: the cause), as the spans would
+    show it (a ``Failure``: text, no frames kept alive), and when."""
 
     status: object
-    cause: BaseException | None
+    cause: object | None
     at: int  # time.time_ns()
 
     @property
@@ -225,7 +226,12 @@ def watch_sys_exit() -> None:
 
     def exit(status=None):  # sys.exit's own name, as tracebacks show it
         if threading.current_thread() is threading.main_thread():
-            _exit_calls[:] = [ExitCall(status, sys.exc_info()[1], time.time_ns())]
+            with contextlib.suppress(Exception):  # ours: the exit goes on whatever happens here
+                from opentelemetry_instrumentation_deepspeed.recording.record import Failure
+
+                handled = sys.exc_info()[1]
+                cause = Failure.of(handled) if handled is not None else None
+                _exit_calls[:] = [ExitCall(status, cause, time.time_ns())]
         original(status)
 
     exit.__wrapped__, exit._notes_exit_calls = original, True

@@ -221,15 +221,18 @@ def _close_open_steps(reason: str) -> None:
             description = reason if error is None else f"{reason}: {Failure.of(error).description}"
             recorder.interrupted(description)
             continue
-        record = recorder.open
+        try:
+            record = recorder.open
+        except Exception:  # noqa: BLE001 - a recorder that cannot replay its log: the step is closed all the same
+            record = None
         if exit_call is None or not exit_call.failed or (record is not None and exit_call.at < record.start):
             # Ended normally (a sys.exit(1) the program caught before this step, then went on, is no word on it):
             # what the step holds ran after the last optimizer step (an epoch's leftover micro-batches, a GAN's last
             # generator update), not a crash.
             recorder.interrupted(semconv.STATUS_UNFINISHED, unfinished=True)
         else:  # sys.exit() with a failure status: the program's own word for a failure, and its cause if it had one
-            cause = exit_call.cause if exit_call.cause is not None else SystemExit(exit_call.status)
-            recorder.interrupted(f"{reason}: {Failure.of(cause).description}")
+            cause = exit_call.cause if exit_call.cause is not None else Failure.of(SystemExit(exit_call.status))
+            recorder.interrupted(f"{reason}: {cause.description}")
 
 
 def _go_silent() -> None:

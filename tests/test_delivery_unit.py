@@ -135,7 +135,7 @@ def test_a_collection_does_not_wait_for_a_stuck_drain():
         assert held.wait(10)
         started = time.monotonic()
         assert emitter._drain_at_collection(None) == []
-        assert time.monotonic() - started < emitter_module.COLLECTION_WAIT_SECONDS + 1
+        assert time.monotonic() - started < emitter_module.COLLECTION_WAIT_SECONDS + 10  # not the drain's 30 s
     finally:
         release.set()
         thread.join(10)

@@ -26,12 +26,16 @@ def batch_shape(args, kwargs) -> tuple[int | None, int | None]:
         ids = kwargs.get("input_ids")
         if ids is None and args:
             first = args[0]
-            if type(first) in _SEQUENCES:
-                first = _inputs_of(first)
             ids = first.get("input_ids") if isinstance(first, dict) else first
         shape = getattr(ids, "shape", None)
         if not shape or not hasattr(ids, "is_floating_point"):  # a torch tensor, not an array or a list
-            return None, None
+            # A batch passed whole, looked at only here: a forward given a tensor pays nothing for it.
+            ids = _inputs_of(ids) if shape is None and type(ids) in _SEQUENCES else None
+            if isinstance(ids, dict):
+                ids = ids.get("input_ids")
+            shape = getattr(ids, "shape", None)
+            if not shape or not hasattr(ids, "is_floating_point"):
+                return None, None
         dtype = ids.dtype
         is_integer = _INTEGER_DTYPES.get(dtype)
         if is_integer is None:

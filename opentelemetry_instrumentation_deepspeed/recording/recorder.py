@@ -38,6 +38,8 @@ _get_ident = threading.get_ident
 # each step's opening and close. What the log names on a failure:
 _STEP_OPENED = "StepProfiler.step_opened"
 _STEP_CLOSED = "StepProfiler.step_closed"
+# The events whose log entries start a phase.
+_PHASE_STARTS = (Event.FORWARD, Event.BACKWARD, Event.DIRECT_BACKWARD, Event.OPTIMIZER)
 # Entries logged with no step open (data waits, evaluation forwards) past which the recorder hands itself to the
 # emitter: a loop that never steps (an evaluation) must not grow the log.
 IDLE_LOG_LIMIT = 256
@@ -102,7 +104,7 @@ class StepRecorder(Component):
         self.state = State.IDLE
         self._phase: int | None = None  # the running phase's number, which its start returned; None between phases
         self._phases = 0  # phases started: their numbers
-        self._fetched_after = -1  # the number of the latest phase started before the latest fetch
+        self._ran_out_after = -1  # the number of the latest phase started before a loader last ran out
         self._number: int | None = None  # the open step's
         # The profiler's measure of a step: from the first data wait made with no step open (the record's start,
         # unless the loop fetched more than a step's micro-batches before it), else from its opening.
@@ -145,7 +147,6 @@ class StepRecorder(Component):
             self._ran_out = None
         if self._no_grad == 1:
             self._no_grad = 2
-        self._fetched_after = self._phases
         if self.state == State.IDLE:
             if self._fetch_start is None:
                 self._fetch_start = start
@@ -157,8 +158,16 @@ class StepRecorder(Component):
     def fetched_since_phase(self) -> bool:
         """Whether a batch was fetched (or a loader ran out) after the latest phase started: the next micro-batch's,
         in a step still open. A loop's own fetch ahead (the next step's batch, before this step's optimizer) reads
-        the same: no more than a sign."""
-        return self._fetched_after == self._phases
+        the same: no more than a sign. Read from the log, back to the latest phase's start, by the rare caller (a
+        ``step(closure)`` in an open step), not noted at every fetch."""
+        if self._ran_out_after == self._phases:
+            return True
+        for entry in reversed(self._log):
+            if entry[0] == Event.DATA_WAIT:
+                return True
+            if entry[0] in _PHASE_STARTS:
+                return False
+        return False
 
     @fail_open
     def data_failed(self, start: int, end: int, error: BaseException) -> None:
@@ -174,7 +183,7 @@ class StepRecorder(Component):
         next fetch (another iterator's) comes before any forward: an evaluation loop that our wrappers do not see
         ran over them. A forward first takes them (an epoch's last, partial step: the Trainer fetches a step's
         micro-batches before its forwards)."""
-        self._fetched_after = self._phases  # a prefetching loader's refill that ran out: a fetch, for the step's rule
+        self._ran_out_after = self._phases  # a prefetching loader's refill that ran out: a fetch, for the step's rule
         if self.state == State.IDLE and self._fetch_start is not None:
             self._ran_out = self._phases
 

@@ -125,3 +125,21 @@ def test_a_slow_fsdp_rank_is_named(workdir):
     # FSDP2's own remedies, read from the files' training.parallelism, not ZeRO's.
     assert all("ZeRO" not in remedy for f in report["findings"] if f["layer"] == "communication"
                for remedy in f["remedies"])
+
+
+@pytest.mark.parametrize("mode, wrap", [("ddp", "auto"), ("fsdp", "auto"), ("fsdp1", "auto"), ("fsdp1", "manual")])
+def test_mfu_counts_the_whole_model_on_every_rank(tmp_path, mode, wrap):
+    """A review: FSDP keeps each parameter's shard on a rank, and MFU's FLOPs estimate (6 x parameters) counted the
+    shards, world-size times low; with each layer wrapped by hand before the model, only the first layer's."""
+    vocab, width = 50, 64
+    run = launch(tmp_path, "torchrun", "--mode", mode, "--wrap", wrap, "--vocab", str(vocab), "--width", str(width),
+                 "--steps", "3", script=SCRIPT, env={"OTEL_PYTHON_DEEPSPEED_PEAK_FLOPS": "1e12"}).check()
+    parameters = vocab * width + 3 * (width * width + width)
+    for rank, spans in run.by_rank().items():
+        last = max((span for span in spans if span.name == "training.step"), key=lambda span: span.start)
+        tokens = last.attributes["training.step.padded_tokens"]
+        assert tokens == 8 * 4 * GRAD_ACCUM
+        (metrics,) = run.cwd.glob(f"telemetry/*/metrics-rank{rank}.jsonl")
+        (mfu,) = [point.value for point in read_last_points(metrics) if point.metric == "training.mfu"]
+        flops_per_token = mfu * (last.end - last.start) / 1e9 * 1e12 / tokens
+        assert flops_per_token == pytest.approx(6 * parameters, rel=1e-6), (rank, flops_per_token / (6 * parameters))

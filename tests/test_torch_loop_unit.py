@@ -710,3 +710,22 @@ def test_fsdp_units_checkpointed_and_run_again_in_the_backward_fail_no_step(trac
     steps = [span for span in traced() if span.name == "training.step"]
     assert [(s.attributes["training.step"], s.status.is_ok) for s in steps] == [(1, True), (2, True)]
     assert all(s.attributes["training.step.micro_batches"] == 1 for s in steps)
+
+
+def test_fsdp_s_parameter_count_takes_a_tied_weight_once_and_units_built_before_not_again(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    from opentelemetry_instrumentation_deepspeed.instrumentors import torch_loop
+
+    class LanguageModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(10, 4)
+            self.layer = nn.Linear(4, 4)
+            self.layer.__class__ = type("FSDPLinear", (FSDPModule, nn.Linear), {})  # as fully_shard leaves a layer
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embedding.weight
+
+    monkeypatch.setattr(torch_loop._state, "sharded_parameters", 20)  # the layer's, counted when it was sharded
+    torch_loop._count_sharded_parameters([LanguageModel()], "FSDPModule")
+    assert torch_loop._sharded_parameters() == 20 + 10 * 4

@@ -66,6 +66,7 @@ def count_parameters(module) -> int:
 class TrainingMetrics:
     def __init__(self, meter, flops_per_token: float | None, engine=None):
         self._flops_per_token = flops_per_token
+        self._parameters_later = None  # a function that counts the model's parameters, read at the first step's end
         self._peak = peak_flops()
         # Loss scale and gradient norm are read from the engine at collection, not at every step.
         self._engine = weakref.ref(engine) if engine is not None else lambda: None
@@ -208,11 +209,18 @@ class TrainingMetrics:
             if tokens is not None:
                 self.real_tokens += tokens
 
+    def count_parameters_later(self, count) -> None:
+        """The FLOPs estimate from ``count()`` at the first step's end, not from the model now (FSDP's units: built
+        one by one, a shard each on a rank once built)."""
+        self._parameters_later = count
+
     def step(self, start: int, end: int, span_context, tokens: int, skipped: bool) -> None:
         """A step that closed normally (a failed one counts its phases and batches, not itself)."""
         seconds = (end - start) / 1e9
         self._step.record(seconds, end, span_context)
         self.skipped += skipped
+        if self._parameters_later is not None:
+            self._flops_per_token, self._parameters_later = flops_per_parameters(self._parameters_later()), None
         if self._flops_per_token and self._peak and tokens:
             self.mfu = tokens * self._flops_per_token / (seconds * self._peak)
 
@@ -238,5 +246,9 @@ def _loss_scale(engine) -> float | None:
 
 def flops_per_token(module) -> float:
     """Configured, else the usual estimate for training a dense transformer: 6 x parameters."""
-    return env.flops_per_token() or 6.0 * count_parameters(module)
+    return flops_per_parameters(count_parameters(module))
+
+
+def flops_per_parameters(parameters: int) -> float:
+    return env.flops_per_token() or 6.0 * parameters
 

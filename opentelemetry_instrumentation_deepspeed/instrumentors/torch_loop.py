@@ -133,6 +133,8 @@ class _State:
         # torch's test for a graph being traced by torch.compile: looked up at run time (the loop starting, a module
         # hooked), not while torch imports, nor by code of ours that dynamo would meet in a graph.
         self.compiling = _never
+        # Parameters of the FSDP units built so far, before they were sharded: MFU's FLOPs estimate for FSDP.
+        self.sharded_parameters = 0
 
 
 _state = _State()
@@ -147,8 +149,11 @@ def _recorder():
     return (loop, recorder) if recorder is not None and registry.active() is recorder else (None, None)
 
 
-def start(parallelism: str, module=None, optimizer=None) -> bool:
-    """Begin tracing this process's loop (once); False where it cannot (a DeepSpeed engine traces it)."""
+def start(parallelism: str, module=None, optimizer=None, parameters=None) -> bool:
+    """Begin tracing this process's loop (once); False where it cannot (a DeepSpeed engine traces it).
+
+    ``module``: the model whose parameters MFU's FLOPs estimate counts now; ``parameters``: else a function that
+    returns their count, read at the first step's end."""
     if _state.loop is not None or _state.instrumentor is None:
         return _state.loop is not None
     if registry.all_recorders():
@@ -166,6 +171,8 @@ def start(parallelism: str, module=None, optimizer=None) -> bool:
         recorder = build_recorder(loop, identity, _state.tracer_provider or trace.get_tracer_provider(),
                                   get_meter(semconv.SCOPE_NAME, __version__, _state.meter_provider))
         loop.module = None  # the FLOPs estimate is taken: the loop keeps no model alive
+        if parameters is not None:
+            recorder.facts.metrics.count_parameters_later(parameters)
         facts = recorder.facts
         facts.static = {semconv.TRAINING_PARALLELISM: parallelism}
         facts.root_attributes = {semconv.TRAINING_WORLD_SIZE: identity.world_size}
@@ -225,15 +232,44 @@ def _fsdp1_init(init):
 
     def wrapper(self, *args, **kwargs):
         depth = getattr(_depth, "fsdp1_init", 0)
+        if not depth:  # an auto-wrap policy's units are inside this one's count
+            _count_sharded_parameters(args[0] if args else kwargs.get("module"), "FullyShardedDataParallel")
         _depth.fsdp1_init = depth + 1
         try:
             init(self, *args, **kwargs)
         finally:
             _depth.fsdp1_init = depth
         if not depth:
-            start("fsdp", getattr(self, "module", None))
+            # The first unit a program builds starts the loop: with its layers wrapped one by one before the model,
+            # the first layer's. The FLOPs estimate reads the count once the first step ended, all units built.
+            start("fsdp", None, parameters=_sharded_parameters)
 
     return wrapper
+
+
+def _count_sharded_parameters(modules, unit: str) -> None:
+    """Adds the parameters an FSDP unit (``unit``: its class in ``torch.distributed.fsdp``) is about to shard: its
+    modules', less those of the units built in them before (a model's layers, wrapped first), counted then."""
+    try:
+        unit = getattr(sys.modules["torch.distributed.fsdp"], unit)
+        modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+        seen, count = set(), 0
+        while modules:
+            module = modules.pop()
+            if isinstance(module, unit):
+                continue
+            for parameter in module.parameters(recurse=False):
+                if id(parameter) not in seen:  # a weight tied to another (an embedding and its output layer)
+                    seen.add(id(parameter))
+                    count += parameter.numel()
+            modules.extend(module.children())
+        _state.sharded_parameters += count
+    except Exception:  # not a module FSDP would take: FSDP's own error is the program's
+        _logger.debug("opentelemetry-instrumentation-deepspeed: FSDP's parameters not counted", exc_info=True)
+
+
+def _sharded_parameters() -> int:
+    return _state.sharded_parameters
 
 
 def _ddp_forward(forward):
@@ -285,12 +321,14 @@ def _in_training(module) -> bool:
 
 def _fully_shard(fully_shard):
     def wrapper(*args, **kwargs):
+        _count_sharded_parameters(args[0] if args else kwargs.get("module"), "FSDPModule")
         result = fully_shard(*args, **kwargs)
         try:
             modules = result if isinstance(result, (list, tuple)) else [result]
             for module in modules:
                 _hook_forward(module)
-            start("fsdp", modules[-1] if modules else None)
+            # Applied to a model's layers first, then to the model: the first call starts the loop.
+            start("fsdp", None, parameters=_sharded_parameters)
         except Exception:
             _logger.exception("opentelemetry-instrumentation-deepspeed could not observe this fully_shard module")
         return result

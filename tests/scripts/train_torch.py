@@ -9,6 +9,8 @@ averaged across ranks with ``torch.distributed.all_reduce`` for logging, before 
 ``--slow-rank R`` makes rank R sleep ``--slow-ms`` in each forward (a straggler). ``--leftover N``: after the
 last step, N more micro-batches, forward and backward, that no optimizer step takes (an epoch's leftovers).
 ``--exit-status S``: then ``sys.exit(S)``, as a program that reports an error it caught does (Hydra's ``@hydra.main``).
+``--vocab V``: the model reads token ids (an embedding of V first), as a language model does. ``--wrap manual``: FSDP's
+units built one by one, each layer's before the model's, not by an auto-wrap policy.
 """
 
 from __future__ import annotations
@@ -36,21 +38,55 @@ def parse_args(argv=None):
     parser.add_argument("--slow-ms", type=float, default=30.0)
     parser.add_argument("--leftover", type=int, default=0)
     parser.add_argument("--exit-status", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=0)
+    parser.add_argument("--wrap", choices=("auto", "manual"), default="auto")
     return parser.parse_args(argv)
 
 
 class Model(nn.Module):
-    def __init__(self, width: int, delay_ms: float):
+    def __init__(self, width: int, delay_ms: float, vocab: int = 0):
         super().__init__()
+        self.embedding = nn.Embedding(vocab, width) if vocab else None
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
         self.delay = delay_ms / 1000
 
     def forward(self, x):
         if self.delay:
             time.sleep(self.delay)
+        if self.embedding is not None:
+            x = self.embedding(x)
         for layer in self.layers:
             x = torch.relu(layer(x))
         return x
+
+
+def parallel(model: Model, args):
+    if args.mode == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if args.mode == "fsdp1":  # FullyShardedDataParallel, a unit per layer
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        cpu = torch.device("cpu")
+        if args.wrap == "manual":
+            model.layers = nn.ModuleList(FullyShardedDataParallel(layer, device_id=cpu) for layer in model.layers)
+            return FullyShardedDataParallel(model, device_id=cpu)
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=cpu)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def dataset_of(samples: int, args) -> TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    if args.vocab:  # 4 token ids per sample, each to its own target vector
+        inputs = torch.randint(args.vocab, (samples, 4), generator=generator)
+        return TensorDataset(inputs, torch.randn(samples, 4, args.width, generator=generator))
+    inputs = torch.randn(samples, args.width, generator=generator)
+    return TensorDataset(inputs, inputs.flip(1))
 
 
 def main(argv=None):
@@ -58,26 +94,11 @@ def main(argv=None):
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(11)
-    model = Model(args.width, args.slow_ms if rank == args.slow_rank else 0.0)
-    if args.mode == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
-    elif args.mode == "fsdp1":  # FullyShardedDataParallel, a unit per layer through an auto-wrap policy
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                                         device_id=torch.device("cpu"))
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+    model = parallel(Model(args.width, args.slow_ms if rank == args.slow_rank else 0.0, args.vocab), args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     samples = (args.steps * args.grad_accum + args.leftover) * args.micro_batch_size * world_size
-    inputs = torch.randn(samples, args.width, generator=torch.Generator().manual_seed(5))
-    dataset = TensorDataset(inputs, inputs.flip(1))
+    dataset = dataset_of(samples, args)
     loader = DataLoader(dataset, batch_size=args.micro_batch_size,
                         sampler=DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False))
     batches = iter(loader)

@@ -17,10 +17,12 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
 from opentelemetry_instrumentation_deepspeed import CommInstrumentor
+from opentelemetry_instrumentation_deepspeed.export.emitter import span_attributes
 from opentelemetry_instrumentation_deepspeed.instrumentors import comm
 from opentelemetry_instrumentation_deepspeed.instrumentors.collectives import OpSpec
 from opentelemetry_instrumentation_deepspeed.instrumentors.comm import CommObserver, _Group
 from opentelemetry_instrumentation_deepspeed.recording import builder, inputs, registry
+from opentelemetry_instrumentation_deepspeed.recording.record import Failure
 from opentelemetry_instrumentation_deepspeed.runtime import environment_variables as env
 from opentelemetry_instrumentation_deepspeed.runtime import watchdog
 from tests.conftest import free_port
@@ -465,3 +467,15 @@ def test_an_op_none_of_whose_calls_was_counted_has_no_size_series():
              for metric in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
              if metric.name in {"training.comm.size", "training.comm.bus.size"} for point in metric.data.data_points}
     assert sizes == {("training.comm.size", "all_reduce"): 4096, ("training.comm.bus.size", "all_reduce"): 4096}
+
+
+def test_a_collective_that_failed_has_no_bandwidth():
+    """A review: the survivor's all-reduce that lost its peer carried a bus bandwidth (21 MB/s) as if the transfer had
+    completed, and diagnose's bandwidth table counted it."""
+    observer = CommObserver(NoOpMeterProvider().get_meter("test"), spans=False)
+    observer._groups[id(None)] = _Group("0", 2, "gloo")
+    done, lost = (observer.issued(OpSpec.of("all_reduce", all_reduce), (CpuTensor(),), {}) for _ in range(2))
+    lost.failure = Failure.of(RuntimeError("Connection closed by peer"))
+    assert span_attributes(done, 0.001, on_gpu=False)["comm.busbw"] > 0
+    attributes = span_attributes(lost, 30.0, on_gpu=False)
+    assert "comm.algbw" not in attributes and "comm.busbw" not in attributes and attributes["comm.bytes"] > 0

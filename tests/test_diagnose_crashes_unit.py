@@ -206,3 +206,59 @@ def test_the_same_error_in_different_places_is_not_every_ranks_own():
     spans = [*healthy(), step(0, 7, "RuntimeError: boom"), phase(0, 7, "training.forward", "RuntimeError: boom"),
              step(1, 7, "RuntimeError: boom"), phase(1, 7, "training.backward", "RuntimeError: boom")]
     assert "the same way" not in report(spans)["verdict"]["summary"]
+
+
+SIGTERM = "terminated by SIGTERM"
+
+
+def test_a_rank_stopped_first_is_the_cause_where_the_others_lost_it_before_their_own_stop():
+    """A review: SIGTERM to rank 1 alone (a preemption); rank 0's all-reduce lost it, then the launcher stopped rank 0
+    too. Both steps ended by SIGTERM read "every rank was stopped in forward of step 7", rank 0 being in backward."""
+    spans = [*healthy(), step(1, 7, SIGTERM), phase(1, 7, "training.forward", SIGTERM),
+             step(0, 7, SIGTERM), phase(0, 7, "comm.all_reduce", LOST), phase(0, 7, "training.backward", LOST)]
+    result = report(spans)
+    verdict = result["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"], verdict["phase"]) == (
+        "CRASH", "signalled", 1, 7, "forward")
+    assert verdict["summary"] == (f"rank 1 was stopped in forward of step 7 ({SIGTERM}), before any rank failed on its "
+                                  f"own; after it: rank 0 in all_reduce of step 7: {SIGTERM}")
+
+
+def test_every_rank_stopped_in_different_places_is_said_rank_by_rank():
+    spans = [*healthy(), step(1, 7, SIGTERM), phase(1, 7, "training.forward", SIGTERM),
+             step(0, 7, SIGTERM), phase(0, 7, "training.backward", SIGTERM)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["kind"], verdict["rank"], verdict["phase"]) == ("signalled", None, None)
+    assert verdict["summary"] == (f"every rank was stopped: rank 0 in backward of step 7 ({SIGTERM}); rank 1 in "
+                                  f"forward of step 7 ({SIGTERM})")
+
+
+@pytest.mark.parametrize("error", ["TimeoutError: timed out reading shard from object storage",
+                                   "ConnectionResetError: connection reset by peer while fetching a sample"])
+def test_a_data_loaders_error_is_the_ranks_own_whatever_its_words(error):
+    """A review: a loader's read that timed out read as "which says another rank was gone", pointing at a peer."""
+    spans = [*healthy(), step(1, 7, error), phase(1, 7, "training.data.wait", error), step(0, 7, LOST),
+             phase(0, 7, "comm.all_reduce", LOST)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["kind"], verdict["rank"], verdict["phase"]) == ("raised", 1, "data.wait")
+    assert verdict["summary"].startswith(f"rank 1 failed in data wait of step 7: {error}; after it: rank 0")
+
+
+def test_an_out_of_memory_errors_finding_says_the_error_and_the_other_ranks_after_it():
+    """A review: the MEMORY verdict gave neither the allocator's message nor rank 1's failure after it."""
+    error = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    spans = [*healthy(), step(0, 7, error, oom="forward"), phase(0, 7, "training.forward", error),
+             step(1, 7, LOST), phase(1, 7, "comm.all_reduce", LOST)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["layer"], verdict["rank"], verdict["step"]) == ("MEMORY", 0, 7)
+    assert verdict["evidence"][:2] == [error, "after it: rank 1 in all_reduce of step 7: RuntimeError: Connection "
+                                              "closed by peer [::1]:3"]
+
+
+def test_the_hosts_memory_error_is_a_crash_with_the_hosts_remedies_and_a_between_steps_failure_says_so():
+    spans = [*healthy(), step(0, 7, "MemoryError: "), phase(0, 7, "training.forward", "MemoryError: "),
+             exit_report(1, 7, SIGTERM)]
+    verdict = report(spans)["verdict"]
+    assert (verdict["kind"], verdict["rank"], verdict["phase"]) == ("raised", 0, "forward")
+    assert "process.memory.usage" in verdict["remedies"][1]
+    assert f"rank 1: last step closed 6; failed between steps, after step 6: {SIGTERM}" in verdict["evidence"]

@@ -364,3 +364,13 @@ def test_fewer_samples_of_the_same_length_are_named_so():
         span for span in run_spans(rng, 24, lambda step: 128, samples=8) if span.attributes[semconv.TRAINING_STEP] > 12]
     report = diagnose(spans)
     assert "(samples per step 32 -> 16, sequence length 128)" in report["verdict"]["summary"], report["verdict"]
+
+
+def test_the_steps_a_dead_rank_never_exported_are_no_change_of_the_input():
+    """A review: rank 1 was killed at step 300 and its spans since step 257 went with it; steps 257-299, rank 0's
+    alone, held half the job's tokens: "INPUT: from step 257, tokens per step /2.0". Rank 0's steps there were faster
+    too (as here), which made the step time follow."""
+    rng = random.Random(3)
+    spans = [span for span in run_spans(rng, 40, lambda step: 64, lambda step: 0.5 if step > 28 else 1.0, spikes=0)
+             if not (span.rank == 1 and span.attributes[semconv.TRAINING_STEP] > 28)]
+    assert "INPUT" not in layers(diagnose(spans))

@@ -212,7 +212,7 @@ class Analysis:
             self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
         if sequence is not None:
             self._collectives[(span.job, group, sequence)][span.rank] = span.start
-        if attributes.get(semconv.COMM_BUSBW):
+        if attributes.get(semconv.COMM_BUSBW) and span.error is None:  # older files: a failed one's too
             self._busbw[span.name.removeprefix(semconv.SPAN_COMM_PREFIX)].append(float(attributes[semconv.COMM_BUSBW]))
 
     # -- results ------------------------------------------------------------------------------------
@@ -241,7 +241,8 @@ class Analysis:
             if step_job == job and step.seen:
                 comm[rank][step.number] = step.comm
         steps = findings_module.StepFindings({rank: _steady(s) for rank, s in by_rank.items()},
-                                             _followed(comm, by_rank), stages=self.pipeline.ran(job))
+                                             _followed(comm, by_rank), stages=self.pipeline.ran(job),
+                                             missing=bool(self.crashes.missing(job)))
         found = steps.all()
         straggler = steps.straggler(found)
         found += findings_module.hardware_findings(gpu, found)
@@ -306,10 +307,14 @@ class Analysis:
         """A NaN or an OOM (a broken run, not a slow one), then a CRASH (crashes.py): the verdict before any slowness;
         a broken model's finding at an earlier step than the crash is its cause (a loop that asserts on a NaN loss).
         The verdict heads the findings, as the schema says."""
+        crashed = self.crashes.findings(job)
+        for found in model:
+            if found["layer"] == "MEMORY":  # an OOM that ended the run: its error, and the other ranks' after it
+                found["evidence"] = [*self.crashes.memory_evidence.get((job, found["rank"], found["step"]), ()),
+                                     *found["evidence"]]
         broken = [f for f in model if f["confidence"] >= BROKEN_RUN]
         if broken:
             result["verdict"] = max(broken, key=lambda f: (f["cost_seconds"] or 0.0, f["confidence"]))
-        crashed = self.crashes.findings(job)
         if crashed:
             result["findings"] = crashed + result["findings"]
             if not broken or min(f["step"] for f in broken) >= crashed[0]["step"]:

@@ -33,8 +33,12 @@ _LOST_PEER = re.compile(r"connection (closed|reset|refused|abort)|(closed|reset)
 _SIGNALLED = (semconv.STATUS_TERMINATED, semconv.STATUS_INTERRUPTED)
 _INTERRUPT = "KeyboardInterrupt"  # Ctrl-C reached the training thread in Python: a stop from outside too
 _OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
+_HOST_MEMORY = re.compile(r"\bMemoryError\b")  # Python's: the host's memory (torch.OutOfMemoryError is a device's)
 _PLACES = {semconv.SPAN_DATA_WAIT: "data wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
            semconv.SPAN_OPTIMIZER_STEP: "optimizer step"}
+_PHASES = {semconv.SPAN_DATA_WAIT: semconv.PHASE_DATA_WAIT, semconv.SPAN_FORWARD: semconv.PHASE_FORWARD,
+           semconv.SPAN_BACKWARD: semconv.PHASE_BACKWARD, semconv.SPAN_OPTIMIZER_STEP: semconv.PHASE_OPTIMIZER_STEP}
+_IN_THE_LOADER = "in the data loader"
 REMEDIES = {
     "raised": ["its exception, with the stack, is on the step's failed phase, collective or data wait (an exception "
                "event) and in that rank's output",
@@ -47,6 +51,9 @@ REMEDIES = {
                "the node's kernel log (dmesg, journalctl -k): the OOM killer names the process it killed (host "
                "memory: data loader workers, pinned buffers, CPU offload)",
                "the job's memory limit (cgroup, the scheduler's request)"],
+    "host memory": ["the rank's resident memory before it (process.memory.usage): what grew (data loader workers and "
+                    "their prefetched batches, pinned buffers, ZeRO's CPU offload, tensors a loop keeps across steps)",
+                    "the job's memory limit (cgroup, the scheduler's request)"],
     "signalled": ["the launcher's or the scheduler's log: who stopped the job (a time limit, a preemption, a stop "
                   "after another failure)"],
 }
@@ -59,10 +66,14 @@ class Crashes:
     def __init__(self):
         # (job, rank) -> [(end, step number, trace id, error, where or None)]
         self._failed: dict[tuple[str, int], list] = defaultdict(list)
-        self._places: dict[tuple[str, int, str], list] = defaultdict(list)  # (job, rank, trace) -> [(end, place)]
+        # (job, rank, trace) -> [(end, place, error)] of the spans that failed in the step
+        self._places: dict[tuple[str, int, str], list] = defaultdict(list)
+        self._phases: dict[tuple[str, int, str], str] = {}  # (job, rank, trace) -> the phase that failed (its name)
         self._closed: dict[tuple[str, int], int] = {}  # (job, rank) -> the last step number that closed
         self._memory: set = set()  # (job, rank, trace) of a failed step an OOM ended (the MEMORY finding's)
         self.world: dict[str, int] = {}
+        # (job, rank, step) -> what the MEMORY finding of an OOM that ended the run adds: its error, the others after it
+        self.memory_evidence: dict[tuple[str, int, int], list[str]] = {}
         self.ranks: dict[str, set] = defaultdict(set)
 
     def add(self, span: Span) -> None:
@@ -82,14 +93,16 @@ class Crashes:
         elif span.name == semconv.SPAN_HANG:
             reason = attributes.get(semconv.HANG_REASON)
             if attributes.get(semconv.HANG_BETWEEN_STEPS) and reason in semconv.HANG_EXIT_REASONS:  # its last word
-                where = ("in the data loader" if attributes.get(semconv.TRAINING_PHASE) == semconv.PHASE_DATA_WAIT
+                where = (_IN_THE_LOADER if attributes.get(semconv.TRAINING_PHASE) == semconv.PHASE_DATA_WAIT
                          else "between steps")
                 error = reason if reason in _SIGNALLED else (span.error or reason)
                 self._failed[span.job, span.rank].append((span.end, attributes.get(semconv.TRAINING_STEP, 0),
                                                           span.trace_id, error, where))
         elif span.error is not None and span.name != semconv.SPAN_GLOBAL_STEP:
             place = _PLACES.get(span.name) or span.name.removeprefix(semconv.SPAN_COMM_PREFIX)
-            self._places[span.job, span.rank, span.trace_id].append((span.end, place))
+            self._places[span.job, span.rank, span.trace_id].append((span.end, place, span.error))
+            if span.name in _PHASES:
+                self._phases[span.job, span.rank, span.trace_id] = _PHASES[span.name]
 
     def missing(self, job: str) -> list[int]:
         """The ranks the world size counts that have no span in the input."""
@@ -111,24 +124,37 @@ class Crashes:
             if other not in causes:
                 said = f"rank {other} {self._in_step(job, other, failure)}: {_short(failure[3])}"
                 # Its type alone says nothing either way (exception detail "type"): taken as a consequence.
-                lost = (_stopped(failure[3]) or _LOST_PEER.search(failure[3]) or kind == "silent"
+                lost = (_stopped(failure[3]) or self._lost_peer(job, other, failure) or kind == "silent"
                         or not _described(failure[3]))
                 (after if lost else also).append(said)
+        if kind == "memory":  # the MEMORY finding names it, with the allocator's figures: these words are added there
+            self.memory_evidence[job, causes[0], number] = [
+                summary, *(["also on its own: " + "; ".join(also)] if also else []),
+                *(["after it: " + "; ".join(after)] if after else [])]
+            return []
         if also:
             summary += "; also on its own: " + "; ".join(also)
         if after:
             summary += "; after it: " + "; ".join(after)
         evidence = [f"rank {rank}: last step closed {self._closed.get((job, rank), 'none')}"
-                    + (f"; failed in step {first[rank][1]}: {_short(first[rank][3], 400)}" if rank in first
-                       else "; no failure")
+                    + (f"; failed {self._in_step(job, rank, first[rank])}: {_short(first[rank][3], 400)}"
+                       if rank in first else "; no failure")
                     for rank in sorted(self.ranks[job])]
         evidence += [f"rank {rank}: no telemetry in the input (world size {self.world[job]})"
                      for rank in self.missing(job)]
         remedies = REMEDIES[kind]
-        if kind == "raised" and _OUT_OF_MEMORY.search(summary.partition("; after it")[0]):
+        own = summary.partition("; after it")[0]
+        if kind == "raised" and _OUT_OF_MEMORY.search(own):
             remedies = [*remedies[:1], *MEMORY_REMEDIES]  # an allocator's error raised as a plain RuntimeError
+        elif kind in ("raised", "exited") and _HOST_MEMORY.search(own):
+            remedies = [*remedies[:1], *REMEDIES["host memory"]]
         trace_ids = [trace_id] if trace_id else sorted({failure[2] for failure in first.values()})[:3]
-        return [{"layer": "CRASH", "kind": kind, "rank": culprit, "step": number, "summary": summary,
+        phase = None
+        if culprit is not None and culprit in first:
+            failure = first[culprit]
+            phase = (semconv.PHASE_DATA_WAIT if failure[4] == _IN_THE_LOADER else
+                     self._phases.get((job, culprit, failure[2])) if failure[4] is None else None)
+        return [{"layer": "CRASH", "kind": kind, "rank": culprit, "step": number, "phase": phase, "summary": summary,
                  "evidence": evidence, "remedies": remedies, "cost_seconds": None,
                  "confidence": 0.95 if kind in ("raised", "exited") else 0.8, "trace_ids": trace_ids}]
 
@@ -146,9 +172,9 @@ class Crashes:
         return first
 
     def _cause(self, job: str, first: dict[int, tuple]) -> tuple | None:
-        """(kind, rank named or None, the ranks it covers, step, its trace, summary); None: an OOM's (MEMORY)."""
+        """(kind, rank named or None, the ranks it covers, step, its trace, summary); kind "memory": an OOM's."""
         own = sorted((failure, rank) for rank, failure in first.items()
-                     if not _stopped(failure[3]) and not _LOST_PEER.search(failure[3]))
+                     if not _stopped(failure[3]) and not self._lost_peer(job, rank, failure))
         latest_failed = max(failure[1] for failure in first.values())
         silent = self.missing(job) + sorted(rank for rank in self.ranks[job] - set(first)
                                             if self._closed.get((job, rank), 0) < latest_failed)
@@ -169,11 +195,17 @@ class Crashes:
             summary = (f"{said}, with no failure of its own in its telemetry: it was killed (SIGKILL, the kernel's "
                        "OOM killer), crashed in native code, or exited without its exit handlers (os._exit)")
             return "silent", culprit, silent, number, None, summary
+        # Every rank stopped from outside: the whole job's stop, unless some lost a peer before theirs (the launcher
+        # stops the ranks left after one was stopped): then the others, stopped first, are the cause.
+        if len(first) == len(self.ranks[job]) and all(_stopped(f[3]) for f in first.values()):
+            first_stopped = {rank: failure for rank, failure in first.items() if not self._lost_before_stop(job, rank,
+                                                                                                            failure)}
+            if len(first_stopped) == len(first) or not first_stopped:
+                return ("signalled", None, sorted(first), min(first.values())[1], min(first.values())[2],
+                        self._every_rank_stopped(job, first))
+            first = first_stopped
         failure, rank = min((failure, rank) for rank, failure in first.items())
         _end, number, trace_id, error, _where = failure
-        if len(first) == len(self.ranks[job]) and all(_stopped(f[3]) for f in first.values()):
-            return ("signalled", None, sorted(first), number, trace_id,
-                    f"every rank was stopped {self._in_step(job, rank, failure)}: {error}")
         if _stopped(error):
             return ("signalled", rank, [rank], number, trace_id,
                     f"rank {rank} was stopped {self._in_step(job, rank, failure)} ({error}), before any rank failed "
@@ -181,6 +213,28 @@ class Crashes:
         return ("raised", rank, [rank], number, trace_id,
                 f"rank {rank} failed first {self._in_step(job, rank, failure)}: {_short(error)}, which says another "
                 "rank was gone, though none failed on its own before it")
+
+    def _every_rank_stopped(self, job: str, first: dict[int, tuple]) -> str:
+        said = {rank: (self._in_step(job, rank, failure), failure[3]) for rank, failure in sorted(first.items())}
+        if len(set(said.values())) == 1:
+            place, error = next(iter(said.values()))
+            return f"every rank was stopped {place}: {error}"
+        return "every rank was stopped: " + "; ".join(f"rank {rank} {place} ({error})"
+                                                      for rank, (place, error) in said.items())
+
+    def _lost_peer(self, job: str, rank: int, failure: tuple) -> bool:
+        """A failure in words that say a peer is gone; not in the data loader, whose errors are the rank's own (a
+        shard's read from object storage that timed out, its connection reset)."""
+        _end, _number, trace_id, error, where = failure
+        if where == _IN_THE_LOADER or (where is None and self._phases.get((job, rank, trace_id)) ==
+                                       semconv.PHASE_DATA_WAIT):
+            return False
+        return _LOST_PEER.search(error) is not None
+
+    def _lost_before_stop(self, job: str, rank: int, failure: tuple) -> bool:
+        """Something in the step the rank was stopped in had lost a peer before (a collective's)."""
+        return any(error is not None and _LOST_PEER.search(error) and end <= failure[0]
+                   for end, _place, error in self._places.get((job, rank, failure[2]), ()))
 
     def _alike(self, job: str, own: list, found: tuple | None) -> tuple | None:
         """``found``, the first own failure's cause; the same error in the same step on other ranks too is each rank's
@@ -206,7 +260,7 @@ class Crashes:
         """The first failure of a rank's own: raised in its step, or an exception that ended the process."""
         _end, number, trace_id, error, where = failure
         if (job, rank, trace_id) in self._memory:
-            return None  # an out-of-memory error: the MEMORY finding names it, with the allocator's figures
+            return "memory", rank, [rank], number, trace_id, f"{_short(error, 400)}"
         if error.startswith((semconv.STATUS_EXITED, semconv.STATUS_EXITED_BETWEEN)):
             raised = error.partition(": ")[2]
             inside = self._where(job, rank, trace_id)
@@ -230,7 +284,7 @@ class Crashes:
     def _where(self, job: str, rank: int, trace_id: str) -> str | None:
         """The innermost span that failed in the step: the first to end (a collective ends before its phase)."""
         places = self._places.get((job, rank, trace_id))
-        return min(places)[1] if places else None
+        return min(places, key=lambda place: place[0])[1] if places else None
 
 
 _NUMBERS = re.compile(r"\d+")

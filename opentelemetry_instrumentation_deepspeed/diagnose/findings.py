@@ -135,13 +135,17 @@ class StepFindings:
     """The findings of the step breakdowns: ``steady`` is rank -> the steps of the pattern search
     (warm-up left out), each ``{"step", "trace_id", "seconds", "parts"}``."""
 
-    def __init__(self, steady: dict[int, list[dict]], waits: Waits, seed: int = 0, *, stages: bool = False):
+    def __init__(self, steady: dict[int, list[dict]], waits: Waits, seed: int = 0, *, stages: bool = False,
+                 missing: bool = False):
         for steps in steady.values():
             for step in steps:
                 step["parts"].setdefault("between_steps", 0.0)  # a breakdown that had no step before it
         self.steady, self.waits = steady, waits
         # A pipeline's stages wait for each other in transfers, which the waits here do not follow.
         self.stages = stages
+        # Ranks the world size counts left no telemetry (a rank killed before its first export): the others' waits for
+        # them in collectives cannot be followed, and read as exposed communication.
+        self.missing = missing
         self.parts = {rank: {s["step"]: s["parts"] for s in steps} for rank, steps in steady.items()}
         self.traces = {rank: {s["step"]: s["trace_id"] for s in steps} for rank, steps in steady.items()}
         # rank -> step -> seconds its thread spent in collectives before the step (after the one before)
@@ -581,7 +585,7 @@ class StepFindings:
         numbers = sorted(set.intersection(*(set(parts) for parts in self.parts.values())))
         for part, threshold, layer in (("data_wait", DATA_WAIT_SHARE, "data loading"),
                                        ("exposed_comm", COMM_SHARE, "communication")):
-            if part in covered or not numbers:
+            if part in covered or not numbers or (part == "exposed_comm" and self.missing):
                 continue
             ranks, what = list(self.parts), "data wait" if part == "data_wait" else "exposed communication"
             summary = f"{{share:.0%}} of step time is {what}"

@@ -240,13 +240,16 @@ def _duration(seconds: float) -> str:
 
 
 def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) -> list[dict]:
-    """Per step number of the job: its time (median over ranks), tokens summed over ranks, longest sequence."""
-    steps: dict[int, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0, "samples": 0,
+    """Per step of the job, by number: its time (median over ranks), tokens summed over ranks, longest sequence. A step
+    is its trace (a step number run again after a rollback is another step, after the first)."""
+    steps: dict[str, dict] = defaultdict(lambda: {"seconds": [], "padded": 0, "tokens": 0, "length": 0, "samples": 0,
                                                   "counted": 0, "ranks": {}, "trace_id": "", "cpus": {},
-                                                  "unwaited": {}})
+                                                  "unwaited": {}, "start": None})
     for rank, rank_steps in by_rank.items():
         for step in rank_steps:
-            entry = steps[step["step"]]
+            entry = steps[step["trace_id"]]
+            entry["number"] = step["step"]
+            entry["start"] = step["start"] if entry["start"] is None else min(entry["start"], step["start"])
             entry["seconds"].append(step["seconds"])
             entry["trace_id"] = step["trace_id"]
             attributes = series.of(job, rank, step["trace_id"])
@@ -271,11 +274,11 @@ def _job_steps(series: InputSeries, job: str, by_rank: dict[int, list[dict]]) ->
                 entry["unwaited"][rank] = (step["seconds"] - step["cpu_wait"] - parts.get("comm_wait", 0.0),
                                            parts.get("exposed_comm", 0.0), step.get("native_wait") or 0.0)
     ordered = []
-    for number in sorted(steps):
-        entry = steps[number]
-        # A step counts when every rank that ran it counted its input.
-        if entry["counted"] and entry["counted"] == len(entry["seconds"]) and entry["padded"] > 0:
-            ordered.append({"step": number, "seconds": statistics.median(entry["seconds"]), **{
+    for entry in sorted(steps.values(), key=lambda entry: (entry["number"], entry["start"])):
+        # A step counts when every rank has it and counted its input: a rank that died took its last steps' spans
+        # along (unexported), and the steps of the others alone held half the job's tokens.
+        if entry["counted"] == len(entry["seconds"]) == len(by_rank) and entry["padded"] > 0:
+            ordered.append({"step": entry["number"], "seconds": statistics.median(entry["seconds"]), **{
                 key: entry[key] for key in ("padded", "tokens", "length", "samples", "ranks", "trace_id")},
                 "host": _host(entry["cpus"]) if len(entry["cpus"]) == len(entry["seconds"]) else None,
                 "unwaited": _unwaited(entry["unwaited"]) if len(entry["unwaited"]) == len(entry["seconds"])

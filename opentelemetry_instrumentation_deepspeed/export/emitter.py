@@ -132,16 +132,17 @@ _NEVER = (0, 0, False)  # an async collective never waited for: no span, not in 
 def span_attributes(collective: Collective, seconds: float, on_gpu: bool) -> dict:
     """A collective's span attributes: what never changes for its (op, group), and what this call measured."""
     route = collective.route
-    algbw = collective.bytes * route.size_factor / seconds
     attributes = {
         **route.span_attributes,
         semconv.COMM_BYTES: collective.bytes,
         semconv.COMM_DTYPE: collective.dtype,
         semconv.COMM_ASYNC: collective.is_async,
         semconv.COMM_SEQUENCE: collective.sequence,
-        semconv.COMM_ALGBW: algbw,
-        semconv.COMM_BUSBW: algbw * route.bus_factor,
     }
+    if collective.failure is None:  # one that failed (its peer gone) moved no data in that time
+        algbw = collective.bytes * route.size_factor / seconds
+        attributes[semconv.COMM_ALGBW] = algbw
+        attributes[semconv.COMM_BUSBW] = algbw * route.bus_factor
     if on_gpu:
         attributes[semconv.COMM_TIMING] = semconv.COMM_TIMING_GPU
     if collective.peer is not None:

@@ -302,6 +302,29 @@ def draw_desync(rng: random.Random) -> Draw:
                 Expected("DESYNC", rank, step=step))
 
 
+_CRASH_PHASES = {"forward": "forward", "data": "data.wait"}  # where a raise leaves a failed phase; elsewhere none
+
+
+def draw_crash(rng: random.Random) -> Draw:
+    """One rank fails at step N: its exception in its forward, its data loader, the loop's code between forward and
+    backward or after its step; or it dies there without a word (SIGKILL, os._exit)."""
+    rank, steps = rng.randint(0, 1), rng.randint(10, 20)
+    after, where = rng.randint(2, steps - 2), rng.choice(("forward", "data", "loop", "after-step"))
+    how = rng.choice(("raise", "raise", "kill", "exit"))
+    phase = _CRASH_PHASES.get(where) if how == "raise" else None
+    return Draw(["--steps", str(steps), "--crash-after", str(after), "--crash-in", where, "--crash-rank", str(rank),
+                 "--crash-how", how, *_zero(rng), "--grad-accum", str(rng.choice((1, 2)))],
+                Expected("CRASH", rank, phase=phase, step=after + 1))
+
+
+def judge_crash(report: dict, expected: Expected) -> dict[str, bool]:
+    """The rank that failed first, the step the others lost it in, and the phase it failed in where one was open."""
+    verdict = report["verdict"]
+    layer = verdict["layer"] == "CRASH"
+    return {"layer": layer, "rank": layer and verdict.get("rank") == expected.rank,
+            "pattern": layer and verdict.get("step") == expected.step and verdict.get("phase") == expected.phase}
+
+
 def judge(report: dict, expected: Expected) -> dict[str, bool]:
     verdict = report["verdict"]
     layer = verdict["layer"] == expected.layer
@@ -435,6 +458,9 @@ CLASSES = [
     FaultClass("stall", draw_stall, judge_stall,
                notes="rank 0-1 pauses 4-8 s in forward/backward/data/after-step of step 3-10, then goes on"),
     FaultClass("desync", draw_desync, judge_desync, notes="one rank all-reduces int32 where the other float32"),
+    FaultClass("crash", draw_crash, judge_crash,
+               notes="rank 0-1 fails after step 2-18: raises in its forward, data loader, loop code or after its "
+               "step (1/2), or is SIGKILLed or os._exit()s there (1/4 each)"),
 ]
 
 

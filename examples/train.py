@@ -110,12 +110,17 @@ def parse_args(argv=None):
                         help="after each step the loop waits for the other ranks in torch.distributed.barrier(), as "
                              "a program's own code between steps does (an evaluation, a checkpoint): no step is open")
     faults.add_argument("--crash-after", type=int, default=0, metavar="K",
-                        help="the forward of step K+1 raises RuntimeError on rank 0: the rank dies with an exception")
+                        help="the forward of step K+1 raises RuntimeError on rank 0 (--crash-rank): the rank dies "
+                             "with an exception")
     faults.add_argument("--crash-in", choices=("forward", "data", "loop", "after-step"), default="forward",
                         help="where --crash-after raises: the forward, the data loader (its collate raises "
                              "ValueError, as a corrupt sample does), the loop's own code between the forward and "
                              "the backward (an AssertionError, as a check of the loss does), or its code after step K "
                              "(a RuntimeError, as a callback or a checkpoint's save may raise)")
+    faults.add_argument("--crash-rank", type=int, default=0, metavar="R", help="the rank --crash-after fails")
+    faults.add_argument("--crash-how", choices=("raise", "kill", "exit"), default="raise",
+                        help="how it fails there: its exception, SIGKILL (as the kernel's OOM killer does), or "
+                             "os._exit(3) (a hard exit, no exit handler runs)")
     _numerics_arguments(parser)
     parser.add_argument("--print-steps", action="store_true",
                         help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
@@ -170,12 +175,12 @@ class StallingCollate:
 
     def __init__(self, every: int, milliseconds: float, grad_accum: int, *, lengths=None,
                  pad_id: int | None = None, seed: int = 0, hang_step: int = 0, stall_from: int = 1,
-                 crash_step: int = 0, slow_ms: float = 0.0):
+                 crash_step: int = 0, crash_how: str = "raise", slow_ms: float = 0.0):
         self.every, self.seconds, self.grad_accum, self.batches = every, milliseconds / 1000, grad_accum, 0
         self.slow = slow_ms / 1000  # every micro-batch (--slow-phase data)
         self.stall_from = stall_from
         self.hang_step = hang_step  # the first micro-batch of this step never comes (--hang-phase data)
-        self.crash_step = crash_step  # ... raises (--crash-in data)
+        self.crash_step, self.crash_how = crash_step, crash_how  # ... fails (--crash-in data)
         self.lengths, self.pad_id = lengths, pad_id
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -185,7 +190,7 @@ class StallingCollate:
         if micro == 0 and step + 1 == self.hang_step:
             block_forever()
         if micro == 0 and step + 1 == self.crash_step:
-            raise ValueError(f"injected corrupt sample in the batch of step {step + 1}")
+            crash(self.crash_how, ValueError(f"injected corrupt sample in the batch of step {step + 1}"))
         if self.every and micro == 0 and (step + 1) % self.every == 0 and step + 1 >= self.stall_from:
             time.sleep(self.seconds)
         if self.slow:
@@ -254,8 +259,8 @@ class TinyLM(nn.Module):
     def forward(self, input_ids, labels, attention_mask=None):
         # Padding is on the right: under the causal mask no real token attends to it, so
         # attention_mask needs no use here (the labels of padding are -100).
-        if getattr(self, "crash", False):
-            raise RuntimeError("injected crash in forward")
+        if getattr(self, "crash", None):
+            crash(self.crash, RuntimeError("injected crash in forward"))
         if getattr(self, "block", None):
             # SIGUSR1 (its default action would kill) becomes a wake-up; polled, not signal.pause(),
             # so that one sent right after the line is printed is not missed. A SIGTERM ends the sleep
@@ -456,11 +461,21 @@ def _numerics_arguments(parser) -> None:
                           help="raise torch.OutOfMemoryError in the forward or backward of step STEP on rank R")
 
 
+def crash(how: str, error: BaseException) -> None:
+    """--crash-how: ``error`` raised, or the process gone without a word."""
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "exit":
+        os._exit(3)
+    raise error
+
+
 def inject_faults(args, model, rank: int, step: int) -> None:
-    """Before step ``step + 1`` (0-based ``step``): rank 0's forward raises, or blocks until a signal,
+    """Before step ``step + 1`` (0-based ``step``): a rank's forward fails, or rank 0's blocks until a signal,
     when asked to; every rank's compute slows down from --slowdown-at on; one rank hangs for good."""
+    crashes = rank == args.crash_rank and bool(args.crash_after) and step == args.crash_after
+    model.crash = args.crash_how if crashes and args.crash_in == "forward" else None
     if rank == 0:
-        model.crash = bool(args.crash_after) and step == args.crash_after and args.crash_in == "forward"
         model.block = step + 1 if args.block_in_step and step + 1 == args.block_in_step else None
     if args.slowdown_at and step + 1 >= args.slowdown_at:
         model.slowdown = args.slowdown_factor
@@ -469,8 +484,8 @@ def inject_faults(args, model, rank: int, step: int) -> None:
 
 def after_step(args, rank: int, step: int) -> None:
     """The loop's own code after optimizer step ``step`` (1-based) ends, before the next one fetches."""
-    if args.crash_in == "after-step" and rank == 0 and step == args.crash_after > 0:
-        raise RuntimeError(f"injected failure after step {step}")
+    if args.crash_in == "after-step" and rank == args.crash_rank and step == args.crash_after > 0:
+        crash(args.crash_how, RuntimeError(f"injected failure after step {step}"))
     if args.hang_phase == "after-step" and step == args.hang_step and rank == args.hang_rank:
         block_forever()
     if args.host_work:
@@ -493,12 +508,14 @@ def make_loader(args, engine, dataset) -> DataLoader:
             return args.shift_seq_len if shifted else args.seq_len
     pad_id = args.vocab if args.padding else None
     hang = args.hang_step if args.hang_phase == "data" and args.hang_rank == engine.global_rank else 0
-    crash = args.crash_after + 1 if args.crash_after and args.crash_in == "data" and engine.global_rank == 0 else 0
+    crashes = args.crash_after and args.crash_in == "data" and engine.global_rank == args.crash_rank
+    crash_step = args.crash_after + 1 if crashes else 0
     slow = args.slow_ms if args.slow_phase == "data" and args.slow_rank == engine.global_rank else 0.0
     return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler, num_workers=args.workers,
                       collate_fn=StallingCollate(every, args.stall_ms, args.grad_accum, lengths=lengths,
                                                  pad_id=pad_id, seed=args.seed + engine.global_rank, hang_step=hang,
-                                                 stall_from=args.stall_from, crash_step=crash, slow_ms=slow))
+                                                 stall_from=args.stall_from, crash_step=crash_step,
+                                                 crash_how=args.crash_how, slow_ms=slow))
 
 
 def evaluate(engine, evaluation: DataLoader, batches: int = 1) -> float:
@@ -587,8 +604,9 @@ def main(argv=None):
             batch = {name: value.to(engine.device) for name, value in batch.items()}
             injection.forward(step + 1, model)
             loss = injection.loss(step + 1, engine(**batch))
-            if args.crash_in == "loop" and engine.global_rank == 0 and step == args.crash_after > 0:
-                raise AssertionError(f"injected check of the loss failed in step {step + 1}")  # the loop's own code
+            if args.crash_in == "loop" and engine.global_rank == args.crash_rank and step == args.crash_after > 0:
+                # the loop's own code
+                crash(args.crash_how, AssertionError(f"injected check of the loss failed in step {step + 1}"))
             if args.backward == "engine":
                 engine.backward(loss)
             else:

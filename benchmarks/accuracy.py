@@ -307,10 +307,10 @@ _CRASH_PHASES = {"forward": "forward", "data": "data.wait"}  # where a raise lea
 
 def draw_crash(rng: random.Random) -> Draw:
     """One rank fails at step N: its exception in its forward, its data loader, the loop's code between forward and
-    backward or after its step; or it dies there without a word (SIGKILL, os._exit)."""
+    backward or after its step; or it dies there without a word (SIGKILL, os._exit), or of a segmentation fault."""
     rank, steps = rng.randint(0, 1), rng.randint(10, 20)
     after, where = rng.randint(2, steps - 2), rng.choice(("forward", "data", "loop", "after-step"))
-    how = rng.choice(("raise", "raise", "kill", "exit"))
+    how = rng.choice(("raise", "raise", "kill", "exit", "segv"))
     phase = _CRASH_PHASES.get(where) if how == "raise" else None
     return Draw(["--steps", str(steps), "--crash-after", str(after), "--crash-in", where, "--crash-rank", str(rank),
                  "--crash-how", how, *_zero(rng), "--grad-accum", str(rng.choice((1, 2)))],
@@ -460,7 +460,7 @@ CLASSES = [
     FaultClass("desync", draw_desync, judge_desync, notes="one rank all-reduces int32 where the other float32"),
     FaultClass("crash", draw_crash, judge_crash,
                notes="rank 0-1 fails after step 2-18: raises in its forward, data loader, loop code or after its "
-               "step (1/2), or is SIGKILLed or os._exit()s there (1/4 each)"),
+               "step (2/5), or is SIGKILLed, os._exit()s or segfaults there (1/5 each)"),
 ]
 
 

@@ -118,9 +118,10 @@ def parse_args(argv=None):
                              "the backward (an AssertionError, as a check of the loss does), or its code after step K "
                              "(a RuntimeError, as a callback or a checkpoint's save may raise)")
     faults.add_argument("--crash-rank", type=int, default=0, metavar="R", help="the rank --crash-after fails")
-    faults.add_argument("--crash-how", choices=("raise", "kill", "exit"), default="raise",
-                        help="how it fails there: its exception, SIGKILL (as the kernel's OOM killer does), or "
-                             "os._exit(3) (a hard exit, no exit handler runs)")
+    faults.add_argument("--crash-how", choices=("raise", "kill", "exit", "segv"), default="raise",
+                        help="how it fails there: its exception, SIGKILL (as the kernel's OOM killer does), "
+                             "os._exit(3) (a hard exit, no exit handler runs), or a segmentation fault (a bug in "
+                             "native code: it reads address 0)")
     _numerics_arguments(parser)
     parser.add_argument("--print-steps", action="store_true",
                         help="each rank prints its loss (mean over the micro-batches) and gradient norm of every "
@@ -467,6 +468,10 @@ def crash(how: str, error: BaseException) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "exit":
         os._exit(3)
+    if how == "segv":
+        import ctypes
+
+        ctypes.string_at(0)
     raise error
 
 

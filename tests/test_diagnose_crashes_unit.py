@@ -262,3 +262,55 @@ def test_the_hosts_memory_error_is_a_crash_with_the_hosts_remedies_and_a_between
     assert (verdict["kind"], verdict["rank"], verdict["phase"]) == ("raised", 0, "forward")
     assert "process.memory.usage" in verdict["remedies"][1]
     assert f"rank 1: last step closed 6; failed between steps, after step 6: {SIGTERM}" in verdict["evidence"]
+
+
+FAULTHANDLER = """Fatal Python error: Segmentation fault
+
+Thread 0x00007fa8d44d86c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+Current thread 0x00007fa8d5056b80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/myext/ops.py", line 40 in fused_attention
+  File "/home/me/model.py", line 12 in forward
+  File "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1773 in _call_impl
+
+Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)"""
+
+
+def native_report(spans, crashes):
+    analysis = Analysis()
+    analysis.add(spans)
+    for rank, text in crashes.items():
+        analysis.add_native_crash("job", rank, text, 7 * SECOND + SECOND // 3)
+    return analysis.result("job")
+
+
+def test_a_fault_in_native_code_is_named_with_the_frames_faulthandler_wrote():
+    spans = [*healthy(), step(0, 7, LOST), phase(0, 7, "comm.all_reduce", LOST)]
+    verdict = native_report(spans, {1: FAULTHANDLER})["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"], verdict["step"]) == ("CRASH", "native", 1, 7)
+    assert verdict["summary"] == ("rank 1 crashed in native code (Segmentation fault) in step 7, at ops.py:40 in "
+                                  "fused_attention, called from model.py:12 in forward; after it: rank 0 in all_reduce "
+                                  "of step 7: RuntimeError: Connection closed by peer [::1]:3")
+    assert verdict["evidence"][-1].endswith("ops.py:40 in fused_attention <- model.py:12 in forward <- module.py:1773 "
+                                            "in _call_impl")
+
+
+def test_a_single_process_that_crashed_in_native_code_before_its_first_export_has_its_verdict():
+    verdict = native_report([], {0: FAULTHANDLER})["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "native", 0)
+    assert verdict["summary"].startswith("rank 0 crashed in native code (Segmentation fault) before it exported any "
+                                         "step, at ops.py:40 in fused_attention")
+
+
+def test_only_crash_files_with_a_crash_are_read(tmp_path):
+    from opentelemetry_instrumentation_deepspeed.diagnose.reader import native_crashes
+
+    job = tmp_path / "telemetry" / "job-1"
+    job.mkdir(parents=True)
+    header = '{"job": "job-1", "rank": %d, "pid": 7}\n'
+    (job / "native-crash-rank0.txt").write_text(header % 0)  # exited before it could remove it: no crash
+    (job / "native-crash-rank1.txt").write_text(header % 1 + FAULTHANDLER)
+    (job / "native-crash-rank2.txt").write_text("not ours\n" + FAULTHANDLER)
+    assert [(job_id, rank, text) for job_id, rank, text, _at in native_crashes([str(tmp_path)])] == [
+        ("job-1", 1, FAULTHANDLER)]

@@ -113,7 +113,7 @@ def test_sigterm_runs_the_stages_then_dies_by_sigterm():
         say("survived")
     """)
     assert result.returncode == -signal.SIGTERM
-    assert [rest for _, rest in _lines(result, "exit")][-1] == f"{lifecycle.REPORT} | {lifecycle.TERMINATED}"
+    assert [rest for _, rest in _lines(result, "exit")][-1] == f"{lifecycle.EXIT_ORDER[-1]} | {lifecycle.TERMINATED}"
     assert len(_lines(result, "shutdown")) == 2
     assert "survived" not in result.stdout
 
@@ -198,7 +198,7 @@ def test_sigterm_during_a_stuck_exit_kills_the_process_once_the_stages_end():
     """, OTEL_PYTHON_DEEPSPEED_EXIT_TIMEOUT="2")
     assert result.returncode == -signal.SIGTERM, result.stderr
     stages = [rest for _, rest in _lines(result, "exit")]
-    assert stages[-1] == f"{lifecycle.REPORT} | {lifecycle.EXITED}"
+    assert stages[-1] == f"{lifecycle.EXIT_ORDER[-1]} | {lifecycle.EXITED}"
 
 
 def test_a_forked_child_runs_its_stages_in_order_and_none_of_the_exit():

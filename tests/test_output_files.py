@@ -252,3 +252,37 @@ def test_the_announcement_of_the_files_names_an_endpoint_only_where_none_is_set(
         env.reset_cache()
     said = capsys.readouterr().err
     assert f"to {tmp_path / 'job'}/ {hint}" in said, said
+
+
+NATIVE_CRASH = """
+import ctypes, os, sys
+from opentelemetry_instrumentation_deepspeed.export import native_crash, output
+from opentelemetry_instrumentation_deepspeed.runtime.job import JobIdentity
+
+identity = JobIdentity("job-1", 3, 1, 4)
+output.use_identity(identity)
+native_crash.watch(identity)
+if sys.argv[1] == "exit":
+    sys.exit(0)
+child = os.fork()
+if child == 0:  # a DataLoader worker's fault: the rank's file is not its
+    ctypes.string_at(0)
+os.waitpid(child, 0)
+ctypes.string_at(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "crash"])
+def test_a_native_crash_leaves_the_ranks_stacks_and_a_normal_exit_no_file(tmp_path, how):
+    completed = subprocess.run([sys.executable, "-c", NATIVE_CRASH, how], cwd=tmp_path, capture_output=True, text=True,
+                               timeout=60, env={**os.environ, "OTEL_PYTHON_DEEPSPEED_OUTPUT_DIR": str(tmp_path)},
+                               check=False)
+    crash_file = tmp_path / "job-1" / "native-crash-rank3.txt"
+    if how == "exit":
+        assert completed.returncode == 0 and not crash_file.exists(), completed.stderr
+        return
+    assert completed.returncode == -11
+    header, _, text = crash_file.read_text().partition("\n")
+    assert json.loads(header) == {"job": "job-1", "rank": 3, "pid": json.loads(header)["pid"]}
+    assert text.count("Fatal Python error: Segmentation fault") == 1, "the parent's; the child's went nowhere"
+    assert 'line 15 in <module>' in text

@@ -140,11 +140,48 @@ def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step_and_diagn
                                capture_output=True, text=True, timeout=120, check=True)
     verdict = json.loads(completed.stdout)["verdict"]
     assert (verdict["layer"], verdict["rank"], verdict["step"]) == ("CRASH", 0, 7), verdict
-    said = {"forward": "rank 0 failed in forward of step 7: ", "data": "rank 0 failed in data wait of step 7: ",
+    # Where it raised, from the stack its failed span carries: the frame, and the program's frame that called it.
+    said = {"forward": "rank 0 failed in forward of step 7, at train.py:{n} in crash (raise error), called from "
+                       "train.py:{n} in forward (crash(self.crash, RuntimeError(\"injected crash in forward\"))): ",
+            "data": "rank 0 failed in data wait of step 7, at train.py:{n} in crash (raise error), called from "
+                    "train.py:{n} in __call__ ",
             "loop": "rank 0 exited during step 7, by an exception no wrapper saw raised: ",
-            "after-step": "rank 0 exited between steps, after step 6, by an exception no wrapper saw raised: "}[where]
-    assert verdict["summary"].startswith(said + error.rpartition("steps: " if where == "after-step" else
-                                                                 "this step: ")[2]), verdict
+            "after-step": "rank 0 exited between steps, after step 6, at train.py:{n} in crash (raise error), called "
+                          "from train.py:{n} in after_step "}[where]
+    pattern = re.escape(said).replace(re.escape("{n}"), r"\d+")
+    assert re.match(pattern, verdict["summary"]), verdict["summary"]
+    assert error.rpartition("steps: " if where == "after-step" else "this step: ")[2] in verdict["summary"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_a_rank_killed_by_a_fault_in_native_code_leaves_its_python_stack_and_diagnose_names_where(workdir, launcher):
+    """A segmentation fault (a bug in an extension, a communication library) killed the rank before anything of ours
+    could run: diagnose said it "wrote no telemetry ... killed, crashed in native code, or exited", and a single
+    process's job had no verdict at all. faulthandler writes its threads' stacks into its directory as it dies."""
+    rank = 1 if launcher == "torchrun" else 0
+    run = launch(workdir, launcher, "--steps", "12", "--crash-after", "5", "--crash-rank", str(rank),
+                 "--crash-how", "segv", timeout=400)
+    assert run.returncode != 0
+    (job,) = (workdir / "telemetry").iterdir()
+    # The survivor's exit (torchrun stopped it) removed its own file: it held the job's line alone.
+    assert sorted(path.name for path in job.glob("native-crash-*")) == [f"native-crash-rank{rank}.txt"]
+    completed = subprocess.run([str(BIN / "opentelemetry-deepspeed"), "diagnose", "--json"], cwd=workdir,
+                               capture_output=True, text=True, timeout=120, check=True)
+    report = json.loads(completed.stdout)
+    verdict = report["verdict"]
+    assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "native", rank), verdict
+    assert f"rank {rank} crashed in native code (Segmentation fault)" in verdict["summary"]
+    assert re.search(r", from crash \(examples/train\.py:\d+\)", verdict["summary"]), verdict["summary"]
+    assert any("forward (examples/train.py:" in line for line in verdict["evidence"]), verdict["evidence"]
+    if launcher == "torchrun":
+        assert verdict["step"] == 6 and "after it: rank 0 in all_reduce of step 6" in verdict["summary"]
+    assert report["input"]["native_crashes"] == 1
+
+
+def test_a_rank_that_exits_normally_leaves_no_native_crash_file(workdir):
+    launch(workdir, "python", "--steps", "3").check()
+    (job,) = (workdir / "telemetry").iterdir()
+    assert sorted(path.name for path in job.iterdir()) == ["metrics-rank0.jsonl", "traces-rank0.jsonl"]
 
 
 def test_files_rotate_at_the_size_limit(workdir):

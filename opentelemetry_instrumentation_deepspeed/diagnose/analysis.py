@@ -151,6 +151,11 @@ class Analysis:
         self._seen: set[int] = set()  # the spans read, by (trace id, span id, job, rank, name, start), hashed
         self.duplicates = 0
 
+    def add_native_crash(self, job: str, rank: int, text: str, at: int) -> None:
+        """What faulthandler wrote as a fault in native code killed ``rank`` (export/native_crash.py), at ``at``."""
+        self.jobs[job] += 0  # a job whose ranks died before their first export is still one to diagnose
+        self.crashes.native(job, rank, text, at)
+
     def add_samples(self, samples) -> None:
         """GPU metric samples (hw.gpu.utilization, hw.gpu.throttle, hw.errors) of the same job's ranks."""
         self._samples.extend(samples)

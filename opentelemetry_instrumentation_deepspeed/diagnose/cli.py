@@ -22,7 +22,7 @@ from pathlib import Path
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis
 from opentelemetry_instrumentation_deepspeed.diagnose.backends import BackendError, check_url, jaeger_spans, tempo_spans
 from opentelemetry_instrumentation_deepspeed.diagnose.html import input_summary, render_html
-from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, read_spans
+from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, native_crashes, read_spans
 
 SCHEMA_VERSION = 1
 
@@ -56,6 +56,9 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
     except BackendError as error:
         stats.problems.append(f"cannot read the backend: {error}")
     analysis.add_samples(stats.samples)
+    crashes = native_crashes(paths) if backend is None else []
+    for crash in crashes:
+        analysis.add_native_crash(*crash)
     if analysis.duplicates:
         stats.problems.append(f"{analysis.duplicates} span(s) read twice (the same ids, job, rank, name and start: a "
                               "delivery repeated, or files given twice), counted once")
@@ -63,7 +66,8 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
     for rank in result["ranks"].values():
         rank.pop("compute_by_step", None)
     of_job = analysis.jobs.get(result["job_id"], 0)
-    if not stats.spans and backend is None and not stats.problems:  # a review: "Read 0 spans from 0/2 file(s)"
+    # A review: "Read 0 spans from 0/2 file(s)". A rank's native crash is telemetry too (its job's first step's).
+    if not stats.spans and backend is None and not stats.problems and not crashes:
         stats.problems.append(
             "no span in the files read: diagnose reads the traces (traces-rank<N>.jsonl, or a Collector's file of "
             "spans); metrics files hold none" if stats.files else
@@ -72,7 +76,7 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
         stats.problems.append(f"no span of job {job!r} in the input; its jobs: {', '.join(sorted(analysis.jobs))}")
     return {"schema_version": SCHEMA_VERSION, **result,
             "input": {"files": stats.files, "lines": stats.lines, "spans": stats.spans, "spans_of_job": of_job,
-                      "gpu_samples": len(stats.samples),
+                      "gpu_samples": len(stats.samples), "native_crashes": len(crashes),
                       "bad_lines": stats.bad_lines, "bad_spans": stats.bad_spans, "problems": stats.problems}}
 
 
@@ -121,8 +125,9 @@ def _slowest(summary: dict) -> str:
     if not slowest:
         return ""
     # The first step pays for warm-up and is left out of the slowest (max above counts it).
-    first = ", the first left out" if slowest["seconds"] < summary["step_seconds"]["max"] else ""
-    return f"; slowest step {slowest['step']}{first} (trace {slowest['trace_id']})"
+    # A review read "slowest step 12, the first left out" as step 12 being the first step left out.
+    first = ", the first step (warm-up) aside" if slowest["seconds"] < summary["step_seconds"]["max"] else ""
+    return f"; slowest step {slowest['step']} (trace {slowest['trace_id']}){first}"
 
 
 def render_text(report: dict) -> str:
@@ -260,7 +265,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(render_text(report))
     for problem in report["input"]["problems"]:
         print(printable(f"opentelemetry-deepspeed diagnose: {problem}"), file=sys.stderr)
-    return 0 if report["input"]["spans_of_job"] and written else 1
+    return 0 if (report["input"]["spans_of_job"] or report["input"]["native_crashes"]) and written else 1
 
 
 if __name__ == "__main__":

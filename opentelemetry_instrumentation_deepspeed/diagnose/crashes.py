@@ -18,6 +18,7 @@ import re
 from collections import defaultdict
 
 from opentelemetry_instrumentation_deepspeed import semconv
+from opentelemetry_instrumentation_deepspeed.diagnose import hangs
 from opentelemetry_instrumentation_deepspeed.diagnose.model import REMEDIES as MODEL_REMEDIES
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 
@@ -56,6 +57,10 @@ REMEDIES = {
                     "the job's memory limit (cgroup, the scheduler's request)"],
     "signalled": ["the launcher's or the scheduler's log: who stopped the job (a time limit, a preemption, a stop "
                   "after another failure)"],
+    "native": ["its stack in the evidence: the innermost frame calls the library that crashed (a custom CUDA or C++ "
+               "extension, a communication library, a tokenizer, a data decoder); the program's frame below it says "
+               "with what", "again with CUDA_LAUNCH_BLOCKING=1 (a CUDA fault then names its kernel), or under "
+               "compute-sanitizer or gdb"],
 }
 
 
@@ -69,11 +74,15 @@ class Crashes:
         # (job, rank, trace) -> [(end, place, error)] of the spans that failed in the step
         self._places: dict[tuple[str, int, str], list] = defaultdict(list)
         self._phases: dict[tuple[str, int, str], str] = {}  # (job, rank, trace) -> the phase that failed (its name)
+        # (job, rank, trace) -> (end, the stack where it raised) of the first failed span that carries one
+        self._stacks: dict[tuple[str, int, str], tuple[int, str]] = {}
         self._closed: dict[tuple[str, int], int] = {}  # (job, rank) -> the last step number that closed
         self._memory: set = set()  # (job, rank, trace) of a failed step an OOM ended (the MEMORY finding's)
         self.world: dict[str, int] = {}
         # (job, rank, step) -> what the MEMORY finding of an OOM that ended the run adds: its error, the others after it
         self.memory_evidence: dict[tuple[str, int, int], list[str]] = {}
+        self._native: dict[tuple[str, int], tuple[str, int]] = {}  # (job, rank) -> (faulthandler's words, when)
+        self._native_when: dict[tuple[str, int], str] = {}  # (job, rank) -> where its step was, in words
         self.ranks: dict[str, set] = defaultdict(set)
 
     def add(self, span: Span) -> None:
@@ -98,11 +107,23 @@ class Crashes:
                 error = reason if reason in _SIGNALLED else (span.error or reason)
                 self._failed[span.job, span.rank].append((span.end, attributes.get(semconv.TRAINING_STEP, 0),
                                                           span.trace_id, error, where))
+                self._stack(span)
         elif span.error is not None and span.name != semconv.SPAN_GLOBAL_STEP:
             place = _PLACES.get(span.name) or span.name.removeprefix(semconv.SPAN_COMM_PREFIX)
             self._places[span.job, span.rank, span.trace_id].append((span.end, place, span.error))
             if span.name in _PHASES:
                 self._phases[span.job, span.rank, span.trace_id] = _PHASES[span.name]
+            self._stack(span)
+
+    def _stack(self, span: Span) -> None:
+        stack = span.attributes.get(semconv.CODE_STACKTRACE)
+        key = (span.job, span.rank, span.trace_id)
+        if stack and (key not in self._stacks or span.end < self._stacks[key][0]):
+            self._stacks[key] = (span.end, stack)
+
+    def native(self, job: str, rank: int, text: str, at: int) -> None:
+        """A fault in native code killed ``rank`` at ``at`` (ns): ``text`` is what faulthandler wrote."""
+        self._native[job, rank] = (text, at)
 
     def missing(self, job: str) -> list[int]:
         """The ranks the world size counts that have no span in the input."""
@@ -142,13 +163,15 @@ class Crashes:
                     for rank in sorted(self.ranks[job])]
         evidence += [f"rank {rank}: no telemetry in the input (world size {self.world[job]})"
                      for rank in self.missing(job)]
+        if kind == "native":
+            evidence += _native_evidence(self._native[job, causes[0]][0])
         remedies = REMEDIES[kind]
         own = summary.partition("; after it")[0]
         if kind == "raised" and _OUT_OF_MEMORY.search(own):
             remedies = [*remedies[:1], *MEMORY_REMEDIES]  # an allocator's error raised as a plain RuntimeError
         elif kind in ("raised", "exited") and _HOST_MEMORY.search(own):
             remedies = [*remedies[:1], *REMEDIES["host memory"]]
-        trace_ids = [trace_id] if trace_id else sorted({failure[2] for failure in first.values()})[:3]
+        trace_ids = [trace_id] if trace_id else sorted({failure[2] for failure in first.values()} - {""})[:3]
         phase = None
         if culprit is not None and culprit in first:
             failure = first[culprit]
@@ -169,6 +192,19 @@ class Crashes:
             final = [failure for failure in failures if failure[1] > closed]
             if final:
                 first[rank] = min(final)
+        for (native_job, rank), (text, at) in self._native.items():
+            if native_job == job:
+                # Where it was: after the last step it wrote; by the step the others failed in, at the latest.
+                closed = self._closed.get((job, rank), 0)
+                others = [failure[1] for other, failure in first.items() if other != rank]
+                number = min(others) if others and min(others) > closed else closed + 1
+                wrote = f"its telemetry ends at step {closed}" if closed else "it exported no step"
+                self._native_when[job, rank] = (
+                    f"in step {number}" if number == closed + 1 and rank in self.ranks[job] else
+                    f"by step {number}, where the others lost it ({wrote})" if others else
+                    f"after step {closed}, the last it wrote" if closed else "before it exported any step")
+                failure = (at, number, "", f"{_NATIVE}: {_native_signal(text)}", None)
+                first[rank] = min(first.get(rank, failure), failure)
         return first
 
     def _cause(self, job: str, first: dict[int, tuple]) -> tuple | None:
@@ -259,6 +295,11 @@ class Crashes:
     def _own(self, job: str, failure: tuple, rank: int) -> tuple | None:
         """The first failure of a rank's own: raised in its step, or an exception that ended the process."""
         _end, number, trace_id, error, where = failure
+        if error.startswith(_NATIVE):
+            at = hangs.place(_native_frames(self._native[job, rank][0]))
+            return "native", rank, [rank], number, trace_id, (
+                f"rank {rank} {error.replace(': ', ' (', 1)}) {self._native_when[job, rank]}" + (f", at {at}" if at
+                                                                                                   else ""))
         if (job, rank, trace_id) in self._memory:
             return "memory", rank, [rank], number, trace_id, f"{_short(error, 400)}"
         if error.startswith((semconv.STATUS_EXITED, semconv.STATUS_EXITED_BETWEEN)):
@@ -266,13 +307,19 @@ class Crashes:
             inside = self._where(job, rank, trace_id)
             place = (self._in_step(job, rank, failure) if where else
                      f"during step {number}" + (f" in {inside}" if inside else ""))
-            summary = f"rank {rank} exited {place}, " + (
+            summary = f"rank {rank} exited {place}{self._at(job, rank, trace_id)}, " + (
                 f"by an exception no wrapper saw raised: {_short(raised, 400)}" if raised else
                 "where no wrapper saw an exception raised")
             return "exited", rank, [rank], number, trace_id, summary
-        summary = (f"rank {rank} failed {self._in_step(job, rank, failure)}: "
+        summary = (f"rank {rank} failed {self._in_step(job, rank, failure)}{self._at(job, rank, trace_id)}: "
                    f"{_short(error, 400) or 'an error with no message'}")
         return "raised", rank, [rank], number, trace_id, summary
+
+    def _at(self, job: str, rank: int, trace_id: str) -> str:
+        """", at <the frame that raised>, called from <the program's>" where the failure carries its stack."""
+        stack = self._stacks.get((job, rank, trace_id))
+        at = hangs.where(stack[1]) if stack else ""
+        return f", at {at}" if at else ""
 
     def _in_step(self, job: str, rank: int, failure: tuple) -> str:
         _end, number, trace_id, _error, where = failure
@@ -288,6 +335,35 @@ class Crashes:
 
 
 _NUMBERS = re.compile(r"\d+")
+_NATIVE = "crashed in native code"
+_FATAL = "Fatal Python error: "
+_NATIVE_FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)", line (?P<line>\d+) in (?P<function>.+)$')  # faulthandler's
+
+
+def _native_signal(text: str) -> str:
+    """faulthandler's name of the fault: "Segmentation fault", "Aborted", "Floating point exception", ..."""
+    return next((line[len(_FATAL):].strip() for line in text.splitlines() if line.startswith(_FATAL)),
+                "a fatal signal")
+
+
+def _native_frames(text: str) -> list[tuple[str, int, str, str]]:
+    """(path, line, function, "") of the crashing thread's Python stack as faulthandler wrote it, innermost first."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    found = []
+    for line in lines[start + 1:] if start is not None else ():
+        match = _NATIVE_FRAME.match(line)
+        if match is None:
+            break
+        found.append((match["path"], int(match["line"]), match["function"], ""))
+    return found
+
+
+def _native_evidence(text: str) -> list[str]:
+    found = _native_frames(text)
+    return ["its Python stack as it crashed (faulthandler, innermost first): "
+            + " <- ".join(hangs.frame_text(frame) for frame in found[:8]) + (" ..." if len(found) > 8 else "")
+            ] if found else []
 
 
 def _described(error: str) -> bool:

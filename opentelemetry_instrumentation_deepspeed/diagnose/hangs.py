@@ -66,17 +66,22 @@ def frames(stack: str) -> list[tuple[str, int, str, str]]:
 
 def where(stack: str) -> str:
     """The innermost frame that is not this instrumentation, and the innermost of the program's own code."""
-    found = [frame for frame in frames(stack) if _OURS not in frame[0]]
+    return place(frames(stack))
+
+
+def place(innermost_first: list[tuple[str, int, str, str]]) -> str:
+    """``where`` of frames already read (innermost first)."""
+    found = [frame for frame in innermost_first if _OURS not in frame[0]]
     if not found:
         return ""
-    text = [_frame_text(found[0])]
+    text = [frame_text(found[0])]
     own = next((frame for frame in found[1:] if not any(part in frame[0] for part in _LIBRARIES)), None)
     if own is not None:
-        text.append(f"called from {_frame_text(own)}")
+        text.append(f"called from {frame_text(own)}")
     return ", ".join(text)
 
 
-def _frame_text(frame) -> str:
+def frame_text(frame) -> str:
     path, line, function, code = frame
     return f"{path.rsplit('/', 1)[-1]}:{line} in {function}" + (f" ({code})" if code else "")
 
@@ -372,7 +377,7 @@ class Hangs:
                 f"{_place(attributes)}")
         if rank in waiting:
             text += f", in {_collective_text(report)}"
-        frames_text = " <- ".join([_frame_text(f) for f in frames(attributes.get(semconv.CODE_STACKTRACE) or "")
+        frames_text = " <- ".join([frame_text(f) for f in frames(attributes.get(semconv.CODE_STACKTRACE) or "")
                                    if _OURS not in f[0]][:STACK_FRAMES])
         return text + (f"; stack (innermost first): {frames_text}" if frames_text else "")
 

@@ -241,6 +241,15 @@ def _hang_stack(events) -> dict:
     return {}
 
 
+def _exception_stack(events) -> dict:
+    """The first ``exception`` event's stack trace, as the attribute ``code.stacktrace``."""
+    for event in events if isinstance(events, list) else ():
+        if isinstance(event, dict) and event.get("name") == semconv.EVENT_EXCEPTION:
+            stack = _attributes(event.get("attributes"), (semconv.EXCEPTION_STACKTRACE,))
+            return {semconv.CODE_STACKTRACE: stack[semconv.EXCEPTION_STACKTRACE]} if stack else {}
+    return {}
+
+
 def _resource(attributes, keys) -> tuple:
     """(job id, rank, the attributes ``keys``) of a resource; the rank is None when it is not a training rank's."""
     resource = _attributes(attributes, tuple(key for key in keys if key != semconv.TRAINING_CLOCK_OFFSET))
@@ -343,15 +352,18 @@ def _span(span: dict, job: str, rank: int, resource: dict, clocks: dict) -> Span
             attributes[semconv.HOST_NAME] = host  # which ranks share the host's CPUs (diagnose/inputs.py)
         if type(world := resource.get(semconv.TRAINING_WORLD_SIZE)) is int:
             attributes[semconv.TRAINING_WORLD_SIZE] = world  # ranks with no telemetry (crashes.py)
+    error = _error(span.get("status"))
     if span.get("name") == semconv.SPAN_HANG:
         attributes.update(_hang_stack(span.get("events")))
+    elif error is not None and span.get("events"):
+        attributes.update(_exception_stack(span["events"]))  # where it raised (crashes.py)
     elif span.get("name") == semconv.SPAN_CLOCK_SYNC:
         _clock_reading(span, job, rank, clocks)
     times = _checked(span, attributes)
     drift = clocks.get((job, rank))
     start, end = aligned(*times, resource.get(semconv.TRAINING_CLOCK_OFFSET) if drift is None else drift.at(times[0]))
     return Span(span["name"], span["traceId"], span["spanId"], span.get("parentSpanId", ""),
-                start, end, job, rank, attributes, _error(span.get("status")))
+                start, end, job, rank, attributes, error)
 
 
 def samples_of_request(request: dict) -> Iterator[Sample]:
@@ -474,6 +486,33 @@ def expand(paths: Iterable[str], problems: list | None = None) -> list[str]:
             continue
         files.append(path)
     return files
+
+
+NATIVE_CRASH_FILES = "native-crash-rank*.txt"  # export/native_crash.py: a JSON line, then faulthandler's words
+_NATIVE_CRASH_BYTES = 1 << 20
+
+
+def native_crashes(paths: Iterable[str]) -> list[tuple[str, int, str, int]]:
+    """(job, rank, what faulthandler wrote, when: the file's last change, ns) of each crash file in the directories
+    given that holds more than its first line (a rank that exited without a crash leaves none, or that line alone)."""
+    found = []
+    for path in paths:
+        try:
+            candidate = Path(path)
+            files = sorted(candidate.rglob(NATIVE_CRASH_FILES)) if path != "-" and candidate.is_dir() else []
+        except (OSError, ValueError):
+            continue  # said where its spans are read
+        for file in files:
+            try:
+                with file.open(encoding="utf-8", errors="replace") as handle:
+                    header = json.loads(handle.readline())
+                    text = handle.read(_NATIVE_CRASH_BYTES).strip()
+                job, rank = header["job"], header["rank"]
+                if text and isinstance(job, str) and type(rank) is int:
+                    found.append((job, rank, text, file.stat().st_mtime_ns))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not one of ours
+    return found
 
 
 # Whatever the shape of a request (strings where objects belong, deep nesting, numbers beyond any

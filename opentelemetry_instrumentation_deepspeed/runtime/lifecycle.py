@@ -87,8 +87,9 @@ FLUSH_METRICS = "flush metrics"  # meter provider shut down (last collection)
 COUNT_UNSENT_POINTS = "count unsent points"  # points in an unfinished export: lost
 FLUSH_LOGS = "flush logs"  # logger provider shut down, when the SDK set one up
 REPORT = "report"  # the one summary line of undelivered telemetry
+STOP_FAULT_HANDLER = "stop fault handler"  # no native crash: its file goes (native_crash.py)
 EXIT_ORDER = (STOP_PROFILER, STOP_CLOCK, REPORT_HANGS, CLOSE_OPEN_STEPS, DRAIN, FLUSH_SPANS, COUNT_UNSENT_SPANS,
-              FINAL_SCRAPE, FLUSH_METRICS, COUNT_UNSENT_POINTS, FLUSH_LOGS, REPORT)
+              FINAL_SCRAPE, FLUSH_METRICS, COUNT_UNSENT_POINTS, FLUSH_LOGS, REPORT, STOP_FAULT_HANDLER)
 # The stages that wait on the world, each on a thread of its own, and the share of the exit
 # budget by which each has ended (from the start of exit). The others are quick and run on the
 # exiting thread. The last quarter is left for the report and the interpreter's own exit, which

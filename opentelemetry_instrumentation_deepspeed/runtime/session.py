@@ -140,9 +140,11 @@ def _configure_sdk(identity: JobIdentity, resource: dict | None = None) -> None:
         prometheus.wait_for_final_scrape_at_exit()
     embedded = [signal for signal, name in _EXPORTER_VARIABLES if env.EMBEDDED_EXPORTER in os.environ.get(name, "")]
     if embedded:
-        from opentelemetry_instrumentation_deepspeed.export import output
+        from opentelemetry_instrumentation_deepspeed.export import native_crash, output
 
         output.announce(embedded)
+        if "traces" in embedded:
+            native_crash.watch(identity)
 
 
 def _leave_unusable_endpoints() -> None:

@@ -171,8 +171,9 @@ def test_a_rank_killed_by_a_fault_in_native_code_leaves_its_python_stack_and_dia
     verdict = report["verdict"]
     assert (verdict["layer"], verdict["kind"], verdict["rank"]) == ("CRASH", "native", rank), verdict
     assert f"rank {rank} crashed in native code (Segmentation fault)" in verdict["summary"]
-    assert re.search(r", from crash \(examples/train\.py:\d+\)", verdict["summary"]), verdict["summary"]
-    assert any("forward (examples/train.py:" in line for line in verdict["evidence"]), verdict["evidence"]
+    assert re.search(r", at __init__\.py:\d+ in string_at, called from train\.py:\d+ in crash", verdict["summary"]), (
+        verdict["summary"])
+    assert any(re.search(r"<- train\.py:\d+ in forward <-", line) for line in verdict["evidence"]), verdict["evidence"]
     if launcher == "torchrun":
         assert verdict["step"] == 6 and "after it: rank 0 in all_reduce of step 6" in verdict["summary"]
     assert report["input"]["native_crashes"] == 1

@@ -26,6 +26,9 @@ from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
           semconv.SPAN_OPTIMIZER_STEP: "optimizer"}
 PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_wait", "unaccounted")
+WHOSE_COLLECTIVE = ("the collectives the time went to (evidence): one whose size is neither the gradients' (ZeRO's "
+                    "buckets) nor the parameters' is the program's own, or a library's: does it need to run every "
+                    "step, and at that size")
 # Shares a "none" verdict names: above what healthy runs on the 2-core test machine show (data wait 0-2%, waits for
 # each other up to 22%: docs/diagnose.md, "Accuracy")
 UNEXPLAINED_DATA_WAIT = 0.10
@@ -139,6 +142,10 @@ class Analysis:
         self._steps: dict[tuple[str, int, str], _Step] = {}
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
+        # (job, op, bytes) -> [calls, seconds, [bus bandwidths]] of the collectives that completed in steps: which ones
+        # the time went to (a review: "71% of step time is exposed communication", and no word of the 55.6 MB
+        # all-reduce a loop issued in its backward; a median bus bandwidth that mixed it with 4-byte all-reduces).
+        self._comm_sizes: dict[tuple[str, str, int], list] = {}
         self._parallelism: dict[str, str] = {}  # job -> a plain PyTorch loop's training.parallelism
         self._samples: list = []
         self.hangs = hangs.Hangs()  # HANG and DESYNC (hangs.py)
@@ -217,8 +224,16 @@ class Analysis:
             self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
         if sequence is not None:
             self._collectives[(span.job, group, sequence)][span.rank] = span.start
-        if attributes.get(semconv.COMM_BUSBW) and span.error is None:  # older files: a failed one's too
-            self._busbw[span.name.removeprefix(semconv.SPAN_COMM_PREFIX)].append(float(attributes[semconv.COMM_BUSBW]))
+        op = span.name.removeprefix(semconv.SPAN_COMM_PREFIX)
+        busbw = attributes.get(semconv.COMM_BUSBW) if span.error is None else None  # older files: a failed one's too
+        if busbw:
+            self._busbw[op].append(float(busbw))
+        if span.error is None and type(size := attributes.get(semconv.COMM_BYTES)) is int:
+            sized = self._comm_sizes.setdefault((span.job, op, size), [0, 0.0, []])
+            sized[0] += 1
+            sized[1] += span.seconds
+            if busbw:
+                sized[2].append(float(busbw))
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -258,6 +273,7 @@ class Analysis:
         if job_summary and job_summary["anomaly"] is None:
             job_summary["anomaly"] = _job_anomaly(found, by_rank)
         found = findings_module.ranked(found)  # other layers join below, ranked with these
+        self._say_which_collectives(found, job, sum(len(steps) for steps in by_rank.values()))
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
@@ -269,7 +285,8 @@ class Analysis:
             "straggler": straggler,
             "gpu": gpu,
             "bandwidth": {op: {"median_busbw": statistics.median(values), "best_busbw": max(values),
-                               "calls": len(values)} for op, values in sorted(self._busbw.items())},
+                               "calls": len(values), "by_size": self._by_size(job, op)}
+                          for op, values in sorted(self._busbw.items())},
             "findings": found,
             "verdict": found[0] if found else findings_module.none(_quiet(job_summary, pipelined=pipelined)),
             "model_series": model_series(self.model, job),
@@ -346,6 +363,33 @@ class Analysis:
                     if index >= 0 and phase[1] < steps[index].end and steps[index] is not step:
                         step.phases.remove(phase)
                         steps[index].phases.append(phase)
+
+    def _by_size(self, job: str, op: str) -> dict[str, dict]:
+        """An op's completed collectives by their size (bytes of a rank's data), the longest in total first."""
+        sizes = sorted(((size, entry) for (of_job, of_op, size), entry in self._comm_sizes.items()
+                        if of_job == job and of_op == op), key=lambda item: -item[1][1])
+        return {str(size): {"calls": calls, "seconds": seconds,
+                            "median_busbw": statistics.median(busbw) if busbw else None}
+                for size, (calls, seconds, busbw) in sizes}
+
+    def _say_which_collectives(self, found: list[dict], job: str, rank_steps: int) -> None:
+        """A communication finding names the collectives its time went to, and the first remedy reads them."""
+        where = self._comm_time(job, rank_steps)
+        for finding in found:
+            if finding["layer"] == "communication" and where:
+                finding["evidence"].append(where)
+                finding["remedies"] = [WHOSE_COLLECTIVE, *finding["remedies"]]
+
+    def _comm_time(self, job: str, rank_steps: int) -> str | None:
+        """Which collectives the time in collectives went to: op and size, calls per step, share (the first three)."""
+        sizes = sorted(((op, size, entry) for (of_job, op, size), entry in self._comm_sizes.items() if of_job == job),
+                       key=lambda item: -item[2][1])
+        total = sum(entry[1] for _op, _size, entry in sizes)
+        if not total or not rank_steps:
+            return None
+        return "the time in collectives went to: " + "; ".join(
+            f"{op} of {size_text(size)}, {calls / rank_steps:.3g} per step and rank, {seconds / total:.0%}"
+            for op, size, (calls, seconds, _busbw) in sizes[:3])
 
     def _timelines(self, job: str, by_rank: dict[int, list[dict]]) -> dict:
         """The slowest and a typical step, on every rank: phases and collectives on one clock."""
@@ -527,6 +571,14 @@ def _between_steps(steps: list[dict]) -> None:
         gap = step["start"] - previous["end"] if previous is not None and previous["step"] == step["step"] - 1 else 0
         step["parts"]["between_steps"] = max(gap / 1e9 - step["between_comm"], 0.0) if gap > 0 else 0.0
         previous = step
+
+
+def size_text(size: int) -> str:
+    """Bytes as a reader takes them in: "55.6 MB", "540 KB", "4 B"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} B"
 
 
 def _quantile(values: list[float], q: float) -> float:

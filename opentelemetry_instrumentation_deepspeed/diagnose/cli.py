@@ -19,7 +19,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
-from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis
+from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS, Analysis, size_text
 from opentelemetry_instrumentation_deepspeed.diagnose.backends import BackendError, check_url, jaeger_spans, tempo_spans
 from opentelemetry_instrumentation_deepspeed.diagnose.html import input_summary, render_html
 from opentelemetry_instrumentation_deepspeed.diagnose.reader import ReadStats, native_crashes, read_spans
@@ -174,8 +174,15 @@ def _text_lines(report: dict) -> list[str]:
                               for part, value in gpu["utilization_by_part"].items())
             lines.append(f"  rank {rank}: GPU utilization {gpu['utilization_mean']:.0%} (by phase: {parts})")
     for op, bandwidth in report.get("bandwidth", {}).items():
+        sizes = [(size, of_size) for size, of_size in bandwidth.get("by_size", {}).items()
+                 if of_size["median_busbw"] is not None]
+        # Calls of different sizes apart (a review: a median of 4.4 MB/s mixed 4-byte all-reduces with the gradients').
+        by_size = "; ".join(f"{size_text(int(size))} x {of_size['calls']}: median "
+                            f"{of_size['median_busbw'] / 1e6:.1f} MB/s" for size, of_size in sizes[:3]
+                            ) if len(sizes) > 1 else ""
         lines.append(f"  comm.{op}: {bandwidth['calls']} calls, bus bandwidth median "
-                     f"{bandwidth['median_busbw'] / 1e6:.1f} MB/s, best {bandwidth['best_busbw'] / 1e6:.1f} MB/s")
+                     f"{bandwidth['median_busbw'] / 1e6:.1f} MB/s, best {bandwidth['best_busbw'] / 1e6:.1f} MB/s"
+                     + (f" (by size, the longest in total first: {by_size})" if by_size else ""))
     lines.append(input_summary(report))
     lines += [f"  {problem}" for problem in report["input"]["problems"]]
     return lines

@@ -132,6 +132,9 @@ def test_with_no_collective_traced_a_rank_s_stall_is_the_cause_of_the_others_lon
     assert verdict["chain"]["waiting"]["0"] == pytest.approx(0.15, rel=0.2)
     assert "rank 0 waits for it in its backward" in verdict["summary"]
     assert verdict["cost_seconds"] == pytest.approx(0.9, rel=0.2)
+    # A review: the remedies of host work between phases said the opposite of "the loop's own code before the step".
+    if part == "between_steps":
+        assert verdict["remedies"][0].startswith("the loop's own code between steps on that rank")
 
 
 @pytest.mark.parametrize(("waited_in", "joined", "absorbed"), [("unaccounted", False, True), ("backward", False, True),
@@ -518,7 +521,7 @@ def test_a_plain_loop_s_communication_remedies_are_its_own(parallelism, named):
     report = analyse(synthetic_job(8, transfer=8.0, attributes=lambda rank, step: {
         semconv.TRAINING_PARALLELISM: parallelism}))
     remedies = report["verdict"]["remedies"]
-    assert report["verdict"]["layer"] == "communication" and named in remedies[0]
+    assert report["verdict"]["layer"] == "communication" and named in remedies[1]
     assert not any("ZeRO" in remedy for remedy in remedies), remedies
 
 

@@ -26,9 +26,9 @@ from opentelemetry_instrumentation_deepspeed.diagnose.reader import Span
 PHASES = {semconv.SPAN_DATA_WAIT: "data_wait", semconv.SPAN_FORWARD: "forward", semconv.SPAN_BACKWARD: "backward",
           semconv.SPAN_OPTIMIZER_STEP: "optimizer"}
 PARTS = ("data_wait", "forward", "backward", "optimizer", "exposed_comm", "comm_wait", "unaccounted")
-WHOSE_COLLECTIVE = ("the collectives the time went to (evidence): one whose size is neither the gradients' (ZeRO's "
-                    "buckets) nor the parameters' is the program's own, or a library's: does it need to run every "
-                    "step, and at that size")
+WHOSE_COLLECTIVE = ("the collectives the time went to (evidence): one whose size is neither the gradients' buckets "
+                    "nor the parameters' is the program's own, or a library's: does it need to run every step, and at "
+                    "that size")
 # Shares a "none" verdict names: above what healthy runs on the 2-core test machine show (data wait 0-2%, waits for
 # each other up to 22%: docs/diagnose.md, "Accuracy")
 UNEXPLAINED_DATA_WAIT = 0.10
@@ -273,7 +273,6 @@ class Analysis:
         if job_summary and job_summary["anomaly"] is None:
             job_summary["anomaly"] = _job_anomaly(found, by_rank)
         found = findings_module.ranked(found)  # other layers join below, ranked with these
-        self._say_which_collectives(found, job, sum(len(steps) for steps in by_rank.values()))
         result = {
             "job_id": job,
             "other_jobs": sorted(j for j in self.jobs if j != job),
@@ -315,6 +314,8 @@ class Analysis:
         # stuck) is no share of its steps.
         for finding in result["findings"]:
             findings_module.remedies_for(finding, self._parallelism.get(job))
+        self._say_which_collectives(result["findings"], job, sum(len(steps) for steps in by_rank.values()))
+        for finding in result["findings"]:
             if "share_of_run" not in finding:
                 cost = None if finding["layer"] in _STOPPED_LAYERS else finding.get("cost_seconds")
                 finding["share_of_run"] = cost / steps.run_seconds if cost is not None and steps.run_seconds else None

@@ -69,6 +69,12 @@ REMEDIES = {
                   "make it asynchronous", "profile a step (touch the trigger file) to see what runs between phases",
                   "batches from a source no wrapper times (a generator, a list) wait here too: a DataLoader around "
                   "it makes that time data wait"],
+    # The loop's own code before the step, after the one before (a review: the remedies of host work between phases
+    # said the opposite of the finding's words)
+    "between_steps": ["the loop's own code between steps on that rank (logging, metrics, a checkpoint's save, an "
+                      "evaluation, a callback): move it off the path, make it asynchronous, or run it on every rank "
+                      "at once", "py-spy dump (or record) of that rank while it is there: a step's profile does not "
+                      "cover the time between steps"],
     "GPU/hardware": ["check cooling, power capping and clocks of the named GPU (nvidia-smi -q -d PERFORMANCE)",
                      "drain the node if ECC errors or hardware slowdown persist"],
 }
@@ -96,7 +102,8 @@ def finding(layer: str, summary: str, *, evidence: list[str], rank: int | None =
             trace_ids: list[str] | None = None, remedies: list[str] | None = None, **extra) -> dict:
     """The one shape of a finding; ``extra`` keys (period, phase, steps, chain, ...) are added to it."""
     return {"layer": layer, "summary": summary, "evidence": evidence,
-            "remedies": remedies if remedies is not None else REMEDIES.get(layer, []),
+            "remedies": remedies if remedies is not None else REMEDIES.get(
+                "between_steps" if extra.get("phase") == "between_steps" else layer, []),
             "rank": rank, "step": step, "cost_seconds": cost_seconds,
             "share_of_run": cost_seconds / run_seconds if cost_seconds is not None and run_seconds > 0 else None,
             "confidence": confidence, "trace_ids": trace_ids or [], **extra}

@@ -710,3 +710,14 @@ def test_the_text_gives_a_collectives_bandwidth_by_size_where_it_has_several():
     text = render_text(report)
     assert "(by size, the longest in total first: 540 KB x 12: median 305.0 MB/s; 4 B x 13: median 0.0 MB/s)" in text
     assert "comm.all_gather: 16 calls, bus bandwidth median 100.0 MB/s, best 100.0 MB/s\n" in text
+
+
+def test_a_none_verdict_says_a_training_thread_waited_for_a_cpu():
+    """A review of a healthy run on a crowded host: the files showed rank 1's training thread waiting for a CPU 28%
+    of each step; the report said nothing of it."""
+    verdict = analyse(synthetic_job(20, cpu_wait=lambda rank, step: 0.28 if rank == 1 else 0.02))["verdict"]
+    assert verdict["layer"] == "none", verdict
+    assert "of it in forward, backward and optimizer step; rank 1's training thread waited for a CPU 28% of its step" \
+        in verdict["summary"], verdict["summary"]
+    quiet = analyse(synthetic_job(20, cpu_wait=lambda rank, step: 0.05))["verdict"]
+    assert quiet["layer"] == "none" and "waited for a CPU" not in quiet["summary"]

@@ -33,6 +33,7 @@ WHOSE_COLLECTIVE = ("the collectives the time went to (evidence): one whose size
 # each other up to 22%: docs/diagnose.md, "Accuracy")
 UNEXPLAINED_DATA_WAIT = 0.10
 UNEXPLAINED_COMM_WAIT = 0.25
+UNEXPLAINED_CPU_WAIT = 0.15  # a training thread's wait for a CPU, of its steps' time
 
 _STOPPED_LAYERS = ("HANG", "DESYNC", "CRASH")
 # The group of a pipeline's transfer in ``_Step.comm`` (joined to no other rank's): a wait for the neighbouring stage.
@@ -504,7 +505,10 @@ class Analysis:
         steady = _steady(steps)
         total = sum(s["seconds"] for s in steady) or 1.0
         shares = {part: sum(s["parts"][part] for s in steady) / total for part in PARTS}
+        waited = [s["cpu_wait"] / s["seconds"] for s in steady if s.get("cpu_wait") is not None and s["seconds"] > 0]
         return {
+            # the share of its steps its training thread was ready to run but had no CPU (median): a crowded host
+            "cpu_wait_share": statistics.median(waited) if waited else None,
             "steps": len(steps),
             "step_seconds": {"p50": _quantile(durations, 0.5), "p95": _quantile(durations, 0.95),
                              "max": max(durations) if durations else 0.0},
@@ -521,11 +525,14 @@ class Analysis:
         count = len(ranks)
         shares = {part: sum(r["shares"][part] for r in ranks.values()) / count for part in PARTS}
         p50 = statistics.median(r["step_seconds"]["p50"] for r in ranks.values())
+        waited = {rank: r["cpu_wait_share"] for rank, r in ranks.items() if r.get("cpu_wait_share") is not None}
+        most = max(waited, key=waited.get) if waited else None
         anomalies = [r["anomaly"] for r in ranks.values() if r["anomaly"]]
         anomaly = None
         if anomalies and len(anomalies) * 2 > count:
             anomaly = max(anomalies, key=lambda a: a["extra_seconds"])
-        return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly}
+        return {"ranks": count, "step_seconds_p50": p50, "shares": shares, "anomaly": anomaly,
+                "cpu_wait": None if most is None else {"rank": most, "share": waited[most]}}
 
 
 def _explain_late_ranks(changes: list[dict], found: list[dict], held: dict[int, dict[int, float]]) -> None:
@@ -642,7 +649,7 @@ def _quiet(job: dict, host_load: list | None = None, pipelined: bool = False, lo
     shares = job["shares"]
     compute = shares["forward"] + shares["backward"] + shares["optimizer"]
     quiet = [f"no finding costs {findings_module.MIN_COST_SHARE:.0%} of the run beyond chance: median step "
-             f"{job['step_seconds_p50'] * 1e3:.1f} ms, {compute:.0%} compute"]
+             f"{job['step_seconds_p50'] * 1e3:.1f} ms, {compute:.0%} of it in forward, backward and optimizer step"]
     # What the shares show that no test held: said, so that "none" is not read as "nothing there".
     if shares["data_wait"] >= UNEXPLAINED_DATA_WAIT:
         held = ("its share did not hold above it beyond chance" if shares["data_wait"] > findings_module.DATA_WAIT_SHARE
@@ -654,5 +661,11 @@ def _quiet(job: dict, host_load: list | None = None, pipelined: bool = False, lo
                      "collectives: the pipeline's bubble (per stage below)" if pipelined  # by design: fill and drain
                      else f"the ranks wait for each other {shares['comm_wait']:.0%} of step time in collectives, and "
                      "no rank's own part explains it beyond chance")
+    waited = job.get("cpu_wait")
+    if waited and waited["share"] >= UNEXPLAINED_CPU_WAIT:
+        # A review of a healthy run on a crowded host: the report said nothing of what the files showed.
+        quiet.append(f"rank {waited['rank']}'s training thread waited for a CPU {waited['share']:.0%} of its step "
+                     "time (median of its steps): the host had fewer free CPUs than the job's threads, evenly enough "
+                     "that no step, phase or rank stands out")
     notes = [load["summary"] for load in host_load or ()] + ([loop_work["summary"]] if loop_work else [])
     return "; ".join(quiet + notes)

@@ -568,6 +568,9 @@ def test_html_shows_the_chain_and_a_change_point():
     report["input"] = {}
     page = render_html(report)
     assert "Who waits for whom" in page and "rank 1: data wait +200 ms" in page and "rank 0: waits" in page
+    # A review: the charts' lines had no legend, their axis no bottom value.
+    assert page.count('"></i>rank 0</span><span class="key"><i style="background:#e4572e"></i>rank 1</span>') >= 1
+    assert 'class="axis">0 ms</text>' in page
     report["findings"].append({**report["findings"][0], "layer": "INPUT", "summary": "tokens per step x4",
                                "change_step": 13, "cost_seconds": 0.1, "chain": {}})
     page = render_html(report)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import PARTS
-from opentelemetry_instrumentation_deepspeed.diagnose.model import charts_html
+from opentelemetry_instrumentation_deepspeed.diagnose.model import RANK_COLORS, charts_html
 
 COLORS = {"data_wait": "#e4572e", "forward": "#4c9be8", "backward": "#2e5aac", "optimizer": "#8e6bbf",
           "exposed_comm": "#f3a712", "comm_wait": "#f6d186", "unaccounted": "#b8b8b8", "comm": "#f3a712"}
@@ -50,6 +50,7 @@ def _series(series: dict, anomaly: dict | None, change_step: int | None = None, 
               # The longest step's time above its level, right of the axis: at its left the label ran into the line.
               f'<line x1="40" y1="{y(top / 1.1):.0f}" x2="{width - 20}" y2="{y(top / 1.1):.0f}" stroke="#ddd"/>',
               f'<text x="44" y="{y(top / 1.1) - 5:.0f}" class="axis">{top / 1.1 * 1e3:.0f} ms</text>',
+              f'<text x="4" y="{height - 28}" class="axis">0 ms</text>',
               f'<text x="40" y="{height - 8}" class="axis">step {first}</text>',
               f'<text x="{width - 80}" y="{height - 8}" class="axis">step {last}</text>']
     if change_step is not None and first <= change_step <= last:
@@ -60,10 +61,10 @@ def _series(series: dict, anomaly: dict | None, change_step: int | None = None, 
     if until_step is not None and first <= until_step <= last:  # the stretch's end: the change came back after it
         shapes.append(f'<line x1="{x(until_step + 0.5):.1f}" y1="10" x2="{x(until_step + 0.5):.1f}" '
                       f'y2="{height - 25}" stroke="#e4572e" stroke-dasharray="5,4"><title>back after step '
-                      f"{_e(until_step)}</title></line>")
-    palette = ["#2e5aac", "#e4572e", "#17a398", "#8e6bbf", "#f3a712", "#555"]
+                      f'{_e(until_step)}</title></line><text x="{x(until_step + 0.5) + 4:.1f}" y="34" class="axis">'
+                      f"back after step {_e(until_step)}</text>")
     for index, (rank, values) in enumerate(sorted(series.items())):
-        color = palette[index % len(palette)]
+        color = RANK_COLORS[index % len(RANK_COLORS)]
         path = " ".join(f"{x(step):.1f},{y(seconds):.1f}" for step, seconds in values)
         shapes.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.5">'
                       f"<title>rank {_e(rank)}</title></polyline>")
@@ -71,7 +72,17 @@ def _series(series: dict, anomaly: dict | None, change_step: int | None = None, 
             if step in slow:
                 shapes.append(f'<circle cx="{x(step):.1f}" cy="{y(seconds):.1f}" r="4" fill="#e4572e">'
                               f"<title>rank {_e(rank)} step {step}: {seconds * 1e3:.1f} ms</title></circle>")
-    return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>'
+    return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>' + _rank_legend(series)
+
+
+def _rank_legend(series: dict) -> str:
+    """Which line is which rank (a review: the charts' lines had no legend)."""
+    ranks = sorted(series, key=int)
+    keys = [f'<span class="key"><i style="background:{RANK_COLORS[index % len(RANK_COLORS)]}"></i>rank {_e(rank)}'
+            f"</span>" for index, rank in enumerate(ranks[:len(RANK_COLORS)])]
+    shown = len(RANK_COLORS)
+    more = f" (ranks past {ranks[shown - 1]} take these colours again)" if len(ranks) > shown else ""
+    return f"<p>{''.join(keys)}{_e(more)}</p>"
 
 
 def _timeline(timeline: dict) -> str:
@@ -185,7 +196,7 @@ def _input(report: dict) -> str:
     if not report.get("input"):
         return ""
     problems = "".join(f"<li>{_e(problem)}</li>" for problem in report["input"].get("problems") or ())
-    return (f"<h2>Input</h2><p class=job>{_e(input_summary(report))}</p>"
+    return (f"<h2>Files read</h2><p class=job>{_e(input_summary(report))}</p>"
             + (f"<ul>{problems}</ul>" if problems else ""))
 
 
@@ -221,7 +232,8 @@ def render_html(report: dict) -> str:
         series = report.get("model_series") or {}
         named = " and ".join(label for name, label in (("loss", "Loss"), ("grad_norm", "gradient norm"))
                              if series.get(name))
-        sections.append(f"<h2>{named[:1].upper() + named[1:]}</h2>" + model_charts)
+        sections.append(f"<h2>{named[:1].upper() + named[1:]}</h2>" + model_charts
+                        + _rank_legend(series.get("loss") or series.get("grad_norm") or {}))
     for label in ("slowest", "typical"):
         if label in timelines:
             timeline = timelines[label]

@@ -9,7 +9,10 @@ NCCL's "remote process exited", a communicator aborted, a timeout), or the signa
 left. A rank with no failure of its own that wrote fewer steps than the step another failed in, or no telemetry at
 all where the world size counts it, left no word: it was killed (SIGKILL, the kernel's OOM killer), crashed in
 native code, or exited without its exit handlers (os._exit). What it had not written went with it: it was at the
-step the others failed in, at the latest.
+step the others failed in, at the latest. One that a fault in native code killed left its threads' Python stacks
+(``native-crash-rank<N>.txt``, export/native_crash.py): named with the fault and where. Where a failure carries its
+stack (an exception event, an exit's last report), the summary says where it raised. An out-of-memory error is the
+MEMORY finding's: its error and the ranks' failures after it go to that finding's evidence.
 """
 
 from __future__ import annotations
@@ -292,8 +295,9 @@ class Crashes:
         return (kind, None if everyone else culprit, alike, number, trace_id,
                 f"{who} failed the same way, each on its own; first {summary}")
 
-    def _own(self, job: str, failure: tuple, rank: int) -> tuple | None:
-        """The first failure of a rank's own: raised in its step, or an exception that ended the process."""
+    def _own(self, job: str, failure: tuple, rank: int) -> tuple:
+        """The first failure of a rank's own: raised in its step, an exception that ended the process, an OOM (its
+        MEMORY finding's), or a fault in native code."""
         _end, number, trace_id, error, where = failure
         if error.startswith(_NATIVE):
             at = hangs.place(_native_frames(self._native[job, rank][0]))
@@ -301,7 +305,7 @@ class Crashes:
                 f"rank {rank} {error.replace(': ', ' (', 1)}) {self._native_when[job, rank]}" + (f", at {at}" if at
                                                                                                    else ""))
         if (job, rank, trace_id) in self._memory:
-            return "memory", rank, [rank], number, trace_id, f"{_short(error, 400)}"
+            return "memory", rank, [rank], number, trace_id, _short(error, 400)
         if error.startswith((semconv.STATUS_EXITED, semconv.STATUS_EXITED_BETWEEN)):
             raised = error.partition(": ")[2]
             inside = self._where(job, rank, trace_id)

@@ -127,6 +127,10 @@ def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step_and_diagn
         assert sorted(steps) == list(range(1, 8)), "six completed steps and the failing seventh"
         (failed,) = steps[7]
     assert (failed.status, failed.status_message) == (2, error)
+    if where == "loop":  # raised where no wrapper saw it: the step the exit ended carries its stack
+        (event,) = [event for event in failed.events if event["name"] == "exception"]
+        assert event["attributes"]["exception.type"] == "AssertionError"
+        assert "injected check of the loss failed" in event["attributes"]["exception.stacktrace"]
     if where in ("forward", "data"):  # the span that raised carries the exception, with its stack
         name, kind = {"forward": ("training.forward", "RuntimeError"),
                       "data": ("training.data.wait", "ValueError")}[where]
@@ -145,7 +149,8 @@ def test_a_rank_that_dies_of_an_exception_leaves_the_error_on_its_step_and_diagn
                        "train.py:{n} in forward (crash(self.crash, RuntimeError(\"injected crash in forward\"))): ",
             "data": "rank 0 failed in data wait of step 7, at train.py:{n} in crash (raise error), called from "
                     "train.py:{n} in __call__ ",
-            "loop": "rank 0 exited during step 7, by an exception no wrapper saw raised: ",
+            "loop": "rank 0 exited during step 7, at train.py:{n} in crash (raise error), called from train.py:{n} in "
+                    "main ",
             "after-step": "rank 0 exited between steps, after step 6, at train.py:{n} in crash (raise error), called "
                           "from train.py:{n} in after_step "}[where]
     pattern = re.escape(said).replace(re.escape("{n}"), r"\d+")

@@ -100,6 +100,7 @@ class Crashes:
                 self._closed[key] = max(self._closed.get(key, 0), number)
                 return
             self._failed[span.job, span.rank].append((span.end, number, span.trace_id, span.error, None))
+            self._stack(span)  # the process's exit ended it by an exception: its stack (a failed phase's ends first)
             if attributes.get(semconv.TRAINING_MEMORY_OOM):
                 self._memory.add((span.job, span.rank, span.trace_id))
         elif span.name == semconv.SPAN_HANG:

@@ -530,7 +530,9 @@ class Emitter(Component):
         if intervals is not None and not self._kernels.broken:
             more.update(self._operators(record, intervals, step.context))
         record.profile = None  # the profiler's events are large: not kept any longer than this
-        writer.end(step, record.start, record.end, more, _status(record.failure))
+        # A step the process's exit ended by an exception no wrapper saw: its stack, as a failed phase has its own.
+        writer.end(step, record.start, record.end, more, _status(record.failure),
+                   _exception(getattr(record.failure, "cause", None)))
         if root is not None:
             self._end_or_hold_root(record, root, held)
 

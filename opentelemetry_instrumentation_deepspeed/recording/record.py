@@ -58,6 +58,7 @@ class Interrupted:
 
     description: str
     unfinished: bool = False
+    cause: Failure | None = None  # the exception that ended the process, where one did: its stack on the step's span
 
 
 class Phase:

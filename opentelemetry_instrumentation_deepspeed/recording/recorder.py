@@ -304,10 +304,10 @@ class StepRecorder(Component):
             self._fire(Event.PHASE_FAILED, Failure.of(error))
 
     @fail_open
-    def interrupted(self, description: str, unfinished: bool = False) -> None:
-        """The process is going away with a step open (a signal, an error outside DeepSpeed's calls; ``unfinished``:
-        it ends normally)."""
-        self._fire(Event.INTERRUPT, Interrupted(description, unfinished))
+    def interrupted(self, description: str, unfinished: bool = False, cause=None) -> None:
+        """The process is going away with a step open (a signal, an error outside DeepSpeed's calls: ``cause``, its
+        ``Failure``; ``unfinished``: it ends normally)."""
+        self._fire(Event.INTERRUPT, Interrupted(description, unfinished, cause))
 
     def step_number(self) -> int | None:
         return self._number

@@ -220,8 +220,8 @@ def _close_open_steps(reason: str) -> None:
     exit_call = lifecycle.exit_call() if reason == lifecycle.EXITED and error is None else None
     for recorder in registry.all_recorders():
         if reason != lifecycle.EXITED or error is not None:
-            description = reason if error is None else f"{reason}: {Failure.of(error).description}"
-            recorder.interrupted(description)
+            cause = None if error is None else Failure.of(error)
+            recorder.interrupted(reason if cause is None else f"{reason}: {cause.description}", cause=cause)
             continue
         try:
             record = recorder.open
@@ -234,7 +234,7 @@ def _close_open_steps(reason: str) -> None:
             recorder.interrupted(semconv.STATUS_UNFINISHED, unfinished=True)
         else:  # sys.exit() with a failure status: the program's own word for a failure, and its cause if it had one
             cause = exit_call.cause if exit_call.cause is not None else Failure.of(SystemExit(exit_call.status))
-            recorder.interrupted(f"{reason}: {cause.description}")
+            recorder.interrupted(f"{reason}: {cause.description}", cause=cause)
 
 
 def _go_silent() -> None:

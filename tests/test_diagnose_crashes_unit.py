@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from opentelemetry_instrumentation_deepspeed.diagnose.analysis import Analysis
@@ -314,3 +317,67 @@ def test_only_crash_files_with_a_crash_are_read(tmp_path):
     (job / "native-crash-rank2.txt").write_text("not ours\n" + FAULTHANDLER)
     assert [(job_id, rank, text) for job_id, rank, text, _at in native_crashes([str(tmp_path)])] == [
         ("job-1", 1, FAULTHANDLER)]
+
+
+ABORTED = """Fatal Python error: Aborted
+
+Thread 0x00007f0000000002 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2800 in all_reduce
+  File "/home/me/train.py", line 40 in step
+"""
+
+
+def test_a_survivors_abort_by_nccls_watchdog_is_a_consequence_not_the_cause():
+    """A code review: NCCL's watchdog aborts (SIGABRT) a rank whose collective lost its peer; that rank's faulthandler
+    stack was read as its own native crash, and the SIGKILLed rank was not named."""
+    spans = [span for span in healthy() if not (span.rank == 1 and span.attributes["training.step"] > 4)]
+    verdict = native_report(spans, {0: ABORTED})["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("silent", 1), verdict["summary"]
+    assert "after it: rank 0 in step 7: crashed in native code: Aborted" in verdict["summary"]
+    raised = [*healthy(), step(1, 7, "RuntimeError: bad batch"), phase(1, 7, "training.forward", "RuntimeError: x")]
+    verdict = native_report(raised, {0: ABORTED})["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("raised", 1) and "also on its own" not in verdict["summary"]
+    assert "after it: rank 0" in verdict["summary"]
+
+
+def test_a_status_that_reads_like_a_native_crash_is_no_native_crash():
+    spans = [*healthy(), step(1, 7, "crashed in native code: x"), phase(1, 7, "training.forward", "crashed in x")]
+    verdict = report(spans)["verdict"]
+    assert (verdict["kind"], verdict["rank"]) == ("raised", 1), verdict
+
+
+def test_a_single_process_s_native_crash_after_the_steps_it_wrote_is_said_so_not_placed_in_the_next():
+    """A code review: "in step 7" stated as fact, though a killed rank loses its last second of spans."""
+    verdict = native_report(healthy(ranks=(0,), world=1), {0: FAULTHANDLER})["verdict"]
+    assert verdict["summary"].startswith("rank 0 crashed in native code (Segmentation fault) after step 6, the last it "
+                                         "wrote, at ops.py:40 in fused_attention"), verdict["summary"]
+
+
+def test_a_fault_in_a_thread_without_python_frames_gives_the_main_threads_stack():
+    text = ("Fatal Python error: Segmentation fault\n\nThread 0x2 (most recent call first):\n"
+            '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+            "Thread 0x1 (most recent call first):\n"
+            '  File "/home/me/model.py", line ??? in forward\n'
+            '  File "/home/me/train.py", line 12 in <module>\n')
+    verdict = native_report(healthy(ranks=(0,), world=1), {0: text})["verdict"]
+    assert verdict["summary"].endswith("at model.py:0 in forward, called from train.py:12 in <module>"), verdict
+
+
+def test_a_job_that_left_only_a_crash_file_is_diagnosed_by_default_and_a_crash_file_given_by_name(tmp_path, capsys,
+                                                                                                  monkeypatch):
+    """A code review: with no path, a job whose single process crashed before its first export was passed over for an
+    older one; a crash file named on the command line was read as malformed spans."""
+    from opentelemetry_instrumentation_deepspeed.diagnose import cli
+
+    older, crashed = tmp_path / "telemetry" / "older", tmp_path / "telemetry" / "crashed"
+    older.mkdir(parents=True)
+    (older / "traces-rank0.jsonl").write_text("{}\n")
+    crashed.mkdir()
+    (crashed / "native-crash-rank0.txt").write_text('{"job": "crashed", "rank": 0, "pid": 7}\n' + FAULTHANDLER)
+    os.utime(older, (1, 1))  # written first
+    monkeypatch.chdir(tmp_path)
+    for argv in (["diagnose", "--json"], ["diagnose", "--json", str(crashed / "native-crash-rank0.txt")]):
+        assert cli.main(argv) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["verdict"]["layer"], report["verdict"]["kind"]) == ("CRASH", "native"), report["verdict"]
+        assert report["input"]["native_crashes"] == 1 and report["input"]["bad_lines"] == 0

@@ -502,8 +502,8 @@ def test_exposed_communication_over_its_share_is_communication():
     assert analyse(synthetic_job(8, transfer=2.0))["verdict"]["layer"] == "none"
     assert "ZeRO" in verdict["remedies"][1], "a DeepSpeed engine's"
     # A review: which collectives the time went to was in the files only.
-    assert re.fullmatch(r"the time in collectives went to: all_reduce of 8 MB, 1 per step and rank, 6\d%; all_gather "
-                        r"of 2 MB, 1 per step and rank, 3\d%", verdict["evidence"][-1]), verdict["evidence"]
+    assert re.fullmatch(r"the time in synchronous collectives went to: all_reduce of 8 MB, 1 per step and rank, 6\d%; "
+                        r"all_gather of 2 MB, 1 per step and rank, 3\d%", verdict["evidence"][-1]), verdict["evidence"]
     assert verdict["remedies"][0].startswith("the collectives the time went to (evidence)")
     assert report["bandwidth"]["all_reduce"]["by_size"]["8000000"]["calls"] == 16
 

@@ -143,9 +143,10 @@ class Analysis:
         self._steps: dict[tuple[str, int, str], _Step] = {}
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
         self._busbw: dict[str, list[float]] = defaultdict(list)
-        # (job, op, bytes) -> [calls, seconds, [bus bandwidths]] of the collectives that completed in steps: which ones
-        # the time went to (a review: "71% of step time is exposed communication", and no word of the 55.6 MB
-        # all-reduce a loop issued in its backward; a median bus bandwidth that mixed it with 4-byte all-reduces).
+        # (job, op, bytes) -> [calls, seconds, [bus bandwidths], seconds of the synchronous ones] of the collectives
+        # that completed: which ones the time went to (a review: "71% of step time is exposed communication", and no
+        # word of the 55.6 MB all-reduce a loop issued in its backward; a median bus bandwidth that mixed it with
+        # 4-byte all-reduces).
         self._comm_sizes: dict[tuple[str, str, int], list] = {}
         self._parallelism: dict[str, str] = {}  # job -> a plain PyTorch loop's training.parallelism
         self._samples: list = []
@@ -230,11 +231,13 @@ class Analysis:
         if busbw:
             self._busbw[op].append(float(busbw))
         if span.error is None and type(size := attributes.get(semconv.COMM_BYTES)) is int:
-            sized = self._comm_sizes.setdefault((span.job, op, size), [0, 0.0, []])
+            sized = self._comm_sizes.setdefault((span.job, op, size), [0, 0.0, [], 0.0])
             sized[0] += 1
             sized[1] += span.seconds
             if busbw:
                 sized[2].append(float(busbw))
+            if not attributes.get(semconv.COMM_ASYNC):  # an async one overlaps the compute: no exposed time of its own
+                sized[3] += span.seconds
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -372,7 +375,7 @@ class Analysis:
                         if of_job == job and of_op == op), key=lambda item: -item[1][1])
         return {str(size): {"calls": calls, "seconds": seconds,
                             "median_busbw": statistics.median(busbw) if busbw else None}
-                for size, (calls, seconds, busbw) in sizes}
+                for size, (calls, seconds, busbw, _sync) in sizes}
 
     def _say_which_collectives(self, found: list[dict], job: str, rank_steps: int) -> None:
         """A communication finding names the collectives its time went to, and the first remedy reads them."""
@@ -383,15 +386,16 @@ class Analysis:
                 finding["remedies"] = [WHOSE_COLLECTIVE, *finding["remedies"]]
 
     def _comm_time(self, job: str, rank_steps: int) -> str | None:
-        """Which collectives the time in collectives went to: op and size, calls per step, share (the first three)."""
-        sizes = sorted(((op, size, entry) for (of_job, op, size), entry in self._comm_sizes.items() if of_job == job),
-                       key=lambda item: -item[2][1])
-        total = sum(entry[1] for _op, _size, entry in sizes)
+        """Which synchronous collectives the time in them went to: op and size, calls per step, share (the first
+        three)."""
+        sizes = sorted(((op, size, entry) for (of_job, op, size), entry in self._comm_sizes.items()
+                        if of_job == job and entry[3]), key=lambda item: -item[2][3])
+        total = sum(entry[3] for _op, _size, entry in sizes)
         if not total or not rank_steps:
             return None
-        return "the time in collectives went to: " + "; ".join(
-            f"{op} of {size_text(size)}, {calls / rank_steps:.3g} per step and rank, {seconds / total:.0%}"
-            for op, size, (calls, seconds, _busbw) in sizes[:3])
+        return "the time in synchronous collectives went to: " + "; ".join(
+            f"{op} of {size_text(size)}, {calls / rank_steps:.3g} per step and rank, {sync / total:.0%}"
+            for op, size, (calls, _seconds, _busbw, sync) in sizes[:3])
 
     def _timelines(self, job: str, by_rank: dict[int, list[dict]]) -> dict:
         """The slowest and a typical step, on every rank: phases and collectives on one clock."""

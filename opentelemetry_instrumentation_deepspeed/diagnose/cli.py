@@ -32,7 +32,9 @@ def _default_paths() -> list[str]:
     nothing yet, or only empty files, is passed over), named where there are several."""
     root = Path("telemetry")
     jobs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
-    written = [job for job in jobs if any(_has_lines(path) for path in job.glob("*.jsonl"))]
+    # A job whose only rank died in native code before its first export left its crash file alone.
+    written = [job for job in jobs
+               if any(_has_lines(path) for path in job.glob("*.jsonl")) or native_crashes([str(job)])]
     chosen = (written or jobs)[-1:]
     if len(jobs) > 1 and chosen:
         print(printable(f"opentelemetry-deepspeed diagnose: reading {chosen[0]}, the latest of {len(jobs)} jobs under "
@@ -76,7 +78,8 @@ def diagnose(paths: list[str], job: str | None, backend=None) -> dict:
         stats.problems.append(f"no span of job {job!r} in the input; its jobs: {', '.join(sorted(analysis.jobs))}")
     return {"schema_version": SCHEMA_VERSION, **result,
             "input": {"files": stats.files, "lines": stats.lines, "spans": stats.spans, "spans_of_job": of_job,
-                      "gpu_samples": len(stats.samples), "native_crashes": len(crashes),
+                      "gpu_samples": len(stats.samples),
+                      "native_crashes": sum(crash[0] == result["job_id"] for crash in crashes),
                       "bad_lines": stats.bad_lines, "bad_spans": stats.bad_spans, "problems": stats.problems}}
 
 

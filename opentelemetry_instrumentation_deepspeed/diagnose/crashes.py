@@ -80,6 +80,7 @@ class Crashes:
         # (job, rank, trace) -> (end, the stack where it raised) of the first failed span that carries one
         self._stacks: dict[tuple[str, int, str], tuple[int, str]] = {}
         self._closed: dict[tuple[str, int], int] = {}  # (job, rank) -> the last step number that closed
+        self._closed_end: dict[tuple[str, int], int] = {}  # (job, rank) -> when its last closed step ended
         self._memory: set = set()  # (job, rank, trace) of a failed step an OOM ended (the MEMORY finding's)
         self.world: dict[str, int] = {}
         # (job, rank, step) -> what the MEMORY finding of an OOM that ended the run adds: its error, the others after it
@@ -98,6 +99,7 @@ class Crashes:
             if span.error is None:
                 key = (span.job, span.rank)
                 self._closed[key] = max(self._closed.get(key, 0), number)
+                self._closed_end[key] = max(self._closed_end.get(key, 0), span.end)
                 return
             self._failed[span.job, span.rank].append((span.end, number, span.trace_id, span.error, None))
             self._stack(span)  # the process's exit ended it by an exception: its stack (a failed phase's ends first)
@@ -150,7 +152,7 @@ class Crashes:
                 said = f"rank {other} {self._in_step(job, other, failure)}: {_short(failure[3])}"
                 # Its type alone says nothing either way (exception detail "type"): taken as a consequence.
                 lost = (_stopped(failure[3]) or self._lost_peer(job, other, failure) or kind == "silent"
-                        or not _described(failure[3]))
+                        or not _described(failure[3]) or self._consequence_abort(job, other, failure, first, []))
                 (after if lost else also).append(said)
         if kind == "memory":  # the MEMORY finding names it, with the allocator's figures: these words are added there
             self.memory_evidence[job, causes[0], number] = [
@@ -196,28 +198,44 @@ class Crashes:
             final = [failure for failure in failures if failure[1] > closed]
             if final:
                 first[rank] = min(final)
-        for (native_job, rank), (text, at) in self._native.items():
+        for (native_job, rank), (text, written) in self._native.items():
             if native_job == job:
-                # Where it was: after the last step it wrote; by the step the others failed in, at the latest.
+                # Where it was: after the last step it wrote (what it had not exported went with it); by the step the
+                # others failed in, at the latest.
                 closed = self._closed.get((job, rank), 0)
                 others = [failure[1] for other, failure in first.items() if other != rank]
                 number = min(others) if others and min(others) > closed else closed + 1
                 wrote = f"its telemetry ends at step {closed}" if closed else "it exported no step"
                 self._native_when[job, rank] = (
-                    f"in step {number}" if number == closed + 1 and rank in self.ranks[job] else
-                    f"by step {number}, where the others lost it ({wrote})" if others else
+                    (f"in step {number}" if number == closed + 1 and rank in self.ranks[job] else
+                     f"by step {number}, where the others lost it ({wrote})") if others else
                     f"after step {closed}, the last it wrote" if closed else "before it exported any step")
-                failure = (at, number, "", f"{_NATIVE}: {_native_signal(text)}", None)
+                # The file's time, where a copy did not reset it: no earlier than the last step the rank closed.
+                failure = (max(written, self._closed_end.get((job, rank), 0)), number, _NATIVE_TRACE,
+                           f"{_NATIVE}: {_native_signal(text)}", None)
                 first[rank] = min(first.get(rank, failure), failure)
         return first
 
+    def _is_native(self, job: str, rank: int, failure: tuple) -> bool:
+        return failure[2] == _NATIVE_TRACE and (job, rank) in self._native
+
+    def _consequence_abort(self, job: str, rank: int, failure: tuple, first: dict[int, tuple], silent: list) -> bool:
+        """A native abort (SIGABRT) after another rank failed or went silent by then: NCCL's watchdog aborts the
+        ranks whose collective lost its peer (a review: such a survivor was named the cause of a SIGKILLed rank's
+        death)."""
+        if not self._is_native(job, rank, failure) or _native_signal(self._native[job, rank][0]) != "Aborted":
+            return False
+        return bool(silent) or any(other != rank and not self._is_native(job, other, theirs) and
+                                   theirs[1] <= failure[1] for other, theirs in first.items())
+
     def _cause(self, job: str, first: dict[int, tuple]) -> tuple | None:
         """(kind, rank named or None, the ranks it covers, step, its trace, summary); kind "memory": an OOM's."""
-        own = sorted((failure, rank) for rank, failure in first.items()
-                     if not _stopped(failure[3]) and not self._lost_peer(job, rank, failure))
         latest_failed = max(failure[1] for failure in first.values())
         silent = self.missing(job) + sorted(rank for rank in self.ranks[job] - set(first)
                                             if self._closed.get((job, rank), 0) < latest_failed)
+        own = sorted((failure, rank) for rank, failure in first.items()
+                     if not _stopped(failure[3]) and not self._lost_peer(job, rank, failure)
+                     and not self._consequence_abort(job, rank, failure, first, silent))
         if own:
             found = self._alike(job, own, self._own(job, *own[0]))
             # The same error on several ranks beside one that went silent: theirs are its consequences, in words the
@@ -300,7 +318,7 @@ class Crashes:
         """The first failure of a rank's own: raised in its step, an exception that ended the process, an OOM (its
         MEMORY finding's), or a fault in native code."""
         _end, number, trace_id, error, where = failure
-        if error.startswith(_NATIVE):
+        if self._is_native(job, rank, failure):
             at = hangs.place(_native_frames(self._native[job, rank][0]))
             return "native", rank, [rank], number, trace_id, (
                 f"rank {rank} {error.replace(': ', ' (', 1)}) {self._native_when[job, rank]}" + (f", at {at}" if at
@@ -341,8 +359,9 @@ class Crashes:
 
 _NUMBERS = re.compile(r"\d+")
 _NATIVE = "crashed in native code"
+_NATIVE_TRACE = ""  # a native crash's failure has no trace: no span says where it was
 _FATAL = "Fatal Python error: "
-_NATIVE_FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)", line (?P<line>\d+) in (?P<function>.+)$')  # faulthandler's
+_NATIVE_FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)", line (?P<line>\d+|\?+) in (?P<function>.+)$')  # faulthandler's
 
 
 def _native_signal(text: str) -> str:
@@ -352,15 +371,18 @@ def _native_signal(text: str) -> str:
 
 
 def _native_frames(text: str) -> list[tuple[str, int, str, str]]:
-    """(path, line, function, "") of the crashing thread's Python stack as faulthandler wrote it, innermost first."""
+    """(path, line, function, "") of the crashing thread's Python stack as faulthandler wrote it, innermost first; where
+    the fault was in a thread without Python frames (a communication library's, the CUDA runtime's), of the last
+    thread it lists: the main one, the first started."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    heads = [i for i, line in enumerate(lines) if line.startswith(("Current thread", "Thread "))]
+    start = next((i for i in heads if lines[i].startswith("Current thread")), heads[-1] if heads else None)
     found = []
     for line in lines[start + 1:] if start is not None else ():
         match = _NATIVE_FRAME.match(line)
         if match is None:
             break
-        found.append((match["path"], int(match["line"]), match["function"], ""))
+        found.append((match["path"], int(match["line"]) if match["line"].isdigit() else 0, match["function"], ""))
     return found
 
 

@@ -63,8 +63,8 @@ def _series(series: dict, anomaly: dict | None, change_step: int | None = None, 
                       f'y2="{height - 25}" stroke="#e4572e" stroke-dasharray="5,4"><title>back after step '
                       f'{_e(until_step)}</title></line><text x="{x(until_step + 0.5) + 4:.1f}" y="34" class="axis">'
                       f"back after step {_e(until_step)}</text>")
-    for index, (rank, values) in enumerate(sorted(series.items())):
-        color = RANK_COLORS[index % len(RANK_COLORS)]
+    for rank, values in sorted(series.items()):
+        color = RANK_COLORS[int(rank) % len(RANK_COLORS)]
         path = " ".join(f"{x(step):.1f},{y(seconds):.1f}" for step, seconds in values)
         shapes.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.5">'
                       f"<title>rank {_e(rank)}</title></polyline>")
@@ -75,13 +75,13 @@ def _series(series: dict, anomaly: dict | None, change_step: int | None = None, 
     return f'<svg width="{width}" height="{height}" role="img">{"".join(shapes)}</svg>' + _rank_legend(series)
 
 
-def _rank_legend(series: dict) -> str:
-    """Which line is which rank (a review: the charts' lines had no legend)."""
-    ranks = sorted(series, key=int)
-    keys = [f'<span class="key"><i style="background:{RANK_COLORS[index % len(RANK_COLORS)]}"></i>rank {_e(rank)}'
-            f"</span>" for index, rank in enumerate(ranks[:len(RANK_COLORS)])]
+def _rank_legend(*charts: dict) -> str:
+    """Which line is which rank in ``charts`` (a review: the charts' lines had no legend)."""
+    ranks = sorted({int(rank) for chart in charts for rank in chart})
     shown = len(RANK_COLORS)
-    more = f" (ranks past {ranks[shown - 1]} take these colours again)" if len(ranks) > shown else ""
+    keys = [f'<span class="key"><i style="background:{RANK_COLORS[rank % shown]}"></i>rank {rank}</span>'
+            for rank in ranks[:shown]]
+    more = f" (rank r takes rank r - {shown}'s colour)" if len(ranks) > shown else ""
     return f"<p>{''.join(keys)}{_e(more)}</p>"
 
 
@@ -233,7 +233,7 @@ def render_html(report: dict) -> str:
         named = " and ".join(label for name, label in (("loss", "Loss"), ("grad_norm", "gradient norm"))
                              if series.get(name))
         sections.append(f"<h2>{named[:1].upper() + named[1:]}</h2>" + model_charts
-                        + _rank_legend(series.get("loss") or series.get("grad_norm") or {}))
+                        + _rank_legend(series.get("loss") or {}, series.get("grad_norm") or {}))
     for label in ("slowest", "typical"):
         if label in timelines:
             timeline = timelines[label]

@@ -313,7 +313,8 @@ def _finite(value):
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-# The ranks' colours in every chart of the HTML report (html.py draws their legend), in rank order.
+# The ranks' colours in every chart of the HTML report (html.py draws their legend): rank r's is r modulo their number,
+# the same in every chart, whichever ranks it has.
 RANK_COLORS = ("#2e5aac", "#e4572e", "#17a398", "#8e6bbf", "#f3a712", "#555")
 
 
@@ -337,9 +338,9 @@ def chart_html(values: dict, title: str, marks: set) -> str:
               f'<text x="4" y="{height - 22}" class="axis">{low:.4g}</text>',
               f'<text x="40" y="{height - 4}" class="axis">step {first}</text>',
               f'<text x="{width - 70}" y="{height - 4}" class="axis">step {last}</text>']
-    for index, (rank, rank_values) in enumerate(sorted(values.items())):
+    for rank, rank_values in sorted(values.items()):
         path = " ".join(f"{x(step):.1f},{y(value):.1f}" for step, value in rank_values if value is not None)
-        shapes.append(f'<polyline points="{path}" fill="none" stroke="{RANK_COLORS[index % len(RANK_COLORS)]}" '
+        shapes.append(f'<polyline points="{path}" fill="none" stroke="{RANK_COLORS[int(rank) % len(RANK_COLORS)]}" '
                       f'stroke-width="1.5"><title>rank {rank}</title></polyline>')
         for step, value in rank_values:
             if (rank, step) in marks:

@@ -7,6 +7,7 @@ bounded by the analysis, not by the input. Lines that are not OTLP JSON are coun
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import os
@@ -233,20 +234,13 @@ def aligned(start: int, end: int, offset) -> tuple[int, int]:
     return start - offset, end - offset
 
 
-def _hang_stack(events) -> dict:
-    """The first ``training.hang.stack`` event's stack, as the attribute ``code.stacktrace``."""
+def _event_stack(events, name: str, key: str) -> dict:
+    """The first ``name`` event's stack (its attribute ``key``), as the attribute ``code.stacktrace``: a hang report's
+    (``training.hang.stack``), or where a span raised (``exception``)."""
     for event in events if isinstance(events, list) else ():
-        if isinstance(event, dict) and event.get("name") == semconv.EVENT_HANG_STACK:
-            return _attributes(event.get("attributes"), (semconv.CODE_STACKTRACE,))
-    return {}
-
-
-def _exception_stack(events) -> dict:
-    """The first ``exception`` event's stack trace, as the attribute ``code.stacktrace``."""
-    for event in events if isinstance(events, list) else ():
-        if isinstance(event, dict) and event.get("name") == semconv.EVENT_EXCEPTION:
-            stack = _attributes(event.get("attributes"), (semconv.EXCEPTION_STACKTRACE,))
-            return {semconv.CODE_STACKTRACE: stack[semconv.EXCEPTION_STACKTRACE]} if stack else {}
+        if isinstance(event, dict) and event.get("name") == name:
+            stack = _attributes(event.get("attributes"), (key,))
+            return {semconv.CODE_STACKTRACE: stack[key]} if stack else {}
     return {}
 
 
@@ -354,9 +348,9 @@ def _span(span: dict, job: str, rank: int, resource: dict, clocks: dict) -> Span
             attributes[semconv.TRAINING_WORLD_SIZE] = world  # ranks with no telemetry (crashes.py)
     error = _error(span.get("status"))
     if span.get("name") == semconv.SPAN_HANG:
-        attributes.update(_hang_stack(span.get("events")))
-    elif error is not None and span.get("events"):
-        attributes.update(_exception_stack(span["events"]))  # where it raised (crashes.py)
+        attributes.update(_event_stack(span.get("events"), semconv.EVENT_HANG_STACK, semconv.CODE_STACKTRACE))
+    elif error is not None and span.get("events"):  # where it raised (crashes.py)
+        attributes.update(_event_stack(span["events"], semconv.EVENT_EXCEPTION, semconv.EXCEPTION_STACKTRACE))
     elif span.get("name") == semconv.SPAN_CLOCK_SYNC:
         _clock_reading(span, job, rank, clocks)
     times = _checked(span, attributes)
@@ -475,6 +469,8 @@ def expand(paths: Iterable[str], problems: list | None = None) -> list[str]:
             files.append(path)
             continue
         candidate = Path(path)
+        if fnmatch.fnmatch(candidate.name, NATIVE_CRASH_FILES):
+            continue  # read by native_crashes
         try:
             if candidate.is_dir():
                 found = sorted(p for p in candidate.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file())
@@ -499,7 +495,8 @@ def native_crashes(paths: Iterable[str]) -> list[tuple[str, int, str, int]]:
     for path in paths:
         try:
             candidate = Path(path)
-            files = sorted(candidate.rglob(NATIVE_CRASH_FILES)) if path != "-" and candidate.is_dir() else []
+            files = (sorted(candidate.rglob(NATIVE_CRASH_FILES)) if path != "-" and candidate.is_dir() else
+                     [candidate] if fnmatch.fnmatch(candidate.name, NATIVE_CRASH_FILES) else [])
         except (OSError, ValueError):
             continue  # said where its spans are read
         for file in files:

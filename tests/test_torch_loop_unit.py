@@ -712,7 +712,7 @@ def test_fsdp_units_checkpointed_and_run_again_in_the_backward_fail_no_step(trac
     assert all(s.attributes["training.step.micro_batches"] == 1 for s in steps)
 
 
-def test_fsdp_s_parameter_count_takes_a_tied_weight_once_and_units_built_before_not_again(monkeypatch):
+def test_fsdp_s_parameter_count_takes_a_tied_weight_once_and_a_layer_wrapped_first_into_its_model(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 
     from opentelemetry_instrumentation_deepspeed.instrumentors import torch_loop
@@ -722,10 +722,26 @@ def test_fsdp_s_parameter_count_takes_a_tied_weight_once_and_units_built_before_
             super().__init__()
             self.embedding = nn.Embedding(10, 4)
             self.layer = nn.Linear(4, 4)
-            self.layer.__class__ = type("FSDPLinear", (FSDPModule, nn.Linear), {})  # as fully_shard leaves a layer
             self.head = nn.Linear(4, 10, bias=False)
             self.head.weight = self.embedding.weight
 
-    monkeypatch.setattr(torch_loop._state, "sharded_parameters", 20)  # the layer's, counted when it was sharded
-    torch_loop._count_sharded_parameters([LanguageModel()], "FSDPModule")
-    assert torch_loop._sharded_parameters() == 20 + 10 * 4
+    monkeypatch.setattr(torch_loop._state, "fsdp_models", {})
+    model = LanguageModel()
+    counted = torch_loop._count_sharded(model.layer, "FSDPModule")  # sharded first
+    model.layer.__class__ = type("FSDPLinear", (FSDPModule, nn.Linear), {})  # as fully_shard leaves it
+    torch_loop._remember(model.layer, counted)
+    assert torch_loop._sharded_parameters() == 20
+    torch_loop._remember(model, torch_loop._count_sharded([model], "FSDPModule"))
+    assert torch_loop._state.fsdp_models == {id(model): (20 + 10 * 4, True)}, "the layer is the model's now"
+
+
+def test_mfu_counts_the_model_that_trains_not_a_frozen_reference_beside_it(monkeypatch):
+    """A review: a DPO reference model, or a distillation teacher, wrapped in FSDP too, doubled the FLOPs estimate."""
+    from opentelemetry_instrumentation_deepspeed.instrumentors import torch_loop
+
+    monkeypatch.setattr(torch_loop._state, "fsdp_models", {})
+    policy, teacher = nn.Linear(8, 8), nn.Linear(32, 32).requires_grad_(False)
+    for model in (policy, teacher):
+        torch_loop._remember(model, torch_loop._count_sharded(model, "FSDPModule"))
+    assert torch_loop._sharded_parameters() == 8 * 8 + 8
+    assert torch_loop._count_sharded(object(), "FSDPModule") is None, "not a module: no count, no error"

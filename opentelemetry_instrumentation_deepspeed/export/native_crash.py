@@ -5,10 +5,11 @@ check, SIGBUS, SIGFPE, SIGILL) kills a rank before any handler of ours can run: 
 was, and what it had not exported goes with it. Python's ``faulthandler`` writes every thread's
 stack from the signal handler itself, with no allocation and no lock. With the local files, it
 writes them to ``native-crash-rank<N>.txt`` beside the rank's other files, after one JSON line that
-names the job and the rank (``diagnose`` reads both). A normal exit, or one by a signal that the
-exit stages see, removes the file, which then holds that line alone. A program that enabled
-``faulthandler`` itself (torch.distributed.elastic's ``@record`` does) keeps its own; a forked child
-(a DataLoader worker) writes nothing there: its crash is the rank's exception, from its loader.
+names the job and the rank (``diagnose`` reads both). The rank's exit stages (a normal exit, or one
+by a signal they see) remove the file; a rank killed otherwise (SIGKILL, ``os._exit``) leaves it with
+that line alone. A program that enabled ``faulthandler`` before the SDK's start (torch.distributed.elastic's
+``@record`` does) keeps its own; one that enables it later replaces ours, until the exit stages turn it off. A
+forked child (a DataLoader worker) writes nothing there: its crash is the rank's exception, from its loader.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def watch(identity: JobIdentity) -> None:
     folder = output.directory()
     if folder is None:
         return
-    path = folder / FILE.format(rank=identity.rank)
+    path = (folder / FILE.format(rank=identity.rank)).absolute()  # removed at exit, whatever the directory then
     try:
         _file = path.open("w", encoding="utf-8")
         _file.write(json.dumps({"job": identity.job_id, "rank": identity.rank, "pid": os.getpid()}) + "\n")

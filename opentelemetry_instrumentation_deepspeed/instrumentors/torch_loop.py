@@ -133,8 +133,11 @@ class _State:
         # torch's test for a graph being traced by torch.compile: looked up at run time (the loop starting, a module
         # hooked), not while torch imports, nor by code of ours that dynamo would meet in a graph.
         self.compiling = _never
-        # Parameters of the FSDP units built so far, before they were sharded: MFU's FLOPs estimate for FSDP.
-        self.sharded_parameters = 0
+        # The FSDP units built so far that no later unit took in (each model's outermost): id of the unit (FSDP1's
+        # instance, FSDP2's module) -> (the parameters it and the units in it sharded, counted before; whether any of
+        # them trains). MFU's FLOPs estimate for FSDP: the largest model that trains (a DPO reference model or a
+        # distillation teacher is frozen).
+        self.fsdp_models: dict[int, tuple[int, bool]] = {}
 
 
 _state = _State()
@@ -232,14 +235,15 @@ def _fsdp1_init(init):
 
     def wrapper(self, *args, **kwargs):
         depth = getattr(_depth, "fsdp1_init", 0)
-        if not depth:  # an auto-wrap policy's units are inside this one's count
-            _count_sharded_parameters(args[0] if args else kwargs.get("module"), "FullyShardedDataParallel")
+        module = args[0] if args else kwargs.get("module")
+        counted = None if depth else _count_sharded(module, "FullyShardedDataParallel")  # an auto-wrap's units are in
         _depth.fsdp1_init = depth + 1
         try:
             init(self, *args, **kwargs)
         finally:
             _depth.fsdp1_init = depth
         if not depth:
+            _remember(self, counted)
             # The first unit a program builds starts the loop: with its layers wrapped one by one before the model,
             # the first layer's. The FLOPs estimate reads the count once the first step ended, all units built.
             start("fsdp", None, parameters=_sharded_parameters)
@@ -247,29 +251,42 @@ def _fsdp1_init(init):
     return wrapper
 
 
-def _count_sharded_parameters(modules, unit: str) -> None:
-    """Adds the parameters an FSDP unit (``unit``: its class in ``torch.distributed.fsdp``) is about to shard: its
-    modules', less those of the units built in them before (a model's layers, wrapped first), counted then."""
+def _count_sharded(modules, unit: str) -> tuple[int, bool] | None:
+    """(parameters, whether any trains) of what an FSDP unit (``unit``: its class in ``torch.distributed.fsdp``) is
+    about to shard, its modules, counted before it shards them; with the units built in them before (a model's layers,
+    wrapped first), counted then, which are no model's outermost any more. None where they cannot be counted."""
     try:
         unit = getattr(sys.modules["torch.distributed.fsdp"], unit)
         modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
-        seen, count = set(), 0
+        seen, count, trains = set(), 0, False
         while modules:
             module = modules.pop()
             if isinstance(module, unit):
+                inner, inner_trains = _state.fsdp_models.pop(id(module), (0, False))
+                count, trains = count + inner, trains or inner_trains
                 continue
             for parameter in module.parameters(recurse=False):
                 if id(parameter) not in seen:  # a weight tied to another (an embedding and its output layer)
                     seen.add(id(parameter))
                     count += parameter.numel()
+                    trains = trains or parameter.requires_grad
             modules.extend(module.children())
-        _state.sharded_parameters += count
     except Exception:  # not a module FSDP would take: FSDP's own error is the program's
         _logger.debug("opentelemetry-instrumentation-deepspeed: FSDP's parameters not counted", exc_info=True)
+        return None
+    return count, trains
+
+
+def _remember(unit, counted: tuple[int, bool] | None) -> None:
+    """``unit`` was built (it raised nothing): what it sharded is a model's, until a unit built later takes it in."""
+    if counted is not None:
+        _state.fsdp_models[id(unit)] = counted
 
 
 def _sharded_parameters() -> int:
-    return _state.sharded_parameters
+    """The parameters of the largest model FSDP sharded that trains (of the largest, where none does)."""
+    models = list(_state.fsdp_models.values())
+    return max((count for count, trains in models if trains), default=max((count for count, _ in models), default=0))
 
 
 def _ddp_forward(forward):
@@ -321,10 +338,12 @@ def _in_training(module) -> bool:
 
 def _fully_shard(fully_shard):
     def wrapper(*args, **kwargs):
-        _count_sharded_parameters(args[0] if args else kwargs.get("module"), "FSDPModule")
+        counted = _count_sharded(args[0] if args else kwargs.get("module"), "FSDPModule")
         result = fully_shard(*args, **kwargs)
         try:
             modules = result if isinstance(result, (list, tuple)) else [result]
+            if modules:
+                _remember(modules[0], counted)
             for module in modules:
                 _hook_forward(module)
             # Applied to a model's layers first, then to the model: the first call starts the loop.

@@ -236,7 +236,8 @@ def _fsdp1_init(init):
     def wrapper(self, *args, **kwargs):
         depth = getattr(_depth, "fsdp1_init", 0)
         module = args[0] if args else kwargs.get("module")
-        counted = None if depth else _count_sharded(module, "FullyShardedDataParallel")  # an auto-wrap's units are in
+        # Deeper: a unit an auto-wrap policy builds inside the outer one, whose count holds it.
+        counted = None if depth else _count_sharded(module, "FullyShardedDataParallel")
         _depth.fsdp1_init = depth + 1
         try:
             init(self, *args, **kwargs)

@@ -479,3 +479,21 @@ def test_a_collective_that_failed_has_no_bandwidth():
     assert span_attributes(done, 0.001, on_gpu=False)["comm.busbw"] > 0
     attributes = span_attributes(lost, 30.0, on_gpu=False)
     assert "comm.algbw" not in attributes and "comm.busbw" not in attributes and attributes["comm.bytes"] > 0
+
+
+def test_a_collective_that_failed_adds_no_bytes_but_its_time():
+    """A code review: the spans of a failed collective lost their bandwidth, and the byte counters kept its bytes."""
+    from opentelemetry_instrumentation_deepspeed.export.emitter import emitter
+
+    reader = InMemoryMetricReader()
+    observer = CommObserver(MeterProvider([reader]).get_meter("test"), spans=False)
+    observer._groups[id(None)] = _Group("0", 2, "gloo")
+    spec = OpSpec.of("all_reduce", all_reduce)
+    done, lost = observer.issued(spec, (CpuTensor(),), {}), observer.issued(spec, (CpuTensor(),), {})
+    observer.completed(done, None)
+    observer.failed(lost, RuntimeError("Connection closed by peer"))
+    emitter().drain()
+    points = {metric.name: list(metric.data.data_points)
+              for metric in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics}
+    assert [point.value for point in points["training.comm.size"]] == [done.bytes]
+    assert [point.count for point in points["training.comm.duration"]] == [2]

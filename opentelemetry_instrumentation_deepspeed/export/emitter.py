@@ -692,9 +692,10 @@ class Emitter(Component):
             start, end, on_gpu = times
             route = collective.route
             seconds = max(end - start, 1) / 1e9
-            totals = route.totals
-            totals[0] += collective.bytes
-            totals[1] += int(collective.bytes * route.size_factor * route.bus_factor)
+            if collective.failure is None:  # one that failed (its peer gone) moved no data: its time is still spent
+                totals = route.totals
+                totals[0] += collective.bytes
+                totals[1] += int(collective.bytes * route.size_factor * route.bus_factor)
             started = None
             try:
                 if writer is not None:

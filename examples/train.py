@@ -631,8 +631,10 @@ def main(argv=None):
     write_measurements(args, engine.global_rank, step_seconds)
 
     if engine.global_rank == 0:
-        print(f"trained {engine.global_steps} steps ({engine.skipped_steps} skipped), "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        # One write, as print_step's.
+        sys.stdout.write(f"trained {engine.global_steps} steps ({engine.skipped_steps} skipped), "
+                         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}\n")
+        sys.stdout.flush()
         if args.loss_file:
             pathlib.Path(args.loss_file).write_text(json.dumps(losses))
 

@@ -142,11 +142,10 @@ class Analysis:
         self.jobs: dict[str, int] = defaultdict(int)
         self._steps: dict[tuple[str, int, str], _Step] = {}
         self._collectives: dict[tuple[str, str, int], dict[int, int]] = defaultdict(dict)
-        self._busbw: dict[str, list[float]] = defaultdict(list)
-        # (job, op, bytes) -> [calls, seconds, [bus bandwidths], seconds of the synchronous ones] of the collectives
-        # that completed: which ones the time went to (a review: "71% of step time is exposed communication", and no
-        # word of the 55.6 MB all-reduce a loop issued in its backward; a median bus bandwidth that mixed it with
-        # 4-byte all-reduces).
+        # (job, op, bytes or None where a span has none) -> [calls, seconds, [bus bandwidths], seconds of the
+        # synchronous ones] of the collectives that completed: the bandwidth table, and which ones the time went to
+        # (a review: "71% of step time is exposed communication", and no word of the 55.6 MB all-reduce a loop issued
+        # in its backward; a median bus bandwidth that mixed it with 4-byte all-reduces).
         self._comm_sizes: dict[tuple[str, str, int], list] = {}
         self._parallelism: dict[str, str] = {}  # job -> a plain PyTorch loop's training.parallelism
         self._samples: list = []
@@ -226,12 +225,11 @@ class Analysis:
             self._steps.setdefault(key, _Step()).comm.append((span.start, span.end, group, sequence))
         if sequence is not None:
             self._collectives[(span.job, group, sequence)][span.rank] = span.start
-        op = span.name.removeprefix(semconv.SPAN_COMM_PREFIX)
-        busbw = attributes.get(semconv.COMM_BUSBW) if span.error is None else None  # older files: a failed one's too
-        if busbw:
-            self._busbw[op].append(float(busbw))
-        if span.error is None and type(size := attributes.get(semconv.COMM_BYTES)) is int:
-            sized = self._comm_sizes.setdefault((span.job, op, size), [0, 0.0, [], 0.0])
+        if span.error is None:  # older files carry a failed one's bandwidth too
+            size = attributes.get(semconv.COMM_BYTES)
+            op = span.name.removeprefix(semconv.SPAN_COMM_PREFIX)
+            sized = self._comm_sizes.setdefault((span.job, op, size if type(size) is int else None), [0, 0.0, [], 0.0])
+            busbw = attributes.get(semconv.COMM_BUSBW)
             sized[0] += 1
             sized[1] += span.seconds
             if busbw:
@@ -287,9 +285,7 @@ class Analysis:
             "job": job_summary,
             "straggler": straggler,
             "gpu": gpu,
-            "bandwidth": {op: {"median_busbw": statistics.median(values), "best_busbw": max(values),
-                               "calls": len(values), "by_size": self._by_size(job, op)}
-                          for op, values in sorted(self._busbw.items())},
+            "bandwidth": self._bandwidth(job),
             "findings": found,
             "verdict": found[0] if found else findings_module.none(_quiet(job_summary, pipelined=pipelined)),
             "model_series": model_series(self.model, job),
@@ -369,13 +365,23 @@ class Analysis:
                         step.phases.remove(phase)
                         steps[index].phases.append(phase)
 
-    def _by_size(self, job: str, op: str) -> dict[str, dict]:
-        """An op's completed collectives by their size (bytes of a rank's data), the longest in total first."""
-        sizes = sorted(((size, entry) for (of_job, of_op, size), entry in self._comm_sizes.items()
-                        if of_job == job and of_op == op), key=lambda item: -item[1][1])
-        return {str(size): {"calls": calls, "seconds": seconds,
-                            "median_busbw": statistics.median(busbw) if busbw else None}
-                for size, (calls, seconds, busbw, _sync) in sizes}
+    def _bandwidth(self, job: str) -> dict[str, dict]:
+        """Per op, the bus bandwidth of its completed collectives, and by their size (bytes of a rank's data), the
+        longest in total first."""
+        by_op: dict[str, list] = defaultdict(list)
+        for (of_job, op, size), entry in sorted(self._comm_sizes.items(), key=lambda item: -item[1][1]):
+            if of_job == job:
+                by_op[op].append((size, entry))
+        table = {}
+        for op, sizes in sorted(by_op.items()):
+            values = [busbw for _size, entry in sizes for busbw in entry[2]]
+            if values:
+                table[op] = {"median_busbw": statistics.median(values), "best_busbw": max(values),
+                             "calls": len(values), "by_size": {
+                                 str(size): {"calls": calls, "seconds": seconds,
+                                             "median_busbw": statistics.median(busbw) if busbw else None}
+                                 for size, (calls, seconds, busbw, _sync) in sizes if size is not None}}
+        return table
 
     def _say_which_collectives(self, found: list[dict], job: str, rank_steps: int) -> None:
         """A communication finding names the collectives its time went to, and the first remedy reads them."""
@@ -389,7 +395,7 @@ class Analysis:
         """Which synchronous collectives the time in them went to: op and size, calls per step, share (the first
         three)."""
         sizes = sorted(((op, size, entry) for (of_job, op, size), entry in self._comm_sizes.items()
-                        if of_job == job and entry[3]), key=lambda item: -item[2][3])
+                        if of_job == job and size is not None and entry[3]), key=lambda item: -item[2][3])
         total = sum(entry[3] for _op, _size, entry in sizes)
         if not total or not rank_steps:
             return None
